@@ -1,0 +1,145 @@
+"""The device-side protocol: heap pointers, translation to a peer, wait, signal, clock.
+
+The whole remote-memory idea: every rank maps a heap of the same layout, so a buffer lives at the
+same byte offset on every rank. A worker holds a table of heap bases *as mapped in its own address
+space*; the pointer to offset ``o`` on rank ``r`` is ``bases[r] + o``. Task tables store offsets, not
+pointers, because each process (and each GPU) maps the heaps at addresses of its own.
+
+Events are int64 counters on the heap. Every counter that another worker or rank may write is read
+with an acquire atomic and raised with a release atomic at system scope: a gpu-scope flag written by
+another GPU can be spun on forever.
+"""
+from __future__ import annotations
+
+import time
+
+import triton
+import triton.language as tl
+
+from .scheduler import tables
+
+# Per-worker status record on the heap, after one word of abort flag; read by the host after a run.
+# constexpr so that kernels may use them; int() gives the host its value.
+STATUS_WORDS = tl.constexpr(8)
+STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE = (tl.constexpr(i) for i in range(6))
+RUNNING, TIMED_OUT, STOPPED = (tl.constexpr(i) for i in range(3))
+
+
+@triton.jit
+def heap_ptr(base, offset, DTYPE: tl.constexpr):
+    """Typed pointer to byte ``offset`` of the heap mapped at ``base``."""
+    return (base + offset).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def peer_ptr(bases, peer, offset, DTYPE: tl.constexpr):
+    """Typed pointer to byte ``offset`` of rank ``peer``'s heap, as mapped in this process."""
+    return heap_ptr(tl.load(bases + peer), offset, DTYPE)
+
+
+def interpreter_clock():
+    """Host monotonic nanoseconds, as an int64 scalar: the interpreter runs kernels as Python."""
+    return tl.full((), time.monotonic_ns(), tl.int64)
+
+
+@triton.jit
+def cuda_clock():
+    """Nanoseconds from the global timer, shared by every SM of the GPU."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def hip_clock():
+    """Nanoseconds from the 100 MHz real-time counter, constant across the GPU's clock changes."""
+    ticks = tl.inline_asm_elementwise("s_memrealtime $0\ns_waitcnt lgkmcnt(0)", "=s", [], dtype=tl.int64,
+                                      is_pure=False, pack=1)
+    return ticks * 10
+
+
+CLOCKS = {"interpreter": "interpreter_clock", "cuda": "cuda_clock", "hip": "hip_clock"}
+
+
+@triton.jit
+def wait_event(counter, target, abort, timeout_ns, CLOCK: tl.constexpr):
+    """Spin until ``*counter >= target``, another worker aborts the run, or ``timeout_ns`` passes.
+
+    Returns the last value observed; the caller compares it with ``target``.
+    """
+    observed = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
+    stop = tl.atomic_add(abort, 0, sem="relaxed", scope="sys")
+    deadline = CLOCK() + timeout_ns
+    now = CLOCK()
+    while (observed < target) & (stop == 0) & (now < deadline):
+        observed = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
+        stop = tl.atomic_add(abort, 0, sem="relaxed", scope="sys")
+        now = CLOCK()
+    return observed
+
+
+@triton.jit
+def report_stall(status, abort, task, event, observed, target):
+    """Write this worker's status record and tell every other worker to stop."""
+    stop = tl.atomic_add(abort, 0, sem="relaxed", scope="sys")
+    state = tl.where(stop != 0, STOPPED, TIMED_OUT)
+    tl.store(status + TASK, task)
+    tl.store(status + EVENT, event)
+    tl.store(status + OBSERVED, observed)
+    tl.store(status + EXPECTED, target)
+    tl.store(status + STATE, state)
+    tl.atomic_xchg(abort, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def signal_event(bases, rank, events_off, event, increment):
+    """Release-add ``increment`` to ``event`` on ``rank`` (this rank or a peer)."""
+    counter = peer_ptr(bases, rank, events_off + event * 8, tl.int64)
+    tl.atomic_add(counter, increment, sem="release", scope="sys")
+
+
+# The task row layout (scheduler.tables), as constexprs for the kernel.
+ROW_OPCODE, ROW_WAIT_EVENT, ROW_FAN_IN, ROW_SIGNAL_START, ROW_SIGNAL_COUNT, ROW_ARG0 = (
+    tl.constexpr(i) for i in (tables.OPCODE, tables.WAIT_EVENT, tables.FAN_IN, tables.SIGNAL_START,
+                              tables.SIGNAL_COUNT, tables.ARG0))
+SIGNAL_WORDS = tl.constexpr(tables.SIGNAL_WORDS)
+
+
+@triton.jit
+def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, signals_off, queue_off, index_off,
+                    events_off, status_off, ROW: tl.constexpr, RUN_TILE: tl.constexpr, CLOCK: tl.constexpr):
+    """One worker's whole run: for each task of its queue, wait, run the tile, signal.
+
+    ``RUN_TILE(opcode, base, args)`` dispatches to the tile functions (generated per graph). A wait
+    that times out writes this worker's status record and stops every worker of the rank.
+    """
+    bases = bases_addr.to(tl.pointer_type(tl.int64))
+    base = tl.load(bases + rank)
+    tasks = heap_ptr(base, tasks_off, tl.int64)
+    signals = heap_ptr(base, signals_off, tl.int64)
+    queue = heap_ptr(base, queue_off, tl.int64)
+    events = heap_ptr(base, events_off, tl.int64)
+    abort = heap_ptr(base, status_off, tl.int64)
+    status = abort + STATUS_WORDS * (worker + 1)
+    first = tl.load(heap_ptr(base, index_off, tl.int64) + worker)
+    last = tl.load(heap_ptr(base, index_off, tl.int64) + worker + 1)
+    i = first
+    running = 1
+    while (i < last) & (running == 1):
+        task = tl.load(queue + i)
+        row = tasks + task * ROW
+        event = tl.load(row + ROW_WAIT_EVENT)
+        if event >= 0:
+            target = epoch * tl.load(row + ROW_FAN_IN)
+            observed = wait_event(events + event, target, abort, timeout_ns, CLOCK)
+            if observed < target:
+                report_stall(status, abort, task, event, observed, target)
+                running = 0
+        if running == 1:
+            tl.debug_barrier()
+            RUN_TILE(tl.load(row + ROW_OPCODE), base, row + ROW_ARG0)
+            tl.debug_barrier()
+            first_signal = tl.load(row + ROW_SIGNAL_START)
+            for s in range(first_signal, first_signal + tl.load(row + ROW_SIGNAL_COUNT)):
+                signal = signals + s * SIGNAL_WORDS
+                signal_event(bases, tl.load(signal), events_off, tl.load(signal + 1), tl.load(signal + 2))
+            tl.store(status + DONE, i - first + 1)
+        i += 1

@@ -1,0 +1,211 @@
+"""The graph users build: symmetric heap buffers, tensor views of them, and ops split into tile tasks.
+
+Every buffer gets its heap offset when it is created, in program order, so two ranks that build the
+same graph get the same layout (the heap is symmetric). Tensors are views: a rectangle of a 2-D
+buffer (1-D tensors are one row). Ops come from the task library (``megakernel.tasks``): each op
+splits into tile tasks that declare the regions they read and write, and the scheduler infers
+dependencies from those regions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import GraphError
+from .scheduler import Region, Spec, Task, task_cost
+from .tasks import DTYPES, OPS, TaskType
+
+HEAP_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class Buffer:
+    index: int
+    name: str
+    rows: int
+    cols: int
+    dtype: torch.dtype
+    offset: int   # bytes from the heap base, the same on every rank
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.cols * self.dtype.itemsize
+
+
+class Tensor:
+    """A view ``[row0:row0+rows, col0:col0+cols]`` of a graph buffer; 1-D when ``ndim == 1``."""
+
+    __slots__ = ("graph", "buffer", "row0", "col0", "rows", "cols", "ndim")
+
+    def __init__(self, graph: "Graph", buffer: Buffer, row0: int, col0: int, rows: int, cols: int, ndim: int):
+        self.graph, self.buffer = graph, buffer
+        self.row0, self.col0, self.rows, self.cols, self.ndim = row0, col0, rows, cols, ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.cols,) if self.ndim == 1 else (self.rows, self.cols)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffer.dtype
+
+    @property
+    def element_size(self) -> int:
+        return self.buffer.dtype.itemsize
+
+    @property
+    def row_stride(self) -> int:
+        return self.buffer.cols
+
+    def addr(self, row: int, col: int) -> int:
+        """Heap byte offset of element (row, col) of this view."""
+        return self.buffer.offset + ((self.row0 + row) * self.buffer.cols + self.col0 + col) * self.element_size
+
+    def region(self, row: int, rows: int, col: int, cols: int) -> Region:
+        """The buffer rectangle under rows [row, row+rows) x cols [col, col+cols) of this view."""
+        r, c = self.row0 + row, self.col0 + col
+        return Region(self.buffer.index, r, r + rows, c, c + cols)
+
+    def __getitem__(self, index) -> "Tensor":
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > self.ndim:
+            raise GraphError(f"too many indices for a tensor of shape {self.shape}")
+        index = index + (slice(None),) * (self.ndim - len(index))
+        if self.ndim == 1:
+            c0, cols, _ = _span(index[0], self.cols, self.shape)
+            return Tensor(self.graph, self.buffer, self.row0, self.col0 + c0, 1, cols, 1)
+        r0, rows, row_is_int = _span(index[0], self.rows, self.shape)
+        c0, cols, col_is_int = _span(index[1], self.cols, self.shape)
+        if col_is_int and not row_is_int:
+            raise GraphError(f"selecting a column of shape {self.shape} is not a contiguous view; "
+                             f"use [:, j:j+1]")
+        return Tensor(self.graph, self.buffer, self.row0 + r0, self.col0 + c0, rows, cols, 1 if row_is_int else 2)
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.buffer.name}, shape={self.shape}, dtype={self.dtype})"
+
+
+def _span(index, size: int, shape) -> tuple[int, int, bool]:
+    if isinstance(index, int):
+        if not -size <= index < size:
+            raise GraphError(f"index {index} is out of range for a tensor of shape {shape}")
+        return index % size, 1, True
+    if isinstance(index, slice):
+        start, stop, step = index.indices(size)
+        if step != 1:
+            raise GraphError(f"slices with a step are not views; got step {step} on shape {shape}")
+        if stop <= start:
+            raise GraphError(f"empty slice {index} of a tensor of shape {shape}")
+        return start, stop - start, False
+    raise GraphError(f"tensors are indexed by ints and slices, got {index!r}")
+
+
+def _process_group() -> tuple[int, int]:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+class Graph:
+    """A DAG of tile tasks over symmetric heap buffers.
+
+    Ops (``add``, ``mul``, ``rms_norm``, ``linear``, ``silu_mul``, ...) are the functions registered by
+    the task library; ``dir(graph)`` lists them.
+    """
+
+    def __init__(self, world_size: int | None = None, rank: int | None = None):
+        group_size, group_rank = _process_group()
+        self.world_size = group_size if world_size is None else world_size
+        self.rank = group_rank if rank is None else rank
+        if not 0 <= self.rank < self.world_size:
+            raise GraphError(f"rank {self.rank} is outside world size {self.world_size}")
+        self.buffers: list[Buffer] = []
+        self.inputs: dict[str, Tensor] = {}
+        self.outputs: dict[str, Tensor] = {}
+        self.tasks: list[Task] = []
+        self.specs: list[Spec] = []
+        self.op_names: list[str] = []
+        self.heap_bytes = 0
+        self._spec_index: dict[tuple, int] = {}
+
+    # -- user API ---------------------------------------------------------------------------------
+    def input(self, name: str, shape, dtype: torch.dtype) -> Tensor:
+        """A buffer whose value is bound at ``run`` (and stays bound for later runs)."""
+        if name in self.inputs:
+            raise GraphError(f"input {name!r} is defined twice")
+        tensor = self.new_tensor(shape, dtype, name=name)
+        self.inputs[name] = tensor
+        return tensor
+
+    def output(self, name: str, tensor: Tensor) -> None:
+        """Return ``tensor`` from ``run`` under ``name``."""
+        self._own(tensor, f"output {name!r}")
+        if name in self.outputs:
+            raise GraphError(f"output {name!r} is defined twice")
+        self.outputs[name] = tensor
+
+    def __getattr__(self, name: str):
+        build = OPS.get(name)
+        if build is None:
+            raise AttributeError(f"Graph has no op {name!r}; ops: {', '.join(sorted(OPS))}")
+
+        def op(*args: Any, **kwargs: Any):
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, Tensor):
+                    self._own(value, name)
+            self.op_names.append(name)
+            return build(self, *args, **kwargs)
+
+        op.__name__ = name
+        op.__doc__ = build.__doc__
+        return op
+
+    def __dir__(self):
+        return [*super().__dir__(), *OPS]
+
+    # -- builder API (used by the task library) ---------------------------------------------------
+    def check(self, condition: bool, message: str) -> None:
+        if not condition:
+            raise GraphError(message)
+
+    def new_tensor(self, shape, dtype: torch.dtype, name: str | None = None) -> Tensor:
+        shape = tuple(shape)
+        if len(shape) not in (1, 2) or not all(isinstance(s, int) and s > 0 for s in shape):
+            raise GraphError(f"{name or 'tensor'}: shape must be 1-D or 2-D of positive ints, got {shape}")
+        if dtype not in DTYPES:
+            raise GraphError(f"{name or 'tensor'}: dtype {dtype} is not supported; use one of "
+                             f"{', '.join(str(d) for d in DTYPES)}")
+        rows, cols = (1, shape[0]) if len(shape) == 1 else shape
+        index = len(self.buffers)
+        buffer = Buffer(index, name or f"t{index}", rows, cols, dtype, self.heap_bytes)
+        self.heap_bytes += -(-buffer.nbytes // HEAP_ALIGN) * HEAP_ALIGN
+        self.buffers.append(buffer)
+        return Tensor(self, buffer, 0, 0, rows, cols, len(shape))
+
+    def opcode(self, task_type: TaskType, **constexprs) -> int:
+        consts = tuple((k, DTYPES[v] if isinstance(v, torch.dtype) else v) for k, v in constexprs.items())
+        key = (task_type.name, consts)
+        opcode = self._spec_index.get(key)
+        if opcode is None:
+            opcode = self._spec_index[key] = len(self.specs)
+            self.specs.append(Spec(task_type.name, consts, task_type.arg_names))
+        return opcode
+
+    def add_task(self, opcode: int, args: tuple[int, ...], *, reads: tuple[Region, ...],
+                 writes: tuple[Region, ...], bytes: int, flops: int) -> None:
+        self.tasks.append(Task(opcode, args, reads, writes, task_cost(bytes, flops), len(self.op_names) - 1))
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def buffer_shapes(self) -> dict[int, tuple[int, int]]:
+        return {b.index: (b.rows, b.cols) for b in self.buffers}
+
+    def describe_task(self, tid: int) -> str:
+        task = self.tasks[tid]
+        return f"task {tid} ({self.op_names[task.op]} op {task.op})"
+
+    def _own(self, tensor: Tensor, what: str) -> None:
+        if not isinstance(tensor, Tensor) or tensor.graph is not self:
+            raise GraphError(f"{what}: {tensor!r} is not a tensor of this graph")

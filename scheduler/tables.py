@@ -1,0 +1,161 @@
+"""The queue format: task tables, signal tables and per-worker queues, as the kernel reads them.
+
+Version 1 layout of a serialized table (all integers little-endian int64):
+
+    header   HEADER_WORDS words: MAGIC, VERSION, rank, world_size, workers, events,
+             tasks, row_words, signals, metadata_bytes
+    tasks    tasks x row_words: opcode, wait_event, fan_in, signal_start, signal_count, args...
+    signals  signals x 3: rank, event, increment
+    queue    tasks: task ids, worker 0's queue, then worker 1's, ...
+    index    workers + 1: where each worker's queue starts in ``queue``
+    task_op  tasks: index of the graph op each task came from
+    metadata UTF-8 JSON: opcode specs (task type, constexprs, argument names) and op names
+
+A task's row number is its position in the global order. Argument words that address memory are
+byte offsets into the heap: every process maps the heap at its own address, so the kernel adds its
+local heap base (or a peer's, for a remote store or signal).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import GraphError
+from .events import NO_EVENT, Events
+from .placement import Placement
+from .task import Task
+
+MAGIC = 0x4D4B5154_41424C45  # "MKTABLE"
+VERSION = 1
+HEADER_WORDS = 10
+OPCODE, WAIT_EVENT, FAN_IN, SIGNAL_START, SIGNAL_COUNT, ARG0 = range(6)
+SIGNAL_WORDS = 3
+
+
+class FormatError(GraphError):
+    """A serialized table that this version cannot read."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What an opcode runs: a task type and the compile-time constants of its tile."""
+
+    task_type: str
+    constexprs: tuple[tuple[str, object], ...]
+    arg_names: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        consts = ", ".join(f"{k}={v}" for k, v in self.constexprs)
+        return f"{self.task_type}[{consts}]"
+
+
+@dataclass
+class QueueTables:
+    rank: int
+    world_size: int
+    workers: int
+    events: int
+    tasks: np.ndarray        # int64 [tasks, row_words]
+    signals: np.ndarray      # int64 [signals, 3]
+    queue: np.ndarray        # int64 [tasks]
+    queue_index: np.ndarray  # int64 [workers + 1]
+    task_op: np.ndarray      # int64 [tasks]
+    specs: list[Spec] = field(default_factory=list)
+    op_names: list[str] = field(default_factory=list)
+
+    @property
+    def row_words(self) -> int:
+        return self.tasks.shape[1]
+
+    def worker_queue(self, worker: int) -> np.ndarray:
+        return self.queue[self.queue_index[worker]:self.queue_index[worker + 1]]
+
+    def producers_of(self, event: int) -> list[int]:
+        """Task ids that signal ``event`` on this rank's tables."""
+        rows = np.nonzero(self.signals[:, 1] == event)[0]
+        return sorted({int(t) for t in np.searchsorted(self.tasks[:, SIGNAL_START], rows, side="right") - 1})
+
+    def worker_of(self) -> np.ndarray:
+        owner = np.empty(len(self.queue), dtype=np.int64)
+        for w in range(self.workers):
+            owner[self.worker_queue(w)] = w
+        return owner
+
+
+def build_tables(tasks: list[Task], placement: Placement, events: Events, *, specs: list[Spec],
+                 op_names: list[str], workers: int, rank: int = 0, world_size: int = 1) -> QueueTables:
+    n = len(tasks)
+    args_width = max((len(t.args) for t in tasks), default=0)
+    rows = np.zeros((n, ARG0 + args_width), dtype=np.int64)
+    signal_rows: list[tuple[int, int, int]] = []
+    task_op = np.empty(n, dtype=np.int64)
+    for row, tid in enumerate(placement.order):
+        t = tasks[tid]
+        sigs = events.signals[tid]
+        rows[row, :ARG0] = (t.opcode, events.wait_event[tid], events.fan_in[tid], len(signal_rows), len(sigs))
+        rows[row, ARG0:ARG0 + len(t.args)] = t.args
+        signal_rows.extend((rank, event, inc) for event, inc in sigs)
+        task_op[row] = t.op
+    worker_by_row = np.asarray(placement.worker, dtype=np.int64)[np.asarray(placement.order, dtype=np.int64)]
+    queue = np.argsort(worker_by_row, kind="stable").astype(np.int64)
+    index = np.zeros(workers + 1, dtype=np.int64)
+    index[1:] = np.cumsum(np.bincount(worker_by_row, minlength=workers))
+    return QueueTables(rank, world_size, workers, events.count, rows,
+                       np.asarray(signal_rows, dtype=np.int64).reshape(-1, SIGNAL_WORDS),
+                       queue, index, task_op, list(specs), list(op_names))
+
+
+def serialize(t: QueueTables) -> bytes:
+    meta = json.dumps({
+        "specs": [[s.task_type, [list(kv) for kv in s.constexprs], list(s.arg_names)] for s in t.specs],
+        "ops": t.op_names,
+    }).encode()
+    header = np.array([MAGIC, VERSION, t.rank, t.world_size, t.workers, t.events, len(t.tasks),
+                       t.row_words, len(t.signals), len(meta)], dtype="<i8")
+    parts = [header, t.tasks, t.signals, t.queue, t.queue_index, t.task_op]
+    return b"".join(np.ascontiguousarray(p, dtype="<i8").tobytes() for p in parts) + meta
+
+
+def deserialize(blob: bytes) -> QueueTables:
+    if len(blob) < HEADER_WORDS * 8:
+        raise FormatError(f"not a megakernel task table: {len(blob)} bytes is shorter than the header")
+    header = np.frombuffer(blob, dtype="<i8", count=HEADER_WORDS)
+    magic, version, rank, world, workers, events, n, row_words, n_signals, meta_len = (int(v) for v in header)
+    if magic != MAGIC:
+        raise FormatError(f"not a megakernel task table: magic {magic:#x}, expected {MAGIC:#x}")
+    if version != VERSION:
+        raise FormatError(f"task table format version {version}; this megakernel reads version {VERSION}")
+    sizes = [n * row_words, n_signals * SIGNAL_WORDS, n, workers + 1, n]
+    expected = (HEADER_WORDS + sum(sizes)) * 8 + meta_len
+    if len(blob) != expected:
+        raise FormatError(f"task table is {len(blob)} bytes; its header describes {expected}")
+    words = np.frombuffer(blob, dtype="<i8", count=sum(sizes), offset=HEADER_WORDS * 8).astype(np.int64)
+    tasks, signals, queue, index, task_op = np.split(words, np.cumsum(sizes)[:-1])
+    meta = json.loads(blob[len(blob) - meta_len:].decode())
+    specs = [Spec(name, tuple((k, v) for k, v in consts), tuple(args)) for name, consts, args in meta["specs"]]
+    return QueueTables(rank, world, workers, events, tasks.reshape(n, row_words),
+                       signals.reshape(n_signals, SIGNAL_WORDS), queue, index, task_op, specs, meta["ops"])
+
+
+def disassemble(t: QueueTables) -> str:
+    """A readable listing: the header, then every worker's queue in execution order."""
+    lines = [f"megakernel task table v{VERSION}: rank {t.rank}/{t.world_size}, {t.workers} workers, "
+             f"{len(t.tasks)} tasks, {t.events} events, {len(t.signals)} signals, {t.row_words} words/row"]
+    for opcode, spec in enumerate(t.specs):
+        lines.append(f"  opcode {opcode}: {spec.label}")
+    for w in range(t.workers):
+        q = t.worker_queue(w)
+        lines.append(f"worker {w}: {len(q)} tasks")
+        for pos, tid in enumerate(q):
+            row = t.tasks[tid]
+            spec = t.specs[row[OPCODE]]
+            wait = "-" if row[WAIT_EVENT] == NO_EVENT else f"ev{row[WAIT_EVENT]}>=e*{row[FAN_IN]}"
+            start, count = row[SIGNAL_START], row[SIGNAL_COUNT]
+            sigs = " ".join(f"r{r}:ev{e}+{i}" for r, e, i in t.signals[start:start + count]) or "-"
+            args = " ".join(f"{name}={int(v)}" for name, v in zip(spec.arg_names, row[ARG0:]))
+            lines.append(f"  [{pos:>4}] task {tid:>5} {t.op_names[t.task_op[tid]]:<16} {spec.task_type:<14} "
+                         f"wait {wait:<12} signal {sigs:<16} {args}")
+    return "\n".join(lines)

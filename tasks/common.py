@@ -1,0 +1,75 @@
+"""What every task type shares: its description, tile-shaped loads and stores, the torch heap view.
+
+A task type is an opcode's meaning: a ``@triton.jit`` tile function ``tile(base, args, **constexprs)``
+that reads its argument words from ``args`` (an int64 pointer into the task table) and addresses the
+heap from ``base``; the names of those words; a torch reference that runs the same tile on a heap
+tensor; and a host-side builder, registered as a graph op, that splits an op into tiles.
+
+Constexpr names ending in ``DTYPE`` hold a dtype name ("float32", "bfloat16", "float16").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from ..device import heap_ptr
+
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TaskType:
+    name: str
+    tile: Any                       # triton.JITFunction
+    arg_names: tuple[str, ...]
+    reference: Callable[["HeapView", dict[str, int], dict[str, Any]], None]
+
+
+class HeapView:
+    """Typed torch views of a heap (a flat uint8 CPU tensor), for reference tiles and the runtime."""
+
+    def __init__(self, heap: torch.Tensor):
+        self.heap = heap
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def tensor(self, offset: int, dtype: torch.dtype | str, rows: int, cols: int, row_stride: int) -> torch.Tensor:
+        dtype = TORCH_DTYPES.get(dtype, dtype)
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = self.heap.view(dtype)
+        size = torch.empty((), dtype=dtype).element_size()
+        assert offset % size == 0, f"misaligned {dtype} at heap offset {offset}"
+        return torch.as_strided(typed, (rows, cols), (row_stride, 1), offset // size)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@triton.jit
+def load_block(base, offset, row_stride, rows, cols, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """The ``rows x cols`` tile at heap ``offset`` as a float32 ``BLOCK_M x BLOCK_N`` block (0 outside)."""
+    r = tl.arange(0, BLOCK_M)[:, None]
+    c = tl.arange(0, BLOCK_N)[None, :]
+    ptr = heap_ptr(base, offset, DTYPE)
+    return tl.load(ptr + r * row_stride + c, mask=(r < rows) & (c < cols), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_block(base, offset, row_stride, rows, cols, block, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Store the valid ``rows x cols`` part of a ``BLOCK_M x BLOCK_N`` block at heap ``offset``."""
+    r = tl.arange(0, BLOCK_M)[:, None]
+    c = tl.arange(0, BLOCK_N)[None, :]
+    ptr = heap_ptr(base, offset, DTYPE)
+    tl.store(ptr + r * row_stride + c, block.to(DTYPE), mask=(r < rows) & (c < cols))
+
+
+def load_args(args: dict[str, int], *names: str) -> list[int]:
+    return [args[n] for n in names]

@@ -1,0 +1,35 @@
+"""Example graphs shared by the command line, the benchmarks and the tests."""
+from __future__ import annotations
+
+import torch
+
+from .. import Graph
+
+
+def every_task_type() -> Graph:
+    """A small graph whose kernel has every task type and tile variant of the library in it."""
+    g = Graph(world_size=1, rank=0)
+    x = g.input("x", (20, 96), torch.float32)
+    xb = g.input("xb", (2, 96), torch.bfloat16)
+    w = g.input("w", (40, 96), torch.bfloat16)
+    wf = g.input("wf", (40, 96), torch.float32)
+    norm = g.input("norm", (96,), torch.float32)
+    h = g.rms_norm(xb, norm, 1e-6)
+    y = g.linear(h, w, split_k=2)              # GEMV tiles, split-K partials, the reduction tile
+    g.output("y", g.silu_mul(g.add(y, y), g.mul(y, y)))
+    g.output("z", g.linear(x, wf))             # tl.dot tiles
+    return g
+
+
+def mlp_block(hidden: int = 128, intermediate: int = 320, batch: int = 1, dtype=torch.float32) -> Graph:
+    """RMSNorm -> gate/up projections -> SiLU-mul -> down projection -> residual (a Llama MLP block)."""
+    g = Graph(world_size=1, rank=0)
+    x = g.input("x", (batch, hidden), dtype)
+    norm = g.input("norm", (hidden,), dtype)
+    gate = g.input("gate", (intermediate, hidden), dtype)
+    up = g.input("up", (intermediate, hidden), dtype)
+    down = g.input("down", (hidden, intermediate), dtype)
+    h = g.rms_norm(x, norm, 1e-6)
+    act = g.silu_mul(g.linear(h, gate), g.linear(h, up))
+    g.output("y", g.add(x, g.linear(act, down)))
+    return g
