@@ -89,8 +89,15 @@ class _Worker:
         child.close()
         self.conn = Connection(parent.detach())
 
+    def send(self, command: str, payload) -> None:
+        try:
+            self.conn.send((command, payload))
+        except OSError:
+            raise BackendError(f"worker process {self.process.pid} died "
+                               f"(exit code {self.process.poll()})") from None
+
     def request(self, command: str, payload, timeout: float | None = None):
-        self.conn.send((command, payload))
+        self.send(command, payload)
         return self.reply(timeout)
 
     def reply(self, timeout: float | None = None):

@@ -156,8 +156,13 @@ class Graph:
             for value in (*args, *kwargs.values()):
                 if isinstance(value, Tensor):
                     self._own(value, name)
+            mark = (len(self.op_names), len(self.tasks), len(self.buffers), len(self.specs), self.heap_bytes)
             self.op_names.append(name)
-            return build(self, *args, **kwargs)
+            try:
+                return build(self, *args, **kwargs)
+            except BaseException:
+                self._rollback(*mark)  # a failed op leaves no trace: no tasks, buffers or opcodes
+                raise
 
         op.__name__ = name
         op.__doc__ = build.__doc__
@@ -205,6 +210,13 @@ class Graph:
     def describe_task(self, tid: int) -> str:
         task = self.tasks[tid]
         return f"task {tid} ({self.op_names[task.op]} op {task.op})"
+
+    def _rollback(self, ops: int, tasks: int, buffers: int, specs: int, heap_bytes: int) -> None:
+        del self.op_names[ops:], self.tasks[tasks:], self.buffers[buffers:]
+        for spec in self.specs[specs:]:
+            del self._spec_index[(spec.task_type, spec.constexprs)]
+        del self.specs[specs:]
+        self.heap_bytes = heap_bytes
 
     def _own(self, tensor: Tensor, what: str) -> None:
         if not isinstance(tensor, Tensor) or tensor.graph is not self:

@@ -156,15 +156,20 @@ class Megakernel:
                     signals_off=lay.signals, queue_off=lay.queue, index_off=lay.index, events_off=lay.events,
                     status_off=lay.status, ROW=self.tables.row_words)
         launches = [Launch(self.heap.name, str(self.kernel_path), w, 0, args) for w in range(self.workers)]
-        failure = None
-        for worker, launch in zip(self._workers, launches):
-            worker.conn.send(("run", launch))
-        for w, worker in enumerate(self._workers):
+        failure, running = None, []
+        for w, (worker, launch) in enumerate(zip(self._workers, launches)):
+            try:
+                worker.send("run", launch)
+                running.append((w, worker))
+            except BackendError as error:
+                failure = failure or BackendError(f"worker {w}: {error}")
+        for w, worker in running:
+            if failure is not None:
+                self.words(lay.status, 1).fill_(1)  # abort: the other workers stop at their next wait
             try:
                 worker.reply()
             except BackendError as error:
                 failure = failure or BackendError(f"worker {w}: {error}")
-                self.words(lay.status, 1).fill_(1)  # abort: the other workers stop at their next wait
         if failure is not None:
             self._reset_events()
             raise failure

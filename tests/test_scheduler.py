@@ -1,0 +1,124 @@
+"""The pure host scheduler: dependency inference, placement, events, the queue format, checks."""
+import numpy as np
+import pytest
+import torch
+
+import megakernel as mk
+from megakernel.scheduler import (FAN_IN, NO_EVENT, VERSION, WAIT_EVENT, FormatError, Region, Task, check_acyclic,
+                                  deserialize, disassemble, encode_events, find_cycle, infer_dependencies, place,
+                                  schedule, serialize)
+
+
+def _task(reads=(), writes=()):
+    return Task(0, (), tuple(reads), tuple(writes), 1.0, 0)
+
+
+SHAPES = {0: (64, 1024), 1: (64, 1024)}
+
+
+def test_dependencies_follow_region_overlap_not_pointers():
+    tasks = [
+        _task(writes=[Region(0, 0, 8, 0, 100)]),              # 0 writes a block
+        _task(writes=[Region(0, 0, 8, 100, 200)]),            # 1 writes a disjoint block: independent
+        _task(reads=[Region(0, 4, 6, 90, 110)]),              # 2 reads across both: RAW on 0 and 1
+        _task(reads=[Region(0, 0, 8, 150, 160)]),             # 3 reads inside 1 only
+        _task(writes=[Region(0, 5, 6, 95, 96)]),              # 4 overwrites what 2 read: WAR on 2, WAW on 0
+        _task(reads=[Region(1, 0, 64, 0, 1024)]),             # 5 reads a buffer nobody writes
+    ]
+    assert infer_dependencies(tasks, SHAPES) == [(), (), (0, 1), (1,), (0, 2), ()]
+
+
+def test_full_overwrite_prunes_history_but_keeps_order():
+    tasks = [_task(writes=[Region(0, 0, 64, 0, 1024)]) for _ in range(3)]
+    tasks.append(_task(reads=[Region(0, 0, 1, 0, 1)]))
+    deps = infer_dependencies(tasks, SHAPES)
+    assert deps == [(), (0,), (1,), (2,)]
+
+
+def test_cycle_is_found_and_named():
+    assert find_cycle([(), (2,), (1,)]) in ([1, 2], [2, 1])
+    assert find_cycle([(), (0,), (0, 1)]) is None
+    with pytest.raises(mk.GraphError, match="cycle: T1 -> T2 -> T1|cycle: T2 -> T1 -> T2"):
+        check_acyclic([(), (2,), (1,)], describe=lambda t: f"T{t}")
+
+
+def _chain_graph(layers=3):
+    g = mk.Graph()
+    x = g.input("x", (2, 200), torch.float32)
+    w = g.input("w", (200, 200), torch.float32)
+    for _ in range(layers):
+        x = g.add(x, g.linear(g.rms_norm(x, w[0]), w))
+    g.output("y", x)
+    return g
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "critical_path"])
+@pytest.mark.parametrize("workers", [1, 2, 5])
+def test_placement_is_a_topological_order_and_queues_follow_it(policy, workers):
+    g = _chain_graph()
+    producers = infer_dependencies(g.tasks, g.buffer_shapes())
+    placement = place(g.tasks, producers, workers, policy)
+    position = {t: i for i, t in enumerate(placement.order)}
+    assert sorted(placement.order) == list(range(len(g.tasks)))
+    assert all(position[p] < position[t] for t, ps in enumerate(producers) for p in ps)
+    assert set(placement.worker) <= set(range(workers))
+
+
+def test_implied_waits_are_dropped():
+    g = _chain_graph()
+    producers = infer_dependencies(g.tasks, g.buffer_shapes())
+    one = encode_events(place(g.tasks, producers, 1, "round_robin"), producers, 1)
+    assert one.count == 0 and set(one.wait_event) == {NO_EVENT}  # one worker: program order is enough
+    three = encode_events(place(g.tasks, producers, 3, "round_robin"), producers, 3)
+    assert 0 < sum(f for f in three.fan_in) < sum(len(p) for p in producers)
+    assert max(three.fan_in) <= 2  # at most one producer per other worker
+
+
+def test_every_wait_is_met_by_exactly_its_producers_signals():
+    g = _chain_graph()
+    t = schedule(g.tasks, g.buffer_shapes(), specs=g.specs, op_names=g.op_names, workers=3)
+    raised = np.zeros(t.events, dtype=np.int64)
+    np.add.at(raised, t.signals[:, 1], t.signals[:, 2])
+    waits = t.tasks[t.tasks[:, WAIT_EVENT] != NO_EVENT]
+    assert np.array_equal(raised[waits[:, WAIT_EVENT]], waits[:, FAN_IN])
+
+
+def test_serialize_round_trip_and_disassembly():
+    g = _chain_graph(2)
+    t = schedule(g.tasks, g.buffer_shapes(), specs=g.specs, op_names=g.op_names, workers=2)
+    back = deserialize(serialize(t))
+    for name in ("tasks", "signals", "queue", "queue_index", "task_op"):
+        assert np.array_equal(getattr(back, name), getattr(t, name)), name
+    assert back.specs == t.specs and back.op_names == t.op_names and back.events == t.events
+    text = disassemble(back)
+    assert f"{len(t.tasks)} tasks" in text and "rms_norm" in text and "worker 1:" in text
+    assert serialize(back) == serialize(t)
+
+
+def test_other_format_versions_are_refused_clearly():
+    g = _chain_graph(1)
+    blob = bytearray(serialize(schedule(g.tasks, g.buffer_shapes(), specs=g.specs, op_names=g.op_names, workers=2)))
+    blob[8:16] = np.int64(VERSION + 1).tobytes()
+    with pytest.raises(FormatError, match=f"version {VERSION + 1}.*reads version {VERSION}"):
+        deserialize(bytes(blob))
+    with pytest.raises(FormatError, match="magic"):
+        deserialize(b"\0" * 200)
+    with pytest.raises(FormatError, match="bytes"):
+        deserialize(serialize(schedule(g.tasks, g.buffer_shapes(), specs=g.specs, op_names=g.op_names,
+                                       workers=2))[:-3])
+
+
+def test_unknown_policy_and_bad_worker_count():
+    g = _chain_graph(1)
+    with pytest.raises(mk.GraphError, match="unknown placement policy 'fifo'"):
+        schedule(g.tasks, g.buffer_shapes(), specs=g.specs, op_names=g.op_names, workers=2, policy="fifo")
+    with pytest.raises(mk.GraphError, match="at least one worker"):
+        schedule(g.tasks, g.buffer_shapes(), specs=g.specs, op_names=g.op_names, workers=0)
+
+
+def test_capacity_is_checked():
+    from megakernel.scheduler import Capacity, check_tables
+    g = _chain_graph(1)
+    t = schedule(g.tasks, g.buffer_shapes(), specs=g.specs, op_names=g.op_names, workers=2)
+    with pytest.raises(mk.GraphError, match=f"needs {len(t.tasks)} tasks; one kernel holds at most 3"):
+        check_tables(t, Capacity(max_tasks=3))
