@@ -41,10 +41,11 @@ def kernel_source(specs: list[Spec], target: str) -> str:
     imports = "\n".join(f"from {module} import {name}" for module, name in tiles)
     branches = []
     for opcode, spec in enumerate(specs):
-        tile = TASK_TYPES[spec.task_type].tile.fn.__name__
+        task_type = TASK_TYPES[spec.task_type]
         consts = ", ".join(f"{k}={_constexpr_source(k, v)}" for k, v in spec.constexprs)
         keyword = "if" if opcode == 0 else "elif"
-        branches.append(f"    {keyword} opcode == {opcode}:\n        {tile}(base, args, {consts})")
+        pointers = "base, bases, args" if task_type.needs_peers else "base, args"
+        branches.append(f"    {keyword} opcode == {opcode}:\n        {task_type.tile.fn.__name__}({pointers}, {consts})")
     dispatch = "\n".join(branches) or "    pass"
     opcodes = "\n".join(f"    {opcode}: {spec.label}" for opcode, spec in enumerate(specs))
     args = ", ".join(KERNEL_ARGS)
@@ -61,7 +62,7 @@ from megakernel.device import persistent_loop, {CLOCKS[target]}
 
 
 @triton.jit
-def run_tile(opcode, base, args):
+def run_tile(opcode, base, bases, args):
 {dispatch}
 
 

@@ -11,7 +11,9 @@ run sends each of them one message.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +27,9 @@ import torch
 from .errors import BackendError
 from .heap import SharedHeap
 
+PR_SET_PDEATHSIG = 1
+
+
 @dataclass
 class Launch:
     """One worker's share of a run."""
@@ -36,13 +41,24 @@ class Launch:
     args: dict[str, int]       # the kernel's integer arguments, ROW included
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to kill this worker when the process that started it dies, even mid-kernel."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return  # not Linux: the worker still exits when its socket closes, after its current run
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)
+
+
 def _worker_main(fd: int) -> None:
     """A worker's life: map heaps, run kernels, until the pool closes the connection."""
     from .codegen import load_kernel
 
+    _die_with_parent()
     conn = Connection(fd)
-    heaps: dict[str, SharedHeap] = {}
-    bases: dict[str, torch.Tensor] = {}
+    heaps: dict[str, list[SharedHeap]] = {}   # by the kernel's own heap name: every rank's heap
+    bases: dict[str, torch.Tensor] = {}       # by the same name: their addresses here, in rank order
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -52,14 +68,14 @@ def _worker_main(fd: int) -> None:
         command, payload = message
         try:
             if command == "map":
-                name, size = payload
-                heaps[name] = SharedHeap(name, size)
-                bases[name] = torch.tensor([heaps[name].address], dtype=torch.int64)
+                names, rank, size = payload
+                mapped = [SharedHeap(name, size) for name in names]
+                heaps[names[rank]] = mapped
+                bases[names[rank]] = torch.tensor([heap.address for heap in mapped], dtype=torch.int64)
                 conn.send(("ok", None))
             elif command == "unmap":
                 bases.pop(payload, None)
-                heap = heaps.pop(payload, None)
-                if heap is not None:
+                for heap in heaps.pop(payload, []):
                     heap.close()
                 conn.send(("ok", None))
             elif command == "run":

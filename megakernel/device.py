@@ -21,7 +21,7 @@ from .scheduler import tables
 # Per-worker status record on the heap, after one word of abort flag; read by the host after a run.
 # constexpr so that kernels may use them; int() gives the host its value.
 STATUS_WORDS = tl.constexpr(8)
-STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE = (tl.constexpr(i) for i in range(6))
+STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE, EPOCH = (tl.constexpr(i) for i in range(7))
 RUNNING, TIMED_OUT, STOPPED = (tl.constexpr(i) for i in range(3))
 
 
@@ -108,7 +108,7 @@ def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, sign
                     events_off, status_off, ROW: tl.constexpr, RUN_TILE: tl.constexpr, CLOCK: tl.constexpr):
     """One worker's whole run: for each task of its queue, wait, run the tile, signal.
 
-    ``RUN_TILE(opcode, base, args)`` dispatches to the tile functions (generated per graph). A wait
+    ``RUN_TILE(opcode, base, bases, args)`` dispatches to the tile functions (generated per graph). A wait
     that times out writes this worker's status record and stops every worker of the rank.
     """
     bases = bases_addr.to(tl.pointer_type(tl.int64))
@@ -121,6 +121,8 @@ def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, sign
     status = abort + STATUS_WORDS * (worker + 1)
     first = tl.load(heap_ptr(base, index_off, tl.int64) + worker)
     last = tl.load(heap_ptr(base, index_off, tl.int64) + worker + 1)
+    tl.store(status + DONE, 0)
+    tl.store(status + EPOCH, epoch)  # DONE counts tasks of this run; peers' reports read both
     i = first
     running = 1
     while (i < last) & (running == 1):
@@ -135,7 +137,7 @@ def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, sign
                 running = 0
         if running == 1:
             tl.debug_barrier()
-            RUN_TILE(tl.load(row + ROW_OPCODE), base, row + ROW_ARG0)
+            RUN_TILE(tl.load(row + ROW_OPCODE), base, bases, row + ROW_ARG0)
             tl.debug_barrier()
             first_signal = tl.load(row + ROW_SIGNAL_START)
             for s in range(first_signal, first_signal + tl.load(row + ROW_SIGNAL_COUNT)):

@@ -13,8 +13,11 @@ class DeadlockError(MegakernelError, RuntimeError):
     """The watchdog stopped a run: ``report`` says which task waited on which event, and why."""
 
     def __init__(self, message: str, report: str = ""):
-        super().__init__(message if not report else f"{message}\n{report}")
-        self.report = report
+        super().__init__(message, report)  # both in args, so the error pickles across processes whole
+        self.message, self.report = message, report
+
+    def __str__(self) -> str:
+        return f"{self.message}\n{self.report}" if self.report else self.message
 
 
 class BackendError(MegakernelError, RuntimeError):

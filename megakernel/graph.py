@@ -63,6 +63,13 @@ class Tensor:
         """Heap byte offset of element (row, col) of this view."""
         return self.buffer.offset + ((self.row0 + row) * self.buffer.cols + self.col0 + col) * self.element_size
 
+    def block(self, row: int = 0, rows: int | None = None, col: int = 0, cols: int | None = None) -> "Tensor":
+        """The 2-D view of rows [row, row+rows) x cols [col, col+cols) (all by default), whatever ndim is."""
+        rows = self.rows - row if rows is None else rows
+        cols = self.cols - col if cols is None else cols
+        assert 0 <= row and row + rows <= self.rows and 0 <= col and col + cols <= self.cols, "block out of bounds"
+        return Tensor(self.graph, self.buffer, self.row0 + row, self.col0 + col, rows, cols, 2)
+
     def region(self, row: int, rows: int, col: int, cols: int) -> Region:
         """The buffer rectangle under rows [row, row+rows) x cols [col, col+cols) of this view."""
         r, c = self.row0 + row, self.col0 + col
@@ -102,6 +109,13 @@ def _span(index, size: int, shape) -> tuple[int, int, bool]:
     raise GraphError(f"tensors are indexed by ints and slices, got {index!r}")
 
 
+def _describe(value) -> str:
+    """An op argument as ranks compare it: tensors by shape and dtype; ranks (ints) may differ."""
+    if isinstance(value, Tensor):
+        return f"{value.shape} {str(value.dtype).removeprefix('torch.')}"
+    return "int" if isinstance(value, int) and not isinstance(value, bool) else repr(value)
+
+
 def _process_group() -> tuple[int, int]:
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
@@ -128,6 +142,7 @@ class Graph:
         self.tasks: list[Task] = []
         self.specs: list[Spec] = []
         self.op_names: list[str] = []
+        self.op_calls: list[str] = []  # one line per op call, what ranks compare before a launch
         self.heap_bytes = 0
         self._spec_index: dict[tuple, int] = {}
 
@@ -159,7 +174,9 @@ class Graph:
             mark = (len(self.op_names), len(self.tasks), len(self.buffers), len(self.specs), self.heap_bytes)
             self.op_names.append(name)
             try:
-                return build(self, *args, **kwargs)
+                result = build(self, *args, **kwargs)
+                self.op_calls.append(f"{name}({', '.join(_describe(a) for a in (*args, *kwargs.values()))})")
+                return result
             except BaseException:
                 self._rollback(*mark)  # a failed op leaves no trace: no tasks, buffers or opcodes
                 raise
@@ -200,10 +217,24 @@ class Graph:
         return opcode
 
     def add_task(self, opcode: int, args: tuple[int, ...], *, reads: tuple[Region, ...],
-                 writes: tuple[Region, ...], bytes: int, flops: int) -> None:
-        self.tasks.append(Task(opcode, args, reads, writes, task_cost(bytes, flops), len(self.op_names) - 1))
+                 writes: tuple[Region, ...], bytes: int, flops: int,
+                 remote: tuple[tuple[int, Region], ...] = ()) -> None:
+        self.tasks.append(Task(opcode, args, reads, writes, task_cost(bytes, flops), len(self.op_names) - 1, remote))
+
+    def phase(self, name: str) -> None:
+        """Start a new phase of the current op: tasks after it come later in the global order.
+
+        A collective is several phases (scatter, sum, gather); a remote write lands between the
+        phase that makes it and the next, on every rank.
+        """
+        self.op_names.append(name)
 
     # -- helpers ----------------------------------------------------------------------------------
+    def buffer_layout(self) -> list[str]:
+        """One line per buffer: what must be the same on every rank for the heap to be symmetric."""
+        return [f"buffer {b.name!r} at offset {b.offset}: {b.rows}x{b.cols} {str(b.dtype).removeprefix('torch.')}"
+                for b in self.buffers]
+
     def buffer_shapes(self) -> dict[int, tuple[int, int]]:
         return {b.index: (b.rows, b.cols) for b in self.buffers}
 

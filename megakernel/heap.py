@@ -12,6 +12,8 @@ import secrets
 import torch
 
 SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "megakernel-"
+LAUNCH_ENV = "MEGAKERNEL_LAUNCH_ID"  # set by ``launch``: segments carry it so the launcher can sweep them
 
 
 class SharedHeap:
@@ -33,7 +35,9 @@ class SharedHeap:
 
     @classmethod
     def create(cls, size: int) -> "SharedHeap":
-        return cls(f"megakernel-{secrets.token_hex(16)}", max(size, 1), create=True)
+        launch = os.environ.get(LAUNCH_ENV)
+        prefix = f"{SEGMENT_PREFIX}{launch}-" if launch else SEGMENT_PREFIX
+        return cls(f"{prefix}{secrets.token_hex(16)}", max(size, 1), create=True)
 
     def unlink(self) -> None:
         try:
@@ -46,3 +50,14 @@ class SharedHeap:
         if self._map is not None:
             self._map.close()
             self._map = None
+
+
+def remove_segments(launch_id: str) -> None:
+    """Unlink every segment a launch's ranks created and did not unlink (a rank died in between)."""
+    prefix = f"{SEGMENT_PREFIX}{launch_id}-"
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass

@@ -1,8 +1,9 @@
-"""The reference executor: the deserialized task tables run in global order with torch, no Triton.
+"""The reference executor: deserialized task tables run in global order with torch, no Triton.
 
 An oracle for the kernel and for the scheduler at once: it runs each row's torch reference tile, and
 it replays the events, checking that every task's wait is already met by the signals of the tasks
-before it in the global order (the order any worker interleaving must respect).
+before it in the global order (the order any interleaving of workers and ranks must respect). With
+several ranks the global order is (op, rank, row): ranks advance op by op.
 """
 from __future__ import annotations
 
@@ -15,18 +16,31 @@ from .tasks import TASK_TYPES, HeapView
 
 
 def execute(tables: QueueTables, heap: torch.Tensor) -> None:
-    """Run one epoch of ``tables`` on ``heap`` (a flat uint8 tensor laid out like the kernel's heap)."""
-    view = HeapView(heap)
-    raised = np.zeros(max(tables.events, 1), dtype=np.int64)
-    for task, row in enumerate(tables.tasks.tolist()):
+    """Run one epoch of a single rank's ``tables`` on ``heap`` (a flat uint8 tensor laid out like the kernel's)."""
+    execute_ranks([tables], [heap])
+
+
+def execute_ranks(tables: list[QueueTables], heaps: list[torch.Tensor]) -> None:
+    """Run one epoch of every rank's tables (``tables[r]`` is rank r's, or a world of one) on its heap."""
+    views = {t.rank: HeapView(h) for t, h in zip(tables, heaps)}
+    raised = {t.rank: np.zeros(max(t.events, 1), dtype=np.int64) for t in tables}
+    rows = [t.tasks.tolist() for t in tables]
+    steps = sorted((int(op), t.rank, row) for t in tables for row, op in enumerate(t.task_op.tolist()))
+    by_rank = {t.rank: t for t in tables}
+    for _, rank, task in steps:
+        t, row = by_rank[rank], rows[tables.index(by_rank[rank])][task]
         event = row[WAIT_EVENT]
-        if event != NO_EVENT and raised[event] < row[FAN_IN]:
-            raise GraphError(f"task {task} waits for event {event} to reach {row[FAN_IN]}, but the tasks "
-                             f"before it in the global order raise it only to {raised[event]}")
-        spec = tables.specs[row[OPCODE]]
+        if event != NO_EVENT and raised[rank][event] < row[FAN_IN]:
+            raise GraphError(f"rank {rank} task {task} waits for event {event} to reach {row[FAN_IN]}, but the "
+                             f"tasks before it in the global order raise it only to {raised[rank][event]}")
+        spec = t.specs[row[OPCODE]]
+        task_type = TASK_TYPES[spec.task_type]
         args = dict(zip(spec.arg_names, row[ARG0:]))
-        TASK_TYPES[spec.task_type].reference(view, args, dict(spec.constexprs))
+        if task_type.needs_peers:
+            task_type.reference(views[rank], args, dict(spec.constexprs), views)
+        else:
+            task_type.reference(views[rank], args, dict(spec.constexprs))
         start = row[SIGNAL_START]
-        for dst, ev, increment in tables.signals[start:start + row[SIGNAL_COUNT]].tolist():
-            if dst == tables.rank:
-                raised[ev] += increment
+        for dst, ev, increment in t.signals[start:start + row[SIGNAL_COUNT]].tolist():
+            if dst in raised:
+                raised[dst][ev] += increment

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from . import codegen, device
+from .bootstrap import Group, check_agreement
 from .cpu_backend import Launch, WorkerPool, default_pool
 from .errors import BackendError, DeadlockError, GraphError
 from .graph import HEAP_ALIGN, Graph, Tensor
@@ -27,7 +28,11 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class HeapLayout:
-    """Byte offsets of the kernel's regions: graph buffers first, then events, status and tables."""
+    """Byte offsets of the kernel's regions: graph buffers first, then events, status and tables.
+
+    Buffers, events and status are at the same offsets on every rank (peers write them); the region
+    sizes are the largest any rank needs, so the whole layout is symmetric.
+    """
 
     events: int
     status: int
@@ -37,11 +42,13 @@ class HeapLayout:
     index: int
     size: int
 
+    @staticmethod
+    def sizes(tables: QueueTables) -> list[int]:
+        return [8 * max(tables.events, 1), 8 * int(device.STATUS_WORDS) * (tables.workers + 1),
+                tables.tasks.nbytes, tables.signals.nbytes, tables.queue.nbytes, tables.queue_index.nbytes]
+
     @classmethod
-    def of(cls, buffers_bytes: int, tables: QueueTables) -> "HeapLayout":
-        sizes = [8 * max(tables.events, 1),
-                 8 * int(device.STATUS_WORDS) * (tables.workers + 1),
-                 tables.tasks.nbytes, tables.signals.nbytes, tables.queue.nbytes, tables.queue_index.nbytes]
+    def of(cls, buffers_bytes: int, sizes: list[int]) -> "HeapLayout":
         offsets, at = [], _align(buffers_bytes)
         for size in sizes:
             offsets.append(at)
@@ -58,8 +65,10 @@ def _resolve_backend(backend: str) -> str:
 class Megakernel:
     """A scheduled graph bound to a heap and a persistent kernel; ``run`` launches it once per call.
 
-    ``workers``: persistent programs (cpu: processes); ``policy``: "critical_path" or "round_robin";
-    ``timeout``: seconds any single wait may take before the watchdog stops the run.
+    ``workers``: persistent programs per rank (cpu: processes); ``policy``: "critical_path" or
+    ``"round_robin"``; ``timeout``: seconds any single wait may take before the watchdog stops the run.
+    With a world size above one, every rank builds its kernel at the same point of its program: the
+    ranks check that their graphs agree, exchange cross-rank edges and map each other's heaps.
     """
 
     def __init__(self, graph: Graph, workers: int | None = None, policy: str = "critical_path",
@@ -74,26 +83,38 @@ class Megakernel:
         self.graph = graph
         self.workers = DEFAULT_CPU_WORKERS if workers is None else int(workers)
         self.timeout = float(timeout)
+        self.group = Group(graph.world_size, graph.rank)
+        check_agreement(self.group, "op", graph.op_calls)
+        check_agreement(self.group, "buffer", graph.buffer_layout())
         self.tables = schedule(graph.tasks, graph.buffer_shapes(), specs=graph.specs, op_names=graph.op_names,
                                workers=self.workers, policy=policy, rank=graph.rank,
-                               world_size=graph.world_size, describe=graph.describe_task)
-        self.layout = HeapLayout.of(graph.heap_bytes, self.tables)
+                               world_size=graph.world_size, describe=graph.describe_task,
+                               exchange=self.group.all_gather)
+        sizes = [max(column) for column in zip(*self.group.all_gather(HeapLayout.sizes(self.tables)))]
+        self.layout = HeapLayout.of(graph.heap_bytes, sizes)
         self.kernel_path = codegen.kernel_path(graph.specs, "interpreter")
         self.epoch = 0
+        self._broken = False
         self._bound: set[str] = set()
         self.heap = SharedHeap.create(self.layout.size)
-        self._finalizer = weakref.finalize(self, _release, self.heap, [])
+        self.peers: dict[int, SharedHeap] = {}
+        self._finalizer = weakref.finalize(self, _release, self.heap, self.peers, [])
         self.view = HeapView(self.heap.tensor)
         self.upload_tables()
         self._pool = pool or default_pool()
         self._workers = self._pool.ensure(self.workers)
         try:
+            names = self.group.all_gather(self.heap.name)
+            for rank, name in enumerate(names):
+                if rank != graph.rank:
+                    self.peers[rank] = SharedHeap(name, self.layout.size)
             for worker in self._workers:
-                worker.request("map", (self.heap.name, self.heap.size), timeout=60)
+                worker.request("map", (names, graph.rank, self.layout.size), timeout=60)
+            self.group.barrier(timeout=120)  # every rank has mapped every heap
         finally:
-            self.heap.unlink()  # every process that needs it has it mapped: the name can go now
+            self.heap.unlink()  # mapped by every process that needs it: the name can go now
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _release, self.heap, list(self._workers))
+        self._finalizer = weakref.finalize(self, _release, self.heap, self.peers, list(self._workers))
 
     # -- heap access ------------------------------------------------------------------------------
     def words(self, offset: int, count: int) -> torch.Tensor:
@@ -144,7 +165,14 @@ class Megakernel:
             self._bound.add(name)
 
     def run(self, inputs: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Bind ``inputs``, launch once (one message per worker), return copies of the outputs."""
+        """Bind ``inputs``, launch once (one message per worker), return copies of the outputs.
+
+        With several ranks, the ranks wait for each other after the run: the next run's remote
+        stores must not land in a buffer a peer is still reading.
+        """
+        if self._broken:
+            raise BackendError("an earlier run of this multi-rank kernel failed; its ranks' event counters no "
+                               "longer agree: build a new kernel")
         self.bind(inputs or {})
         missing = [name for name in self.graph.inputs if name not in self._bound]
         if missing:
@@ -155,7 +183,8 @@ class Megakernel:
         args = dict(epoch=self.epoch, timeout_ns=int(self.timeout * 1e9), tasks_off=lay.tasks,
                     signals_off=lay.signals, queue_off=lay.queue, index_off=lay.index, events_off=lay.events,
                     status_off=lay.status, ROW=self.tables.row_words)
-        launches = [Launch(self.heap.name, str(self.kernel_path), w, 0, args) for w in range(self.workers)]
+        launches = [Launch(self.heap.name, str(self.kernel_path), w, self.graph.rank, args)
+                    for w in range(self.workers)]
         failure, running = None, []
         for w, (worker, launch) in enumerate(zip(self._workers, launches)):
             try:
@@ -170,14 +199,16 @@ class Megakernel:
                 worker.reply()
             except BackendError as error:
                 failure = failure or BackendError(f"worker {w}: {error}")
+        if failure is None and self._status()[:, int(device.STATE)].any():
+            failure = DeadlockError(f"rank {self.graph.rank}: the watchdog stopped run {self.epoch}: a wait "
+                                    f"exceeded {self.timeout} s", self.deadlock_report())
         if failure is not None:
-            self._reset_events()
+            if self.graph.world_size == 1:
+                self._reset_events()  # one rank: a clean slate makes the kernel usable again
+            else:
+                self._broken = True
             raise failure
-        stalled = self._status()
-        if stalled:
-            report = self.deadlock_report(stalled)
-            self._reset_events()
-            raise DeadlockError(f"the watchdog stopped run {self.epoch}: a wait exceeded {self.timeout} s", report)
+        self.group.barrier(timeout=max(self.timeout, 60.0))
         return {name: self.tensor(t).clone() for name, t in self.graph.outputs.items()}
 
     def save_image(self, path) -> None:
@@ -188,14 +219,16 @@ class Megakernel:
                  heap=self.heap.tensor.numpy(), outputs=np.frombuffer(json.dumps(outputs).encode(), dtype=np.uint8))
 
     # -- diagnosis --------------------------------------------------------------------------------
-    def _status(self) -> list[np.ndarray]:
+    def _status(self, heap: SharedHeap | None = None) -> np.ndarray:
+        """Per-worker status records [workers, STATUS_WORDS] of this rank's heap, or of a peer's."""
         words = int(device.STATUS_WORDS)
-        status = self.words(self.layout.status, words * (self.workers + 1)).numpy().reshape(-1, words)[1:]
-        return [status] if status[:, int(device.STATE)].any() else []
+        raw = (heap or self.heap).tensor[self.layout.status:self.layout.status + 8 * words * (self.workers + 1)]
+        return raw.view(torch.int64).numpy().reshape(-1, words)[1:].copy()
 
-    def deadlock_report(self, stalled: list[np.ndarray]) -> str:
-        status = stalled[0]
+    def deadlock_report(self) -> str:
+        """What each worker was doing when the run stopped; for a stalled wait, who should have signalled."""
         t = self.tables
+        status = self._status()
         owner = t.worker_of()
         position = np.empty(len(t.queue), dtype=np.int64)
         for w in range(t.workers):
@@ -205,18 +238,27 @@ class Megakernel:
         for w, record in enumerate(status):
             state = int(record[int(device.STATE)])
             if state == int(device.RUNNING):
-                lines.append(f"worker {w}: finished {int(done[w])} of {len(t.worker_queue(w))} tasks")
+                lines.append(f"rank {t.rank} worker {w}: finished {int(done[w])} of {len(t.worker_queue(w))} tasks")
                 continue
             task, event = int(record[int(device.TASK)]), int(record[int(device.EVENT)])
             why = "timed out" if state == int(device.TIMED_OUT) else "stopped (another worker timed out)"
-            lines.append(f"worker {w}: {why} at task {task} ({self._label(task)}), queue position "
+            lines.append(f"rank {t.rank} worker {w}: {why} at task {task} ({self._label(task)}), queue position "
                          f"{int(position[task])}: event {event} observed {int(record[int(device.OBSERVED)])}, "
                          f"expected {int(record[int(device.EXPECTED)])}")
             for p in t.producers_of(event):
                 ran = position[p] < done[owner[p]]
                 lines.append(f"    producer task {p} ({self._label(p)}) on rank {t.rank} worker {int(owner[p])} "
                              f"queue position {int(position[p])}: {'ran' if ran else 'did not run'}")
-            if not t.producers_of(event):
+            for rank, task_id, worker, pos in t.remote_producers.get(event, []):
+                peer = self._status(self.peers[rank])[worker]
+                if int(peer[int(device.EPOCH)]) < self.epoch:
+                    ran, progress = False, f"rank {rank} worker {worker} has not started run {self.epoch}"
+                else:
+                    peer_done = int(peer[int(device.DONE)])
+                    ran, progress = pos < peer_done, f"rank {rank} worker {worker} finished {peer_done} tasks"
+                lines.append(f"    producer task {task_id} ({t.op_names[int(t.task_op[task_id])]}) on rank {rank} "
+                             f"worker {worker} queue position {pos}: {'ran' if ran else 'did not run'} ({progress})")
+            if not t.producers_of(event) and event not in t.remote_producers:
                 lines.append("    no task signals this event")
         return "\n".join(lines)
 
@@ -237,11 +279,13 @@ class Megakernel:
         self.close()
 
 
-def _release(heap: SharedHeap, workers: list) -> None:
+def _release(heap: SharedHeap, peers: dict[int, SharedHeap], workers: list) -> None:
     for worker in workers:
         try:
             worker.request("unmap", heap.name, timeout=30)
         except Exception:
             pass  # a dead worker holds no mapping
+    for peer in peers.values():
+        peer.close()
     heap.unlink()
     heap.close()

@@ -8,27 +8,42 @@ To stay linear in the number of tasks, every buffer is cut into a grid of cells;
 the accesses that touched it since the last write that covered it whole. A new access only looks at
 the cells it touches. Buffers that no task writes (weights, inputs) create no dependency and are
 never indexed.
+
+Tiles of one op often read the very same rectangle (every GEMV tile of a linear reads the whole
+input row), so consecutive reads of one rectangle with no write to its buffer in between form one
+*read group*: the cells hold the group once, and each later member costs O(1) instead of a visit to
+every cell. The dependencies come out the same as with one entry per read.
 """
 from __future__ import annotations
 
-from .task import Region, Task
+from .task import Task
 
 CELL_ROWS = 16
 CELL_COLS = 256
 
+Rect = tuple[int, int, int, int]  # row0, row1, col0, col1
+
 
 class _Cell:
+    """Accesses since the last covering write: writers as (task id, *rect), readers as (read group's task
+    ids, *rect). Plain tuples, compared inline, because this is the innermost loop of the scheduler."""
+
     __slots__ = ("writers", "readers")
 
     def __init__(self) -> None:
-        self.writers: list[tuple[int, Region]] = []
-        self.readers: list[tuple[int, Region]] = []
+        self.writers: list[tuple[int, int, int, int, int]] = []
+        self.readers: list[tuple[list[int], int, int, int, int]] = []
 
 
-def _cell_keys(r: Region):
-    for cr in range(r.row0 // CELL_ROWS, (r.row1 - 1) // CELL_ROWS + 1):
-        for cc in range(r.col0 // CELL_COLS, (r.col1 - 1) // CELL_COLS + 1):
-            yield (r.buffer, cr, cc)
+class _ReadGroup:
+    """Consecutive reads of one rectangle of a buffer, with no write to that buffer in between."""
+
+    __slots__ = ("rect", "tids", "producers")
+
+    def __init__(self, rect: Rect, tid: int) -> None:
+        self.rect = rect
+        self.tids = [tid]                  # shared with the cells' reader entries: a member joins in O(1)
+        self.producers: set[int] = set()   # the writers the rectangle waits for, the same for every member
 
 
 def infer_dependencies(tasks: list[Task], shapes: dict[int, tuple[int, int]]) -> list[tuple[int, ...]]:
@@ -37,40 +52,73 @@ def infer_dependencies(tasks: list[Task], shapes: dict[int, tuple[int, int]]) ->
     ``shapes`` maps each buffer to its (rows, cols), so that a cell on the buffer's edge counts as
     covered by a write that reaches the edge.
     """
-    written = {r.buffer for t in tasks for r in t.writes}
-    cells: dict[tuple[int, int, int], _Cell] = {}
+    # Cell (buffer b, row cell cr, column cell cc) has the integer key first[b] + cr * grid_cols[b] + cc:
+    # each written buffer owns a disjoint range of keys (regions lie inside their buffer, as tensor views
+    # do), so no key tuple is built per visit.
+    first: dict[int, int] = {}
+    grid_cols: dict[int, int] = {}
+    next_key = 0
+    for t in tasks:
+        for r in t.writes:
+            if r.buffer not in first:
+                rows, cols = shapes[r.buffer]
+                first[r.buffer] = next_key
+                grid_cols[r.buffer] = -(-cols // CELL_COLS)
+                next_key += -(-rows // CELL_ROWS) * grid_cols[r.buffer]
+    cells: dict[int, _Cell] = {}
+    open_group: dict[int, _ReadGroup] = {}  # per buffer: the read group a read of the same rectangle joins
     producers: list[tuple[int, ...]] = []
     for tid, task in enumerate(tasks):
         deps: set[int] = set()
         for r in task.reads:
-            if r.buffer not in written:
+            base = first.get(r.buffer)
+            if base is None:
                 continue
-            for key in _cell_keys(r):
-                cell = cells.get(key)
-                if cell is None:
-                    cell = cells[key] = _Cell()
-                for other, region in cell.writers:
-                    if other != tid and region.overlaps(r):
-                        deps.add(other)
-                cell.readers.append((tid, r))
+            r0, r1, c0, c1 = rect = (r.row0, r.row1, r.col0, r.col1)
+            group = open_group.get(r.buffer)
+            if group is not None and group.rect == rect:
+                group.tids.append(tid)
+                deps |= group.producers
+                continue
+            group = open_group[r.buffer] = _ReadGroup(rect, tid)
+            entry = (group.tids, r0, r1, c0, c1)
+            width = grid_cols[r.buffer]
+            cc0, cc1 = c0 // CELL_COLS, (c1 - 1) // CELL_COLS + 1
+            for cr in range(r0 // CELL_ROWS, (r1 - 1) // CELL_ROWS + 1):
+                row_key = base + cr * width
+                for key in range(row_key + cc0, row_key + cc1):
+                    cell = cells.get(key)
+                    if cell is None:
+                        cell = cells[key] = _Cell()
+                    for other, a0, a1, b0, b1 in cell.writers:
+                        if a0 < r1 and r0 < a1 and b0 < c1 and c0 < b1:
+                            group.producers.add(other)
+                    cell.readers.append(entry)
+            deps |= group.producers
         for r in task.writes:
-            for key in _cell_keys(r):
-                cell = cells.get(key)
-                if cell is None:
-                    cell = cells[key] = _Cell()
-                for other, region in cell.writers:
-                    if other != tid and region.overlaps(r):
-                        deps.add(other)
-                for other, region in cell.readers:
-                    if other != tid and region.overlaps(r):
-                        deps.add(other)
-                _, cr, cc = key
-                rows, cols = shapes[r.buffer]
-                if r.covers(cr * CELL_ROWS, min((cr + 1) * CELL_ROWS, rows),
-                            cc * CELL_COLS, min((cc + 1) * CELL_COLS, cols)):
-                    cell.writers = [(tid, r)]
-                    cell.readers = []
-                else:
-                    cell.writers.append((tid, r))
+            open_group.pop(r.buffer, None)  # the cells change: later reads must look at them again
+            r0, r1, c0, c1 = r.row0, r.row1, r.col0, r.col1
+            entry = (tid, r0, r1, c0, c1)
+            rows, cols = shapes[r.buffer]
+            base, width = first[r.buffer], grid_cols[r.buffer]
+            for cr in range(r0 // CELL_ROWS, (r1 - 1) // CELL_ROWS + 1):
+                row_key = base + cr * width
+                covers_rows = r0 <= cr * CELL_ROWS and min((cr + 1) * CELL_ROWS, rows) <= r1
+                for cc in range(c0 // CELL_COLS, (c1 - 1) // CELL_COLS + 1):
+                    cell = cells.get(row_key + cc)
+                    if cell is None:
+                        cell = cells[row_key + cc] = _Cell()
+                    for other, a0, a1, b0, b1 in cell.writers:
+                        if a0 < r1 and r0 < a1 and b0 < c1 and c0 < b1:
+                            deps.add(other)
+                    for readers, a0, a1, b0, b1 in cell.readers:
+                        if a0 < r1 and r0 < a1 and b0 < c1 and c0 < b1:
+                            deps.update(readers)
+                    if covers_rows and c0 <= cc * CELL_COLS and min((cc + 1) * CELL_COLS, cols) <= c1:
+                        cell.writers = [entry]
+                        cell.readers = []
+                    else:
+                        cell.writers.append(entry)
+        deps.discard(tid)  # a task that reads and writes one region, or writes it twice, needs no wait on itself
         producers.append(tuple(sorted(deps)))
     return producers

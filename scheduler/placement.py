@@ -1,13 +1,16 @@
-"""Placement of tasks on workers and the global order they run in.
+"""Placement of tasks on workers.
 
-Every policy returns one global order (a topological order of the task DAG) and a worker per task;
-each worker runs its tasks in that global order. That is the progress guarantee of the device
-protocol: the earliest unfinished task in the global order can always run.
+The global order is program order: the key is fixed when the graph is built, the same on every rank,
+and it is topological (a task only depends on earlier ones). Every worker runs its tasks in that
+order, which is the progress guarantee of the device protocol: the earliest unfinished task in the
+global order can always run. Policies only choose each task's worker.
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..errors import GraphError
 from .task import Task
@@ -17,7 +20,7 @@ POLICIES = ("round_robin", "critical_path")
 
 @dataclass
 class Placement:
-    order: list[int]   # task ids in global order
+    order: list[int]   # task ids in global order (program order)
     worker: list[int]  # worker of each task id
 
 
@@ -36,59 +39,70 @@ def bottom_levels(tasks: list[Task], producers: list[tuple[int, ...]]) -> list[f
 
     Tasks are in program order, which is topological, so one backward sweep is enough.
     """
-    level = [t.cost for t in tasks]
+    cost = [t.cost for t in tasks]
+    level = cost.copy()
     for tid in range(len(tasks) - 1, -1, -1):
         reach = level[tid]
         for p in producers[tid]:
-            through = tasks[p].cost + reach
+            through = cost[p] + reach
             if through > level[p]:
                 level[p] = through
     return level
 
 
 def _critical_path(tasks: list[Task], producers: list[tuple[int, ...]], workers: int) -> Placement:
-    """List scheduling: the ready task with the longest path to the end goes first, to the worker
-    where it can start earliest; among equally early workers, the one that ran its last producer
-    (so the wait disappears)."""
+    """Workers by list scheduling: the ready task with the longest path to the end goes first, to the
+    worker where it can start earliest; among equally early workers, the one that ran its last
+    producer (so the wait disappears). The simulated start times only guide the choice of worker:
+    each worker then runs its tasks in program order."""
     n = len(tasks)
     level = bottom_levels(tasks, producers)
+    # The ready heap holds each task's rank in the order (-level, task id), computed once by a stable
+    # sort: plain ints are cheaper to push and compare than (-level, task id) tuples, and the loop
+    # below runs once per task.
+    by_rank = np.argsort(-np.asarray(level, dtype=np.float64), kind="stable")
+    rank = np.empty(n, dtype=np.int64)
+    rank[by_rank] = np.arange(n)
+    by_rank, rank = by_rank.tolist(), rank.tolist()
+    cost = [t.cost for t in tasks]
     consumers: list[list[int]] = [[] for _ in range(n)]
     missing = [0] * n
     for tid, ps in enumerate(producers):
         missing[tid] = len(ps)
         for p in ps:
             consumers[p].append(tid)
-    ready = [(-level[t], t) for t in range(n) if not missing[t]]
+    ready = [rank[t] for t in range(n) if not missing[t]]
     heapq.heapify(ready)
     free_at = [0.0] * workers
-    idle = [(0.0, w) for w in range(workers)]
+    idle = [(0.0, w) for w in range(workers)]  # (free time, worker); stale entries are skipped
     finish = [0.0] * n
     worker = [0] * n
-    order: list[int] = []
+    scheduled = 0
+    heappush, heappop = heapq.heappush, heapq.heappop
     while ready:
-        _, tid = heapq.heappop(ready)
+        tid = by_rank[heappop(ready)]
         data_ready, last = 0.0, -1
         for p in producers[tid]:
             if finish[p] >= data_ready:
                 data_ready, last = finish[p], p
         while idle[0][0] != free_at[idle[0][1]]:
-            heapq.heappop(idle)
+            heappop(idle)
         w = idle[0][1]
-        start = max(free_at[w], data_ready)
-        if last >= 0 and max(free_at[worker[last]], data_ready) <= start:
+        start = free_at[w] if free_at[w] > data_ready else data_ready
+        if last >= 0 and free_at[worker[last]] <= start and data_ready <= start:
             w = worker[last]
-        end = max(free_at[w], data_ready) + tasks[tid].cost
+        end = (free_at[w] if free_at[w] > data_ready else data_ready) + cost[tid]
         finish[tid] = free_at[w] = end
-        heapq.heappush(idle, (end, w))
+        heappush(idle, (end, w))
         worker[tid] = w
-        order.append(tid)
+        scheduled += 1
         for c in consumers[tid]:
             missing[c] -= 1
             if not missing[c]:
-                heapq.heappush(ready, (-level[c], c))
-    if len(order) != n:
+                heappush(ready, rank[c])
+    if scheduled != n:
         raise GraphError("the task graph has a cycle; run scheduler.checks.find_cycle for the tasks on it")
-    return Placement(order, worker)
+    return Placement(list(range(n)), worker)
 
 
 DISPATCH_COST = 512.0   # a task's fixed cost, in bytes moved

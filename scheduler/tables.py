@@ -9,9 +9,10 @@ Version 1 layout of a serialized table (all integers little-endian int64):
     queue    tasks: task ids, worker 0's queue, then worker 1's, ...
     index    workers + 1: where each worker's queue starts in ``queue``
     task_op  tasks: index of the graph op each task came from
-    metadata UTF-8 JSON: opcode specs (task type, constexprs, argument names) and op names
+    metadata UTF-8 JSON: opcode specs (task type, constexprs, argument names), op names, and the
+             other ranks' tasks that raise this rank's events
 
-A task's row number is its position in the global order. Argument words that address memory are
+A task's row number is its position in the global order: program order, the same key on every rank. Argument words that address memory are
 byte offsets into the heap: every process maps the heap at its own address, so the kernel adds its
 local heap base (or a peer's, for a remote store or signal).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -65,6 +67,8 @@ class QueueTables:
     task_op: np.ndarray      # int64 [tasks]
     specs: list[Spec] = field(default_factory=list)
     op_names: list[str] = field(default_factory=list)
+    # event -> the tasks of other ranks that raise it: (rank, task, worker, queue position)
+    remote_producers: dict[int, list[tuple[int, int, int, int]]] = field(default_factory=dict)
 
     @property
     def row_words(self) -> int:
@@ -86,37 +90,52 @@ class QueueTables:
 
 
 def build_tables(tasks: list[Task], placement: Placement, events: Events, *, specs: list[Spec],
-                 op_names: list[str], workers: int, rank: int = 0, world_size: int = 1) -> QueueTables:
+                 op_names: list[str], workers: int, rank: int = 0, world_size: int = 1,
+                 remote_producers: dict[int, list[tuple[int, int, int, int]]] | None = None) -> QueueTables:
+    # Built column by column with numpy, not row by row (a million small numpy assignments would cost
+    # more than the rest of the scheduler). Task fields are read in task id order, the order the tasks
+    # lie in memory, and then permuted to rows: reading them in the global order misses the cache.
     n = len(tasks)
-    args_width = max((len(t.args) for t in tasks), default=0)
-    rows = np.zeros((n, ARG0 + args_width), dtype=np.int64)
-    signal_rows: list[tuple[int, int, int]] = []
-    task_op = np.empty(n, dtype=np.int64)
-    for row, tid in enumerate(placement.order):
-        t = tasks[tid]
-        sigs = events.signals[tid]
-        rows[row, :ARG0] = (t.opcode, events.wait_event[tid], events.fan_in[tid], len(signal_rows), len(sigs))
-        rows[row, ARG0:ARG0 + len(t.args)] = t.args
-        signal_rows.extend((rank, event, inc) for event, inc in sigs)
-        task_op[row] = t.op
-    worker_by_row = np.asarray(placement.worker, dtype=np.int64)[np.asarray(placement.order, dtype=np.int64)]
+    order = np.asarray(placement.order, dtype=np.int64)  # row -> task id
+    row_of = np.empty(n, dtype=np.int64)                 # task id -> row
+    row_of[order] = np.arange(n)
+    arg_counts = np.fromiter((len(t.args) for t in tasks), dtype=np.int64, count=n)
+    rows = np.zeros((n, ARG0 + (int(arg_counts.max()) if n else 0)), dtype=np.int64)
+    rows[:, OPCODE] = np.fromiter((t.opcode for t in tasks), dtype=np.int64, count=n)[order]
+    rows[:, WAIT_EVENT] = np.asarray(events.wait_event, dtype=np.int64)[order]
+    rows[:, FAN_IN] = np.asarray(events.fan_in, dtype=np.int64)[order]
+    signal_counts = np.fromiter(map(len, events.signals), dtype=np.int64, count=n)[order]
+    rows[:, SIGNAL_START] = np.cumsum(signal_counts) - signal_counts
+    rows[:, SIGNAL_COUNT] = signal_counts
+    # Argument words, one block per argument count (a graph has a handful): the block's tasks' words
+    # in one array, reshaped to [tasks, count] and stored into those tasks' rows.
+    for count in np.unique(arg_counts[arg_counts > 0]).tolist():
+        ids = np.flatnonzero(arg_counts == count)
+        words = np.fromiter(chain.from_iterable(tasks[tid].args for tid in ids.tolist()), dtype=np.int64,
+                            count=len(ids) * count)
+        rows[row_of[ids], ARG0:ARG0 + count] = words.reshape(-1, count)
+    signal_rows = np.fromiter(chain.from_iterable(chain.from_iterable(events.signals[tid] for tid in placement.order)),
+                              dtype=np.int64, count=SIGNAL_WORDS * int(signal_counts.sum())).reshape(-1, SIGNAL_WORDS)
+    task_op = np.fromiter((t.op for t in tasks), dtype=np.int64, count=n)[order]
+    worker_by_row = np.asarray(placement.worker, dtype=np.int64)[order]
     queue = np.argsort(worker_by_row, kind="stable").astype(np.int64)
     index = np.zeros(workers + 1, dtype=np.int64)
     index[1:] = np.cumsum(np.bincount(worker_by_row, minlength=workers))
-    return QueueTables(rank, world_size, workers, events.count, rows,
-                       np.asarray(signal_rows, dtype=np.int64).reshape(-1, SIGNAL_WORDS),
-                       queue, index, task_op, list(specs), list(op_names))
+    return QueueTables(rank, world_size, workers, events.count, rows, signal_rows, queue, index, task_op,
+                       list(specs), list(op_names), dict(remote_producers or {}))
 
 
 def serialize(t: QueueTables) -> bytes:
     meta = json.dumps({
         "specs": [[s.task_type, [list(kv) for kv in s.constexprs], list(s.arg_names)] for s in t.specs],
         "ops": t.op_names,
+        "remote_producers": [[event, [list(p) for p in ps]] for event, ps in sorted(t.remote_producers.items())],
     }).encode()
     header = np.array([MAGIC, VERSION, t.rank, t.world_size, t.workers, t.events, len(t.tasks),
                        t.row_words, len(t.signals), len(meta)], dtype="<i8")
     parts = [header, t.tasks, t.signals, t.queue, t.queue_index, t.task_op]
-    return b"".join(np.ascontiguousarray(p, dtype="<i8").tobytes() for p in parts) + meta
+    # join() reads the arrays' buffers directly: one copy of a table that may be hundreds of MiB.
+    return b"".join([*(np.ascontiguousarray(p, dtype="<i8") for p in parts), meta])
 
 
 def deserialize(blob: bytes) -> QueueTables:
@@ -136,8 +155,9 @@ def deserialize(blob: bytes) -> QueueTables:
     tasks, signals, queue, index, task_op = np.split(words, np.cumsum(sizes)[:-1])
     meta = json.loads(blob[len(blob) - meta_len:].decode())
     specs = [Spec(name, tuple((k, v) for k, v in consts), tuple(args)) for name, consts, args in meta["specs"]]
+    remote = {event: [tuple(p) for p in ps] for event, ps in meta["remote_producers"]}
     return QueueTables(rank, world, workers, events, tasks.reshape(n, row_words),
-                       signals.reshape(n_signals, SIGNAL_WORDS), queue, index, task_op, specs, meta["ops"])
+                       signals.reshape(n_signals, SIGNAL_WORDS), queue, index, task_op, specs, meta["ops"], remote)
 
 
 def disassemble(t: QueueTables) -> str:

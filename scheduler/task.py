@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class Region:
-    """A rectangle ``[row0, row1) x [col0, col1)`` of one heap buffer, in the buffer's element coordinates."""
+class Region(NamedTuple):
+    """A rectangle ``[row0, row1) x [col0, col1)`` of one heap buffer, in the buffer's element coordinates.
+
+    A tuple of ints, not a dataclass: a big graph has millions of them, and tuples of ints are the
+    one container CPython's cyclic garbage collector stops tracking (which keeps building linear).
+    """
 
     buffer: int
     row0: int
@@ -26,8 +30,9 @@ class Region:
 class Task:
     """One tile task: what it runs (``opcode`` + argument words), what it touches, what it costs.
 
-    ``op`` is the index of the graph op that made the task (for labels); ``cost`` is in the
-    scheduler's time unit (see ``placement.task_cost``).
+    ``op`` is the index of the graph op (or op phase) that made the task: the global order key,
+    the same on every rank. ``remote`` lists the regions it writes on other ranks' heaps as
+    ``(rank, region)``. ``cost`` is in the scheduler's time unit (see ``placement.task_cost``).
     """
 
     opcode: int
@@ -36,3 +41,4 @@ class Task:
     writes: tuple[Region, ...]
     cost: float
     op: int
+    remote: tuple[tuple[int, Region], ...] = ()

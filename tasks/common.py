@@ -3,7 +3,9 @@
 A task type is an opcode's meaning: a ``@triton.jit`` tile function ``tile(base, args, **constexprs)``
 that reads its argument words from ``args`` (an int64 pointer into the task table) and addresses the
 heap from ``base``; the names of those words; a torch reference that runs the same tile on a heap
-tensor; and a host-side builder, registered as a graph op, that splits an op into tiles.
+tensor; and a host-side builder, registered as a graph op, that splits an op into tiles. A task type
+that ``needs_peers`` (a remote store) gets the table of every rank's heap base too:
+``tile(base, bases, args, ...)``, and its reference gets every rank's heap view.
 
 Constexpr names ending in ``DTYPE`` hold a dtype name ("float32", "bfloat16", "float16").
 """
@@ -27,7 +29,8 @@ class TaskType:
     name: str
     tile: Any                       # triton.JITFunction
     arg_names: tuple[str, ...]
-    reference: Callable[["HeapView", dict[str, int], dict[str, Any]], None]
+    reference: Callable[..., None]  # (heap, args, constexprs[, peers: rank -> HeapView]) -> None
+    needs_peers: bool = False
 
 
 class HeapView:

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import HeapView, TaskType, load_block, next_power_of_2, store_block
+from .common import HeapView, TaskType, next_power_of_2, store_block
+from .reduction import sum_slices
 
 DOT_MIN_M = 16
 GEMV_BLOCK_N, GEMV_BLOCK_K = 32, 128
@@ -52,33 +53,7 @@ def _linear_reference(heap: HeapView, args: dict[str, int], consts: dict) -> Non
     heap.tensor(args["y"], consts["Y_DTYPE"], m, n, args["y_stride"]).copy_(x @ w.T)
 
 
-@triton.jit
-def split_k_sum_tile(base, args, Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``y = sum_s partial[s]`` over one ``rows x cols`` block, adding the float32 partials in order s = 0, 1, ..."""
-    y, partial = tl.load(args + 0), tl.load(args + 1)
-    rows, cols = tl.load(args + 2), tl.load(args + 3)
-    y_stride, partial_stride = tl.load(args + 4), tl.load(args + 5)
-    splits, split_bytes = tl.load(args + 6), tl.load(args + 7)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for s in range(0, splits):
-        acc += load_block(base, partial + s * split_bytes, partial_stride, rows, cols, tl.float32, BLOCK_M, BLOCK_N)
-    store_block(base, y, y_stride, rows, cols, acc, Y_DTYPE, BLOCK_M, BLOCK_N)
-
-
-SUM_ARGS = ("y", "partial", "rows", "cols", "y_stride", "partial_stride", "splits", "split_bytes")
-
-
-def _sum_reference(heap: HeapView, args: dict[str, int], consts: dict) -> None:
-    rows, cols = args["rows"], args["cols"]
-    acc = torch.zeros(rows, cols)
-    for s in range(args["splits"]):
-        acc += heap.tensor(args["partial"] + s * args["split_bytes"], torch.float32, rows, cols,
-                           args["partial_stride"])
-    heap.tensor(args["y"], consts["Y_DTYPE"], rows, cols, args["y_stride"]).copy_(acc)
-
-
 LINEAR = TaskType("linear", linear_tile, LINEAR_ARGS, _linear_reference)
-SPLIT_K_SUM = TaskType("split_k_sum", split_k_sum_tile, SUM_ARGS, _sum_reference)
 
 
 def linear(g, x, w, split_k: int = 1):
@@ -99,34 +74,30 @@ def linear(g, x, w, split_k: int = 1):
     target = y if len(k_ranges) == 1 else g.new_tensor((len(k_ranges) * m_total, n_total), torch.float32)
     opcode = g.opcode(LINEAR, X_DTYPE=x.dtype, W_DTYPE=w.dtype, Y_DTYPE=target.dtype, BLOCK_M=block_m,
                       BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot)
+    # A big graph has hundreds of thousands of these tiles: what does not change along a row of tiles
+    # is computed once per row (the x tile and its Region, shared by the row's tasks), and the y and w
+    # addresses advance by a fixed step per tile, instead of going through Tensor.addr each time.
+    x_size, w_size, y_size = x.element_size, w.element_size, target.element_size
+    strides = (target.row_stride, x.row_stride, w.row_stride)
+    w_step = block_n * w.row_stride * w_size  # bytes from one tile's w rows to the next tile's
+    add_task = g.add_task
     for s, (k0, k) in enumerate(k_ranges):
         for r0 in range(0, m_total, block_m):
             m = min(block_m, m_total - r0)
+            row = s * m_total + r0
+            y_addr, x_addr, w_addr = target.addr(row, 0), x.addr(r0, k0), w.addr(0, k0)
+            x_tile = x.region(r0, m, k0, k)
             for c0 in range(0, n_total, block_n):
                 n = min(block_n, n_total - c0)
-                row = s * m_total + r0
-                g.add_task(opcode, (target.addr(row, c0), x.addr(r0, k0), w.addr(c0, k0), m, n, k,
-                                    target.row_stride, x.row_stride, w.row_stride),
-                           reads=(x.region(r0, m, k0, k), w.region(c0, n, k0, k)),
-                           writes=(target.region(row, m, c0, n),),
-                           bytes=m * k * x.element_size + n * k * w.element_size + m * n * target.element_size,
-                           flops=2 * m * n * k)
+                add_task(opcode, (y_addr + c0 * y_size, x_addr, w_addr, m, n, k, *strides),
+                         reads=(x_tile, w.region(c0, n, k0, k)), writes=(target.region(row, m, c0, n),),
+                         bytes=m * k * x_size + n * k * w_size + m * n * y_size, flops=2 * m * n * k)
+                w_addr += w_step
     if target is y:
         return y
-    splits = len(k_ranges)
-    block_m, block_n = min(next_power_of_2(m_total), 8), min(next_power_of_2(n_total), 128)
-    opcode = g.opcode(SPLIT_K_SUM, Y_DTYPE=y.dtype, BLOCK_M=block_m, BLOCK_N=block_n)
-    for r0 in range(0, m_total, block_m):
-        m = min(block_m, m_total - r0)
-        for c0 in range(0, n_total, block_n):
-            n = min(block_n, n_total - c0)
-            g.add_task(opcode, (y.addr(r0, c0), target.addr(r0, c0), m, n, y.row_stride, target.row_stride,
-                                splits, m_total * n_total * 4),
-                       reads=tuple(target.region(s * m_total + r0, m, c0, n) for s in range(splits)),
-                       writes=(y.region(r0, m, c0, n),),
-                       bytes=(splits * 4 + y.element_size) * m * n, flops=splits * m * n)
+    sum_slices(g, y, target, len(k_ranges), m_total)
     return y
 
 
-TASK_TYPES = (LINEAR, SPLIT_K_SUM)
+TASK_TYPES = (LINEAR,)
 OPS = {"linear": linear}

@@ -1,0 +1,151 @@
+"""Communication tiles and the collectives built from them, all at tile granularity.
+
+A put tile loads a block of a local tensor and stores it into the same-offset buffer of a peer's
+heap (the heap is symmetric), then the protocol loop releases the peer's event. Collectives are
+graphs of put tiles and fixed-order sum tiles, so a consumer tile waits only for the tiles it reads
+and communication overlaps computation inside the one launch. Every reduction adds contributions
+in rank order 0, 1, ..., so every rank gets a bitwise identical result.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import HeapView, TaskType, load_block, next_power_of_2, store_block
+from .reduction import sum_slices
+
+BLOCK_ELEMENTS = 1024
+ONE_SHOT_MAX_BYTES = 64 * 1024  # above this, all_reduce is a reduce-scatter then an all-gather
+
+
+@triton.jit
+def put_tile(base, bases, args, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Copy a local ``rows x cols`` block to the same-shaped block at ``dst`` on rank ``peer``."""
+    dst, src, peer = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2)
+    rows, cols = tl.load(args + 3), tl.load(args + 4)
+    dst_stride, src_stride = tl.load(args + 5), tl.load(args + 6)
+    block = load_block(base, src, src_stride, rows, cols, DTYPE, BLOCK_M, BLOCK_N)
+    peer_base = tl.load(bases + peer)
+    store_block(peer_base, dst, dst_stride, rows, cols, block, DTYPE, BLOCK_M, BLOCK_N)
+
+
+ARGS = ("dst", "src", "peer", "rows", "cols", "dst_stride", "src_stride")
+
+
+def _reference(heap: HeapView, args: dict[str, int], consts: dict, peers: dict[int, HeapView]) -> None:
+    rows, cols = args["rows"], args["cols"]
+    block = heap.tensor(args["src"], consts["DTYPE"], rows, cols, args["src_stride"])
+    peers[args["peer"]].tensor(args["dst"], consts["DTYPE"], rows, cols, args["dst_stride"]).copy_(block)
+
+
+PUT = TaskType("put", put_tile, ARGS, _reference, needs_peers=True)
+
+
+def put_tiles(g, src, dst_rank: int, dst) -> None:
+    """Tiles copying ``src`` (this rank) into ``dst`` (a same-shaped view) on ``dst_rank``."""
+    rows, cols = src.rows, src.cols
+    block_m = min(next_power_of_2(rows), 8)
+    block_n = min(next_power_of_2(cols), BLOCK_ELEMENTS // block_m)
+    opcode = g.opcode(PUT, DTYPE=src.dtype, BLOCK_M=block_m, BLOCK_N=block_n)
+    local = dst_rank == g.rank
+    for r0 in range(0, rows, block_m):
+        m = min(block_m, rows - r0)
+        for c0 in range(0, cols, block_n):
+            n = min(block_n, cols - c0)
+            target = dst.region(r0, m, c0, n)
+            g.add_task(opcode, (dst.addr(r0, c0), src.addr(r0, c0), dst_rank, m, n, dst.row_stride, src.row_stride),
+                       reads=(src.region(r0, m, c0, n),), writes=(target,) if local else (),
+                       remote=() if local else ((dst_rank, target),),
+                       bytes=2 * m * n * src.element_size, flops=0)
+
+
+def _check_rank(g, op: str, rank: int) -> None:
+    g.check(isinstance(rank, int) and 0 <= rank < g.world_size,
+            f"{op}: rank {rank!r} is outside world size {g.world_size}")
+
+
+def put(g, x, to_rank: int, into):
+    """Store ``x`` into ``into`` on rank ``to_rank``; returns ``into`` (what peers put into this rank)."""
+    _check_rank(g, "put", to_rank)
+    g.check(x.shape == into.shape and x.dtype == into.dtype,
+            f"put: x is {x.shape} {x.dtype} but into is {into.shape} {into.dtype}")
+    put_tiles(g, x.block(), to_rank, into.block())
+    return into
+
+
+def _column_chunks(cols: int, world: int) -> list[tuple[int, int]]:
+    return [(r * cols // world, (r + 1) * cols // world) for r in range(world)]
+
+
+def all_reduce(g, x, algorithm: str | None = None):
+    """Sum of ``x`` over ranks, on every rank. ``algorithm``: "one_shot" (every rank sends its whole
+    tensor to every rank), "two_shot" (reduce-scatter then all-gather), or None to choose by size."""
+    world, me = g.world_size, g.rank
+    if algorithm is None:
+        algorithm = "one_shot" if x.rows * x.cols * x.element_size <= ONE_SHOT_MAX_BYTES else "two_shot"
+    g.check(algorithm in ("one_shot", "two_shot"), f"all_reduce: unknown algorithm {algorithm!r}")
+    src = x.block()
+    rows, cols = src.rows, src.cols
+    stage = g.new_tensor((world * rows, cols), x.dtype)  # slot s holds rank s's contribution
+    out = g.new_tensor(x.shape, x.dtype)
+    if algorithm == "one_shot":
+        for dst in range(world):
+            put_tiles(g, src, dst, stage.block(me * rows, rows))
+        g.phase("all_reduce.sum")
+        sum_slices(g, out.block(), stage, world, rows)
+        return out
+    chunks = _column_chunks(cols, world)
+    for owner, (c0, c1) in enumerate(chunks):
+        if c1 > c0:
+            put_tiles(g, src.block(0, rows, c0, c1 - c0), owner, stage.block(me * rows, rows, c0, c1 - c0))
+    g.phase("all_reduce.sum")
+    c0, c1 = chunks[me]
+    if c1 > c0:
+        sum_slices(g, out.block(0, rows, c0, c1 - c0), stage.block(0, world * rows, c0, c1 - c0), world, rows)
+    g.phase("all_reduce.gather")
+    if c1 > c0:
+        mine = out.block(0, rows, c0, c1 - c0)
+        for dst in range(world):
+            if dst != me:
+                put_tiles(g, mine, dst, mine)
+    return out
+
+
+def all_gather(g, x, dim: int = 0):
+    """Concatenation of every rank's ``x`` along ``dim``, in rank order, on every rank."""
+    world, me = g.world_size, g.rank
+    g.check(dim in range(x.ndim), f"all_gather: dim {dim} is out of range for shape {x.shape}")
+    shape = list(x.shape)
+    shape[dim] *= world
+    out = g.new_tensor(tuple(shape), x.dtype)
+    src = x.block()
+    along_rows = x.ndim == 2 and dim == 0
+    slot = out.block(me * src.rows, src.rows) if along_rows else out.block(0, src.rows, me * src.cols, src.cols)
+    for dst in range(world):
+        put_tiles(g, src, dst, slot)
+    return out
+
+
+def reduce_scatter(g, x, dim: int = 0):
+    """This rank's chunk (chunk ``rank`` of ``world`` along ``dim``) of the sum of ``x`` over ranks."""
+    world, me = g.world_size, g.rank
+    g.check(dim in range(x.ndim), f"reduce_scatter: dim {dim} is out of range for shape {x.shape}")
+    g.check(x.shape[dim] % world == 0,
+            f"reduce_scatter: dim {dim} of shape {x.shape} does not split into {world} equal chunks")
+    src = x.block()
+    along_rows = x.ndim == 2 and dim == 0
+    rows, cols = (src.rows // world, src.cols) if along_rows else (src.rows, src.cols // world)
+    shape = list(x.shape)
+    shape[dim] //= world
+    out = g.new_tensor(tuple(shape), x.dtype)
+    stage = g.new_tensor((world * rows, cols), x.dtype)
+    for owner in range(world):
+        chunk = src.block(owner * rows, rows) if along_rows else src.block(0, rows, owner * cols, cols)
+        put_tiles(g, chunk, owner, stage.block(me * rows, rows))
+    g.phase("reduce_scatter.sum")
+    sum_slices(g, out.block(), stage, world, rows)
+    return out
+
+
+TASK_TYPES = (PUT,)
+OPS = {"put": put, "all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter}

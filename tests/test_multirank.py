@@ -1,0 +1,225 @@
+"""Several ranks (processes) per test: collectives, tensor parallelism, reruns, divergence, faults."""
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import megakernel as mk
+from megakernel import cpu_backend
+from megakernel import RankError
+
+from conftest import assert_close
+
+ROWS, COLS = 3, 100
+
+
+def _value(rank: int, run: int, shape, seed: int = 0) -> torch.Tensor:
+    """Rank- and run-specific random data, reproducible in the parent for the reference."""
+    g = torch.Generator().manual_seed(seed * 100003 + run * 1009 + rank)
+    return torch.randn(shape, generator=g)
+
+
+def collectives(workers: int):
+    g = mk.Graph()
+    me, world = g.rank, g.world_size
+    x = g.input("x", (ROWS, COLS), torch.float32)
+    big = g.input("big", (20, 1000), torch.float32)  # 80 kB: two-shot by default
+    ring = g.new_tensor((ROWS, COLS), torch.float32, name="ring")
+    g.output("put", g.add(g.put(x, to_rank=(me + 1) % world, into=ring), x))
+    g.output("one_shot", g.all_reduce(x, algorithm="one_shot"))
+    g.output("two_shot", g.all_reduce(x, algorithm="two_shot"))
+    g.output("auto", g.all_reduce(big))
+    g.output("gather0", g.all_gather(x, dim=0))
+    g.output("gather1", g.all_gather(x[:, :7], dim=1))
+    g.output("scatter", g.reduce_scatter(g.mul(x, x)[:, : (COLS // world) * world], dim=1))
+    g.output("scatter_rows", g.reduce_scatter(big[: 4 * world], dim=0))
+    outputs = []
+    with mk.Megakernel(g, workers=workers, timeout=60) as kernel:
+        for run in range(2):
+            kernel.poison()
+            outputs.append(kernel.run({"x": _value(me, run, (ROWS, COLS)), "big": _value(me, run, (20, 1000), 1)}))
+    return outputs
+
+
+@pytest.mark.parametrize("world,workers", [(2, 1), (2, 2), (3, 1), (3, 2), (4, 1), (4, 2)])
+def test_collectives_against_torch_and_bitwise_equal_across_ranks(world, workers):
+    results = mk.launch(functools.partial(collectives, workers), world_size=world, timeout=300)
+    for run in range(2):
+        xs = [_value(r, run, (ROWS, COLS)).double() for r in range(world)]
+        bigs = [_value(r, run, (20, 1000), 1).double() for r in range(world)]
+        total, big_total = sum(xs), sum(bigs)
+        chunk = COLS // world
+        squares = sum(x[:, : chunk * world] ** 2 for x in xs)
+        for me in range(world):
+            out = results[me][run]
+            what = f"rank {me} of {world}, {workers} workers, run {run}"
+            assert_close(out["put"], xs[(me - 1) % world] + xs[me], 1e-6, f"put {what}")
+            for name in ("one_shot", "two_shot"):
+                assert_close(out[name], total, 1e-5, f"{name} {what}")
+            assert_close(out["auto"], big_total, 1e-5, f"auto {what}")
+            assert_close(out["gather0"], torch.cat(xs, 0), 1e-7, f"gather0 {what}")
+            assert_close(out["gather1"], torch.cat([x[:, :7] for x in xs], 1), 1e-7, f"gather1 {what}")
+            assert_close(out["scatter"], squares[:, me * chunk:(me + 1) * chunk], 1e-5, f"scatter {what}")
+            assert_close(out["scatter_rows"], big_total[4 * me: 4 * me + 4], 1e-5, f"scatter_rows {what}")
+            for name in ("one_shot", "two_shot", "auto"):
+                assert torch.equal(out[name], results[0][run][name]), f"{name} differs between rank 0 and {me}"
+
+
+def tensor_parallel_mlp(hidden: int, inter: int):
+    """Column-parallel gate/up, silu_mul, row-parallel down, all_reduce: this rank's shards of one MLP."""
+    g = mk.Graph()
+    me, world = g.rank, g.world_size
+    shard = inter // world
+    x = g.input("x", (1, hidden), torch.float32)
+    gate = g.input("gate", (shard, hidden), torch.float32)
+    up = g.input("up", (shard, hidden), torch.float32)
+    down = g.input("down", (hidden, shard), torch.float32)
+    g.output("y", g.all_reduce(g.linear(g.silu_mul(g.linear(x, gate), g.linear(x, up)), down)))
+    weights = {k: _value(0, 0, s, seed) * 0.2 for seed, (k, s) in
+               enumerate([("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))])}
+    rows = slice(me * shard, (me + 1) * shard)
+    with mk.Megakernel(g, workers=2) as kernel:
+        return [kernel.run({"x": _value(0, run, (1, hidden), 7), "gate": weights["gate"][rows],
+                            "up": weights["up"][rows], "down": weights["down"][:, rows]})["y"]
+                for run in range(3)]
+
+
+def test_tensor_parallel_mlp_equals_single_rank():
+    hidden, inter = 64, 96
+    single = tensor_parallel_mlp(hidden, inter)  # no process group: world size 1, here
+    for world in (2, 3):
+        results = mk.launch(functools.partial(tensor_parallel_mlp, hidden, inter), world_size=world, timeout=300)
+        for run in range(3):
+            for me in range(world):
+                assert_close(results[me][run], single[run], 1e-5, f"rank {me} of {world}, run {run}")
+                assert torch.equal(results[me][run], results[0][run])
+
+
+def diverging():
+    g = mk.Graph()
+    x = g.input("x", (2, 32), torch.float32)
+    y = g.add(x, x) if g.rank == 0 else g.mul(x, x)
+    g.output("y", g.all_reduce(y))
+    mk.Megakernel(g, workers=1)
+
+
+def test_diverging_graphs_are_rejected_naming_the_op():
+    with pytest.raises(RankError) as info:
+        mk.launch(diverging, world_size=2, timeout=120)
+    assert isinstance(info.value.error, mk.GraphError)
+    assert "op 0" in str(info.value.error) and "add" in str(info.value.error) and "mul" in str(info.value.error)
+
+
+def silent_rank():
+    """Rank 1 builds the kernel but never runs it: rank 0's watchdog must name it."""
+    g = mk.Graph()
+    x = g.input("x", (2, 32), torch.float32)
+    g.output("y", g.all_reduce(x))
+    with mk.Megakernel(g, workers=1, timeout=2) as kernel:
+        if g.rank == 1:
+            time.sleep(8)
+            return "slept"
+        start = time.monotonic()
+        try:
+            kernel.run({"x": torch.randn(2, 32)})
+        except mk.DeadlockError as error:
+            return time.monotonic() - start, error.report
+        return "no error"
+
+
+def test_silent_rank_is_named_by_the_watchdog():
+    results = mk.launch(silent_rank, world_size=2, timeout=120)
+    elapsed, report = results[0]
+    assert elapsed < 2 + 5
+    assert "on rank 1" in report and "did not run" in report, report
+
+
+def killed_rank():
+    g = mk.Graph()
+    x = g.input("x", (2, 32), torch.float32)
+    g.output("y", g.all_reduce(x))
+    with mk.Megakernel(g, workers=1, timeout=30) as kernel:
+        if g.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        kernel.run({"x": torch.randn(2, 32)})
+
+
+def _shm_segments():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("megakernel-")}
+
+
+def _megakernel_processes() -> set[int]:
+    """Pids of every live rank or worker process on the machine (zombies excluded), from /proc."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and (b"_worker_main" in cmdline or b"multiprocessing.spawn" in cmdline):
+            found.add(int(entry))
+    return found
+
+
+def test_killed_rank_gives_clear_error_and_leaves_nothing_behind():
+    before = _shm_segments()
+    start = time.monotonic()
+    with pytest.raises(mk.BackendError, match="rank 1 died"):
+        mk.launch(killed_rank, world_size=2, timeout=120)
+    assert time.monotonic() - start < 60
+    assert _shm_segments() <= before
+    ours = {w.process.pid for w in cpu_backend.default_pool().workers}  # this test process's own pool
+    deadline = time.monotonic() + 10
+    while _megakernel_processes() - ours and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _megakernel_processes() - ours
+    assert not left, f"outlived the launch: {[open(f'/proc/{p}/cmdline', 'rb').read() for p in left]}"
+
+
+def test_rank_exception_is_reraised_naming_the_rank():
+    with pytest.raises(RankError, match="rank 1 raised ZeroDivisionError"):
+        mk.launch(_fail_on_rank_1, world_size=2, timeout=120)
+
+
+def _fail_on_rank_1():
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        1 / 0
+    return "fine"
+
+
+TORCHRUN_JOB = """
+import functools, sys, torch, megakernel as mk
+sys.path.insert(0, {tests!r})
+from test_multirank import collectives
+if __name__ == "__main__":
+    results = mk.launch(functools.partial(collectives, 1), world_size=2)
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        torch.save(results, {out!r})
+"""
+
+
+def test_same_code_runs_under_torchrun(tmp_path):
+    script = tmp_path / "job.py"
+    out = tmp_path / "results.pt"
+    script.write_text(TORCHRUN_JOB.format(tests=os.path.dirname(__file__), out=str(out)))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    launched = mk.launch(functools.partial(collectives, 1), world_size=2, timeout=300)
+    torchrun = torch.load(out)
+    for me in range(2):
+        for run in range(2):
+            for name, value in launched[me][run].items():
+                assert torch.equal(torchrun[me][run][name], value), f"{name} rank {me} run {run}"
