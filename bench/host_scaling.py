@@ -8,8 +8,8 @@ Each layer has its own weights and ~400 tile tasks (GEMV tiles, split-K partials
 tiles, norm and elementwise tiles); the number of layers is scaled to reach each task count.
 "schedule" is ``megakernel.scheduler.schedule``: dependency inference, placement, event encoding,
 tables and the pre-launch checks. "gc s" is the part of the total that CPython's cyclic garbage
-collector ran (it scans every task object of the growing graph during the build; ``schedule`` pauses
-it), measured through ``gc.callbacks``.
+collector ran (during the build, where each full collection walks the growing graph; ``schedule``
+pauses it), measured through ``gc.callbacks``.
 
     python bench/host_scaling.py                    # ~1k, 10k, 100k and 1M tasks
     python bench/host_scaling.py --max-tasks 10000  # a quick run

@@ -29,12 +29,13 @@ class Compiled:
     shared: int          # bytes of shared memory (LDS) per program
 
 
-def compile_kernel(specs: list[Spec], target: str, row_words: int) -> Compiled:
-    """Compile the megakernel for ``specs`` for ``target`` (a key of ``TARGETS``)."""
+def compile_kernel(specs: list[Spec], target: str, row_words: int, trace: bool = False) -> Compiled:
+    """Compile the megakernel for ``specs`` for ``target`` (a key of ``TARGETS``), with or without tracing."""
     gpu = TARGETS[target]
     kernel = codegen.load_kernel(codegen.kernel_path(specs, gpu.backend))
     signature = {name: "i64" for name in codegen.KERNEL_ARGS}
-    signature["ROW"] = "constexpr"
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs={"ROW": row_words}), target=gpu)
+    signature.update(ROW="constexpr", TRACE="constexpr")
+    source = ASTSource(fn=kernel, signature=signature, constexprs={"ROW": row_words, "TRACE": trace})
+    compiled = triton.compile(source, target=gpu)
     binary = "cubin" if gpu.backend == "cuda" else "hsaco"
     return Compiled(target, binary, len(compiled.asm[binary]), compiled.metadata.shared)

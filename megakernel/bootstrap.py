@@ -34,7 +34,7 @@ class Group:
         dist.all_gather_object(gathered, value)
         return gathered
 
-    def barrier(self, timeout: float) -> None:
+    def barrier(self, timeout: float, why: str = "launch") -> None:
         """Wait for every rank; a rank that does not arrive within ``timeout`` s is named in the error."""
         if self.world_size == 1:
             return
@@ -42,7 +42,7 @@ class Group:
         try:
             dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
         except RuntimeError as error:
-            raise BackendError(f"rank {self.rank}: the ranks did not all finish the run: {error}") from None
+            raise BackendError(f"rank {self.rank}: the ranks did not all arrive to {why}: {error}") from None
 
 
 def check_agreement(group: Group, what: str, items: list[str]) -> None:

@@ -19,7 +19,7 @@ from .tasks import TASK_TYPES
 
 TARGETS = tuple(CLOCKS)  # "interpreter", "cuda", "hip"
 KERNEL_ARGS = ("bases_addr", "rank", "worker", "epoch", "timeout_ns", "tasks_off", "signals_off", "queue_off",
-               "index_off", "events_off", "status_off")
+               "index_off", "events_off", "status_off", "trace_off")
 
 
 def cache_dir() -> Path:
@@ -67,8 +67,8 @@ def run_tile(opcode, base, bases, args):
 
 
 @triton.jit
-def megakernel({args}, ROW: tl.constexpr):
-    persistent_loop({args}, ROW, run_tile, {CLOCKS[target]})
+def megakernel({args}, ROW: tl.constexpr, TRACE: tl.constexpr):
+    persistent_loop({args}, ROW, run_tile, {CLOCKS[target]}, TRACE)
 '''
 
 

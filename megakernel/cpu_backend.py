@@ -82,9 +82,9 @@ def _worker_main(fd: int) -> None:
                 launch: Launch = payload
                 kernel = load_kernel(launch.kernel)
                 args = dict(launch.args)
-                row = args.pop("ROW")
+                constexprs = {name: args.pop(name) for name in ("ROW", "TRACE")}
                 start = time.perf_counter()
-                kernel[(1,)](bases[launch.heap].data_ptr(), launch.rank, launch.worker, **args, ROW=row)
+                kernel[(1,)](bases[launch.heap].data_ptr(), launch.rank, launch.worker, **args, **constexprs)
                 conn.send(("ok", time.perf_counter() - start))
             else:
                 conn.send(("error", f"unknown command {command!r}"))

@@ -101,15 +101,19 @@ ROW_OPCODE, ROW_WAIT_EVENT, ROW_FAN_IN, ROW_SIGNAL_START, ROW_SIGNAL_COUNT, ROW_
     tl.constexpr(i) for i in (tables.OPCODE, tables.WAIT_EVENT, tables.FAN_IN, tables.SIGNAL_START,
                               tables.SIGNAL_COUNT, tables.ARG0))
 SIGNAL_WORDS = tl.constexpr(tables.SIGNAL_WORDS)
+TRACE_WORDS = tl.constexpr(3)  # per task: wait start, run start, end (ns on the backend's clock)
 
 
 @triton.jit
 def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, signals_off, queue_off, index_off,
-                    events_off, status_off, ROW: tl.constexpr, RUN_TILE: tl.constexpr, CLOCK: tl.constexpr):
+                    events_off, status_off, trace_off, ROW: tl.constexpr, RUN_TILE: tl.constexpr,
+                    CLOCK: tl.constexpr, TRACE: tl.constexpr):
     """One worker's whole run: for each task of its queue, wait, run the tile, signal.
 
     ``RUN_TILE(opcode, base, bases, args)`` dispatches to the tile functions (generated per graph). A wait
-    that times out writes this worker's status record and stops every worker of the rank.
+    that times out writes this worker's status record and stops every worker of the rank. With
+    ``TRACE``, each task records when it started waiting, started running and finished (its stores
+    done, just before its signals) at ``trace[task * TRACE_WORDS]``; without it no clock is read and nothing is stored.
     """
     bases = bases_addr.to(tl.pointer_type(tl.int64))
     base = tl.load(bases + rank)
@@ -129,6 +133,9 @@ def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, sign
         task = tl.load(queue + i)
         row = tasks + task * ROW
         event = tl.load(row + ROW_WAIT_EVENT)
+        if TRACE:
+            stamp = heap_ptr(base, trace_off, tl.int64) + task * TRACE_WORDS
+            tl.store(stamp, CLOCK())
         if event >= 0:
             target = epoch * tl.load(row + ROW_FAN_IN)
             observed = wait_event(events + event, target, abort, timeout_ns, CLOCK)
@@ -137,8 +144,12 @@ def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, sign
                 running = 0
         if running == 1:
             tl.debug_barrier()
+            if TRACE:
+                tl.store(stamp + 1, CLOCK())
             RUN_TILE(tl.load(row + ROW_OPCODE), base, bases, row + ROW_ARG0)
             tl.debug_barrier()
+            if TRACE:  # before the signals: a consumer may start as soon as they are sent
+                tl.store(stamp + 2, CLOCK())
             first_signal = tl.load(row + ROW_SIGNAL_START)
             for s in range(first_signal, first_signal + tl.load(row + ROW_SIGNAL_COUNT)):
                 signal = signals + s * SIGNAL_WORDS

@@ -8,13 +8,15 @@ dependencies from those regions.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .errors import GraphError
-from .scheduler import Region, Spec, Task, task_cost
+from .scheduler import Region, Spec, Tasks, task_cost
 from .tasks import DTYPES, OPS, TaskType
 
 HEAP_ALIGN = 256
@@ -73,7 +75,7 @@ class Tensor:
     def region(self, row: int, rows: int, col: int, cols: int) -> Region:
         """The buffer rectangle under rows [row, row+rows) x cols [col, col+cols) of this view."""
         r, c = self.row0 + row, self.col0 + col
-        return Region(self.buffer.index, r, r + rows, c, c + cols)
+        return (self.buffer.index, r, r + rows, c, c + cols)
 
     def __getitem__(self, index) -> "Tensor":
         index = index if isinstance(index, tuple) else (index,)
@@ -139,9 +141,10 @@ class Graph:
         self.buffers: list[Buffer] = []
         self.inputs: dict[str, Tensor] = {}
         self.outputs: dict[str, Tensor] = {}
-        self.tasks: list[Task] = []
+        self.tasks = Tasks()
         self.specs: list[Spec] = []
         self.op_names: list[str] = []
+        self._scope = ""  # label prefix of the ops built now, e.g. "layer3/"
         self.op_calls: list[str] = []  # one line per op call, what ranks compare before a launch
         self.heap_bytes = 0
         self._spec_index: dict[tuple, int] = {}
@@ -172,7 +175,7 @@ class Graph:
                 if isinstance(value, Tensor):
                     self._own(value, name)
             mark = (len(self.op_names), len(self.tasks), len(self.buffers), len(self.specs), self.heap_bytes)
-            self.op_names.append(name)
+            self.op_names.append(self._scope + name)
             try:
                 result = build(self, *args, **kwargs)
                 self.op_calls.append(f"{name}({', '.join(_describe(a) for a in (*args, *kwargs.values()))})")
@@ -219,7 +222,7 @@ class Graph:
     def add_task(self, opcode: int, args: tuple[int, ...], *, reads: tuple[Region, ...],
                  writes: tuple[Region, ...], bytes: int, flops: int,
                  remote: tuple[tuple[int, Region], ...] = ()) -> None:
-        self.tasks.append(Task(opcode, args, reads, writes, task_cost(bytes, flops), len(self.op_names) - 1, remote))
+        self.tasks.append(opcode, args, reads, writes, task_cost(bytes, flops), len(self.op_names) - 1, remote)
 
     def phase(self, name: str) -> None:
         """Start a new phase of the current op: tasks after it come later in the global order.
@@ -227,7 +230,17 @@ class Graph:
         A collective is several phases (scatter, sum, gather); a remote write lands between the
         phase that makes it and the next, on every rank.
         """
-        self.op_names.append(name)
+        self.op_names.append(self._scope + name)
+
+    @contextmanager
+    def scope(self, label: str) -> Iterator[None]:
+        """Label the ops built inside: their names become ``label/op`` in tables, traces and reports."""
+        outer = self._scope
+        self._scope = f"{outer}{label}/"
+        try:
+            yield
+        finally:
+            self._scope = outer
 
     # -- helpers ----------------------------------------------------------------------------------
     def buffer_layout(self) -> list[str]:
@@ -239,11 +252,12 @@ class Graph:
         return {b.index: (b.rows, b.cols) for b in self.buffers}
 
     def describe_task(self, tid: int) -> str:
-        task = self.tasks[tid]
-        return f"task {tid} ({self.op_names[task.op]} op {task.op})"
+        op = self.tasks.op[tid]
+        return f"task {tid} ({self.op_names[op]} op {op})"
 
     def _rollback(self, ops: int, tasks: int, buffers: int, specs: int, heap_bytes: int) -> None:
-        del self.op_names[ops:], self.tasks[tasks:], self.buffers[buffers:]
+        del self.op_names[ops:], self.buffers[buffers:]
+        self.tasks.truncate(tasks)
         for spec in self.specs[specs:]:
             del self._spec_index[(spec.task_type, spec.constexprs)]
         del self.specs[specs:]

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import weakref
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -17,6 +20,7 @@ from .graph import HEAP_ALIGN, Graph, Tensor
 from .heap import SharedHeap
 from .scheduler import QueueTables, schedule, serialize
 from .tasks import HeapView
+from .trace import Trace, rank_trace
 
 BACKENDS = ("auto", "cpu")
 DEFAULT_CPU_WORKERS = 2
@@ -40,12 +44,14 @@ class HeapLayout:
     signals: int
     queue: int
     index: int
+    trace: int
     size: int
 
     @staticmethod
-    def sizes(tables: QueueTables) -> list[int]:
+    def sizes(tables: QueueTables, trace: bool) -> list[int]:
         return [8 * max(tables.events, 1), 8 * int(device.STATUS_WORDS) * (tables.workers + 1),
-                tables.tasks.nbytes, tables.signals.nbytes, tables.queue.nbytes, tables.queue_index.nbytes]
+                tables.tasks.nbytes, tables.signals.nbytes, tables.queue.nbytes, tables.queue_index.nbytes,
+                8 * int(device.TRACE_WORDS) * len(tables.tasks) if trace else 8]
 
     @classmethod
     def of(cls, buffers_bytes: int, sizes: list[int]) -> "HeapLayout":
@@ -66,13 +72,14 @@ class Megakernel:
     """A scheduled graph bound to a heap and a persistent kernel; ``run`` launches it once per call.
 
     ``workers``: persistent programs per rank (cpu: processes); ``policy``: "critical_path" or
-    ``"round_robin"``; ``timeout``: seconds any single wait may take before the watchdog stops the run.
+    ``"round_robin"``; ``timeout``: seconds any single wait may take before the watchdog stops the run;
+    ``trace``: record every task's wait, start and end (``kernel.trace`` after each run).
     With a world size above one, every rank builds its kernel at the same point of its program: the
     ranks check that their graphs agree, exchange cross-rank edges and map each other's heaps.
     """
 
     def __init__(self, graph: Graph, workers: int | None = None, policy: str = "critical_path",
-                 backend: str = "auto", timeout: float = 60.0, pool: WorkerPool | None = None):
+                 backend: str = "auto", timeout: float = 60.0, trace: bool = False, pool: WorkerPool | None = None):
         if not isinstance(graph, Graph):
             raise GraphError(f"Megakernel needs a Graph, got {type(graph).__name__}")
         if not graph.tasks:
@@ -83,6 +90,8 @@ class Megakernel:
         self.graph = graph
         self.workers = DEFAULT_CPU_WORKERS if workers is None else int(workers)
         self.timeout = float(timeout)
+        self.tracing = bool(trace)
+        self.trace: Trace | None = None  # of the last run, every rank's tasks
         self.group = Group(graph.world_size, graph.rank)
         check_agreement(self.group, "op", graph.op_calls)
         check_agreement(self.group, "buffer", graph.buffer_layout())
@@ -90,7 +99,7 @@ class Megakernel:
                                workers=self.workers, policy=policy, rank=graph.rank,
                                world_size=graph.world_size, describe=graph.describe_task,
                                exchange=self.group.all_gather)
-        sizes = [max(column) for column in zip(*self.group.all_gather(HeapLayout.sizes(self.tables)))]
+        sizes = [max(column) for column in zip(*self.group.all_gather(HeapLayout.sizes(self.tables, self.tracing)))]
         self.layout = HeapLayout.of(graph.heap_bytes, sizes)
         self.kernel_path = codegen.kernel_path(graph.specs, "interpreter")
         self.epoch = 0
@@ -110,7 +119,7 @@ class Megakernel:
                     self.peers[rank] = SharedHeap(name, self.layout.size)
             for worker in self._workers:
                 worker.request("map", (names, graph.rank, self.layout.size), timeout=60)
-            self.group.barrier(timeout=120)  # every rank has mapped every heap
+            self.group.barrier(timeout=120, why="map every heap")
         finally:
             self.heap.unlink()  # mapped by every process that needs it: the name can go now
         self._finalizer.detach()
@@ -140,11 +149,13 @@ class Megakernel:
         return view.reshape(t.shape) if t.ndim == 1 else view
 
     def poison(self, value: float = float("nan")) -> None:
-        """Fill every buffer that is not an input, so that an element no task wrote stands out."""
+        """Fill every buffer that is not an input, so that an element no task wrote stands out
+        (integer buffers get the most negative value)."""
         inputs = {t.buffer.index for t in self.graph.inputs.values()}
         for b in self.graph.buffers:
             if b.index not in inputs:
-                self.view.tensor(b.offset, b.dtype, b.rows, b.cols, b.cols).fill_(value)
+                fill = value if b.dtype.is_floating_point else torch.iinfo(b.dtype).min
+                self.view.tensor(b.offset, b.dtype, b.rows, b.cols, b.cols).fill_(fill)
 
     # -- running ----------------------------------------------------------------------------------
     def bind(self, inputs: Mapping[str, torch.Tensor]) -> None:
@@ -167,8 +178,11 @@ class Megakernel:
     def run(self, inputs: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Bind ``inputs``, launch once (one message per worker), return copies of the outputs.
 
-        With several ranks, the ranks wait for each other after the run: the next run's remote
-        stores must not land in a buffer a peer is still reading.
+        With several ranks, the ranks wait for each other before launching (a peer's remote stores
+        must not land in a buffer this rank is still reading from its previous run, or writing from
+        the host: inputs, ``poison``) and after (a peer's stores into this rank's outputs, which no
+        task here waits for, must have landed before they are copied). A rank that does not arrive
+        within ``timeout`` is named.
         """
         if self._broken:
             raise BackendError("an earlier run of this multi-rank kernel failed; its ranks' event counters no "
@@ -178,11 +192,14 @@ class Megakernel:
         if missing:
             raise GraphError(f"input {missing[0]!r} was never bound: pass it to run(); "
                              f"unbound: {', '.join(missing)}")
+        self.group.barrier(timeout=self.timeout)
         self.epoch += 1
         lay = self.layout
         args = dict(epoch=self.epoch, timeout_ns=int(self.timeout * 1e9), tasks_off=lay.tasks,
                     signals_off=lay.signals, queue_off=lay.queue, index_off=lay.index, events_off=lay.events,
-                    status_off=lay.status, ROW=self.tables.row_words)
+                    status_off=lay.status, trace_off=lay.trace, ROW=self.tables.row_words, TRACE=self.tracing)
+        if self.tracing:
+            self._stamps()[:] = 0
         launches = [Launch(self.heap.name, str(self.kernel_path), w, self.graph.rank, args)
                     for w in range(self.workers)]
         failure, running = None, []
@@ -200,16 +217,36 @@ class Megakernel:
             except BackendError as error:
                 failure = failure or BackendError(f"worker {w}: {error}")
         if failure is None and self._status()[:, int(device.STATE)].any():
+            report = self.deadlock_report()
+            files = self._write_hang_files(report)
             failure = DeadlockError(f"rank {self.graph.rank}: the watchdog stopped run {self.epoch}: a wait "
-                                    f"exceeded {self.timeout} s", self.deadlock_report())
+                                    f"exceeded {self.timeout} s (report: {', '.join(map(str, files))})", report)
         if failure is not None:
             if self.graph.world_size == 1:
                 self._reset_events()  # one rank: a clean slate makes the kernel usable again
             else:
                 self._broken = True
             raise failure
-        self.group.barrier(timeout=max(self.timeout, 60.0))
+        self.group.barrier(timeout=max(self.timeout, 60.0), why="finish the run")
+        if self.tracing:
+            every = self.group.all_gather(rank_trace(self.tables, self._stamps()))
+            self.trace = Trace([s for spans, _ in every for s in spans], [e for _, edges in every for e in edges])
         return {name: self.tensor(t).clone() for name, t in self.graph.outputs.items()}
+
+    def _stamps(self) -> np.ndarray:
+        """This rank's trace buffer on the heap, [tasks, TRACE_WORDS] (a view)."""
+        words = int(device.TRACE_WORDS)
+        return self.words(self.layout.trace, words * len(self.tables.tasks)).numpy().reshape(-1, words)
+
+    def _write_hang_files(self, report: str) -> list[Path]:
+        """The report, and with tracing the partial trace of what finished, in the temp folder."""
+        stem = Path(tempfile.gettempdir()) / f"megakernel-hang-rank{self.graph.rank}-{os.getpid()}-run{self.epoch}"
+        files = [stem.with_suffix(".txt")]
+        files[0].write_text(report + "\n")
+        if self.tracing:
+            spans, edges = rank_trace(self.tables, self._stamps())
+            files.append(Trace(spans, edges).save(stem.with_suffix(".json")))
+        return files
 
     def save_image(self, path) -> None:
         """Write the tables and the heap as it is now (inputs bound), for ``megakernel disasm --execute``."""

@@ -16,7 +16,7 @@ every cell. The dependencies come out the same as with one entry per read.
 """
 from __future__ import annotations
 
-from .task import Task
+from .task import Tasks
 
 CELL_ROWS = 16
 CELL_COLS = 256
@@ -46,7 +46,7 @@ class _ReadGroup:
         self.producers: set[int] = set()   # the writers the rectangle waits for, the same for every member
 
 
-def infer_dependencies(tasks: list[Task], shapes: dict[int, tuple[int, int]]) -> list[tuple[int, ...]]:
+def infer_dependencies(tasks: Tasks, shapes: dict[int, tuple[int, int]]) -> list[tuple[int, ...]]:
     """For each task, the sorted ids of the earlier tasks it must wait for.
 
     ``shapes`` maps each buffer to its (rows, cols), so that a cell on the buffer's edge counts as
@@ -58,31 +58,31 @@ def infer_dependencies(tasks: list[Task], shapes: dict[int, tuple[int, int]]) ->
     first: dict[int, int] = {}
     grid_cols: dict[int, int] = {}
     next_key = 0
-    for t in tasks:
-        for r in t.writes:
-            if r.buffer not in first:
-                rows, cols = shapes[r.buffer]
-                first[r.buffer] = next_key
-                grid_cols[r.buffer] = -(-cols // CELL_COLS)
-                next_key += -(-rows // CELL_ROWS) * grid_cols[r.buffer]
+    for writes in tasks.writes:
+        for buffer, *_ in writes:
+            if buffer not in first:
+                rows, cols = shapes[buffer]
+                first[buffer] = next_key
+                grid_cols[buffer] = -(-cols // CELL_COLS)
+                next_key += -(-rows // CELL_ROWS) * grid_cols[buffer]
     cells: dict[int, _Cell] = {}
     open_group: dict[int, _ReadGroup] = {}  # per buffer: the read group a read of the same rectangle joins
     producers: list[tuple[int, ...]] = []
-    for tid, task in enumerate(tasks):
+    for tid, (reads, writes) in enumerate(zip(tasks.reads, tasks.writes)):
         deps: set[int] = set()
-        for r in task.reads:
-            base = first.get(r.buffer)
+        for buffer, r0, r1, c0, c1 in reads:
+            base = first.get(buffer)
             if base is None:
                 continue
-            r0, r1, c0, c1 = rect = (r.row0, r.row1, r.col0, r.col1)
-            group = open_group.get(r.buffer)
+            rect = (r0, r1, c0, c1)
+            group = open_group.get(buffer)
             if group is not None and group.rect == rect:
                 group.tids.append(tid)
                 deps |= group.producers
                 continue
-            group = open_group[r.buffer] = _ReadGroup(rect, tid)
+            group = open_group[buffer] = _ReadGroup(rect, tid)
             entry = (group.tids, r0, r1, c0, c1)
-            width = grid_cols[r.buffer]
+            width = grid_cols[buffer]
             cc0, cc1 = c0 // CELL_COLS, (c1 - 1) // CELL_COLS + 1
             for cr in range(r0 // CELL_ROWS, (r1 - 1) // CELL_ROWS + 1):
                 row_key = base + cr * width
@@ -95,12 +95,11 @@ def infer_dependencies(tasks: list[Task], shapes: dict[int, tuple[int, int]]) ->
                             group.producers.add(other)
                     cell.readers.append(entry)
             deps |= group.producers
-        for r in task.writes:
-            open_group.pop(r.buffer, None)  # the cells change: later reads must look at them again
-            r0, r1, c0, c1 = r.row0, r.row1, r.col0, r.col1
+        for buffer, r0, r1, c0, c1 in writes:
+            open_group.pop(buffer, None)  # the cells change: later reads must look at them again
             entry = (tid, r0, r1, c0, c1)
-            rows, cols = shapes[r.buffer]
-            base, width = first[r.buffer], grid_cols[r.buffer]
+            rows, cols = shapes[buffer]
+            base, width = first[buffer], grid_cols[buffer]
             for cr in range(r0 // CELL_ROWS, (r1 - 1) // CELL_ROWS + 1):
                 row_key = base + cr * width
                 covers_rows = r0 <= cr * CELL_ROWS and min((cr + 1) * CELL_ROWS, rows) <= r1

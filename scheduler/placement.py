@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GraphError
-from .task import Task
+from .task import Tasks
 
 POLICIES = ("round_robin", "critical_path")
 
@@ -24,7 +24,7 @@ class Placement:
     worker: list[int]  # worker of each task id
 
 
-def place(tasks: list[Task], producers: list[tuple[int, ...]], workers: int, policy: str) -> Placement:
+def place(tasks: Tasks, producers: list[tuple[int, ...]], workers: int, policy: str) -> Placement:
     if workers < 1:
         raise GraphError(f"a kernel needs at least one worker, got workers={workers}")
     if policy == "round_robin":
@@ -34,12 +34,12 @@ def place(tasks: list[Task], producers: list[tuple[int, ...]], workers: int, pol
     raise GraphError(f"unknown placement policy {policy!r}; expected one of {', '.join(POLICIES)}")
 
 
-def bottom_levels(tasks: list[Task], producers: list[tuple[int, ...]]) -> list[float]:
+def bottom_levels(tasks: Tasks, producers: list[tuple[int, ...]]) -> list[float]:
     """Length (in cost) of the longest path from each task to the end of the graph, itself included.
 
     Tasks are in program order, which is topological, so one backward sweep is enough.
     """
-    cost = [t.cost for t in tasks]
+    cost = tasks.cost.tolist()  # the loop reads it once per edge: a list indexes faster than the array
     level = cost.copy()
     for tid in range(len(tasks) - 1, -1, -1):
         reach = level[tid]
@@ -50,7 +50,7 @@ def bottom_levels(tasks: list[Task], producers: list[tuple[int, ...]]) -> list[f
     return level
 
 
-def _critical_path(tasks: list[Task], producers: list[tuple[int, ...]], workers: int) -> Placement:
+def _critical_path(tasks: Tasks, producers: list[tuple[int, ...]], workers: int) -> Placement:
     """Workers by list scheduling: the ready task with the longest path to the end goes first, to the
     worker where it can start earliest; among equally early workers, the one that ran its last
     producer (so the wait disappears). The simulated start times only guide the choice of worker:
@@ -64,7 +64,7 @@ def _critical_path(tasks: list[Task], producers: list[tuple[int, ...]], workers:
     rank = np.empty(n, dtype=np.int64)
     rank[by_rank] = np.arange(n)
     by_rank, rank = by_rank.tolist(), rank.tolist()
-    cost = [t.cost for t in tasks]
+    cost = tasks.cost
     consumers: list[list[int]] = [[] for _ in range(n)]
     missing = [0] * n
     for tid, ps in enumerate(producers):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import GraphError
-from .task import Region, Task
+from .task import Region, Tasks
 
 Exchange = Callable[[Any], list[Any]]  # all-gather of a picklable value over the ranks
 
@@ -31,34 +31,38 @@ class RemoteWrite:
     region: Region
 
 
-def incoming_writes(tasks: list[Task], rank: int, exchange: Exchange) -> list[RemoteWrite]:
+def incoming_writes(tasks: Tasks, rank: int, exchange: Exchange) -> list[RemoteWrite]:
     """Every rank's remote writes, exchanged; those that land on ``rank``, in (op, source rank) order."""
-    mine = [(dst, tid, task.op, region) for tid, task in enumerate(tasks) for dst, region in task.remote]
+    mine = [(dst, tid, op, region)
+            for tid, (op, remote) in enumerate(zip(tasks.op, tasks.remote)) for dst, region in remote]
     every = exchange(mine)
     incoming = [RemoteWrite(src, tid, op, region)
                 for src, writes in enumerate(every) for dst, tid, op, region in writes if dst == rank]
     return sorted(incoming, key=lambda w: (w.op, w.src_rank, w.src_task))
 
 
-def with_remote_producers(tasks: list[Task], incoming: list[RemoteWrite]) -> tuple[list[Task], list[int | None]]:
+def with_remote_producers(tasks: Tasks, incoming: list[RemoteWrite]) -> tuple[Tasks, list[int | None]]:
     """The local program with each incoming write as a pseudo-task after the local tasks of its op.
 
-    Returns the merged task list and, for each merged entry, the index of the incoming write it
-    stands for (None for local tasks).
+    Returns the merged tasks and, for each merged task, the index of the incoming write it stands
+    for (None for local tasks). A pseudo-task runs nothing and only writes the incoming region.
     """
-    merged: list[Task] = []
+    merged = Tasks()
     origin: list[int | None] = []
+
+    def land(j: int) -> None:
+        merged.append(-1, (), (), (incoming[j].region,), 0.0, incoming[j].op)
+        origin.append(j)
+
     j = 0
-    for tid, task in enumerate(tasks):
-        while j < len(incoming) and incoming[j].op < task.op:
-            merged.append(Task(-1, (), (), (incoming[j].region,), 0.0, incoming[j].op))
-            origin.append(j)
+    for tid, op in enumerate(tasks.op):
+        while j < len(incoming) and incoming[j].op < op:
+            land(j)
             j += 1
-        merged.append(task)
+        merged.append(*tasks[tid])
         origin.append(None)
     for k in range(j, len(incoming)):
-        merged.append(Task(-1, (), (), (incoming[k].region,), 0.0, incoming[k].op))
-        origin.append(k)
+        land(k)
     return merged, origin
 
 
@@ -80,7 +84,7 @@ def split_producers(merged_producers: list[tuple[int, ...]], origin: list[int | 
                            else f"rank {incoming[origin[first]].src_rank}'s remote write")
                 raise GraphError(
                     f"rank {w.src_rank}'s task {w.src_task} (op {w.op}) writes a region of this rank's buffer "
-                    f"{w.region.buffer} that {earlier} accessed earlier in the same run; a remote write may "
+                    f"{w.region[0]} that {earlier} accessed earlier in the same run; a remote write may "
                     f"only target a region nothing else has used before it in the run")
             continue
         local.append(tuple(local_id[d] for d in deps if origin[d] is None))

@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import GraphError
 from .events import NO_EVENT, Events
 from .placement import Placement
-from .task import Task
+from .task import Tasks
 
 MAGIC = 0x4D4B5154_41424C45  # "MKTABLE"
 VERSION = 1
@@ -89,19 +89,19 @@ class QueueTables:
         return owner
 
 
-def build_tables(tasks: list[Task], placement: Placement, events: Events, *, specs: list[Spec],
+def build_tables(tasks: Tasks, placement: Placement, events: Events, *, specs: list[Spec],
                  op_names: list[str], workers: int, rank: int = 0, world_size: int = 1,
                  remote_producers: dict[int, list[tuple[int, int, int, int]]] | None = None) -> QueueTables:
     # Built column by column with numpy, not row by row (a million small numpy assignments would cost
-    # more than the rest of the scheduler). Task fields are read in task id order, the order the tasks
-    # lie in memory, and then permuted to rows: reading them in the global order misses the cache.
+    # more than the rest of the scheduler). Task columns are read in task id order, the order their
+    # values lie in memory, and then permuted to rows: reading them in the global order misses the cache.
     n = len(tasks)
     order = np.asarray(placement.order, dtype=np.int64)  # row -> task id
     row_of = np.empty(n, dtype=np.int64)                 # task id -> row
     row_of[order] = np.arange(n)
-    arg_counts = np.fromiter((len(t.args) for t in tasks), dtype=np.int64, count=n)
+    arg_counts = np.fromiter(map(len, tasks.args), dtype=np.int64, count=n)
     rows = np.zeros((n, ARG0 + (int(arg_counts.max()) if n else 0)), dtype=np.int64)
-    rows[:, OPCODE] = np.fromiter((t.opcode for t in tasks), dtype=np.int64, count=n)[order]
+    rows[:, OPCODE] = np.asarray(tasks.opcode, dtype=np.int64)[order]
     rows[:, WAIT_EVENT] = np.asarray(events.wait_event, dtype=np.int64)[order]
     rows[:, FAN_IN] = np.asarray(events.fan_in, dtype=np.int64)[order]
     signal_counts = np.fromiter(map(len, events.signals), dtype=np.int64, count=n)[order]
@@ -111,12 +111,12 @@ def build_tables(tasks: list[Task], placement: Placement, events: Events, *, spe
     # in one array, reshaped to [tasks, count] and stored into those tasks' rows.
     for count in np.unique(arg_counts[arg_counts > 0]).tolist():
         ids = np.flatnonzero(arg_counts == count)
-        words = np.fromiter(chain.from_iterable(tasks[tid].args for tid in ids.tolist()), dtype=np.int64,
+        words = np.fromiter(chain.from_iterable(tasks.args[tid] for tid in ids.tolist()), dtype=np.int64,
                             count=len(ids) * count)
         rows[row_of[ids], ARG0:ARG0 + count] = words.reshape(-1, count)
     signal_rows = np.fromiter(chain.from_iterable(chain.from_iterable(events.signals[tid] for tid in placement.order)),
                               dtype=np.int64, count=SIGNAL_WORDS * int(signal_counts.sum())).reshape(-1, SIGNAL_WORDS)
-    task_op = np.fromiter((t.op for t in tasks), dtype=np.int64, count=n)[order]
+    task_op = np.asarray(tasks.op, dtype=np.int64)[order]
     worker_by_row = np.asarray(placement.worker, dtype=np.int64)[order]
     queue = np.argsort(worker_by_row, kind="stable").astype(np.int64)
     index = np.zeros(workers + 1, dtype=np.int64)

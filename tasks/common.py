@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..device import heap_ptr
 
-DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int64: "int64"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 
 
@@ -55,6 +55,21 @@ def next_power_of_2(n: int) -> int:
 
 
 @triton.jit
+def rounded(x, DTYPE: tl.constexpr):
+    """float32 ``x`` as ``DTYPE``, rounded to nearest even on every backend.
+
+    The interpreter converts float32 to bfloat16 by truncation (the compiler rounds), a bias of up to
+    one bfloat16 ulp per store that compounds through a model; rounding the bits first makes the
+    conversion exact everywhere, at the cost of a few integer operations.
+    """
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # NaN stays NaN
+    return x.to(DTYPE)
+
+
+@triton.jit
 def load_block(base, offset, row_stride, rows, cols, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """The ``rows x cols`` tile at heap ``offset`` as a float32 ``BLOCK_M x BLOCK_N`` block (0 outside)."""
@@ -71,7 +86,7 @@ def store_block(base, offset, row_stride, rows, cols, block, DTYPE: tl.constexpr
     r = tl.arange(0, BLOCK_M)[:, None]
     c = tl.arange(0, BLOCK_N)[None, :]
     ptr = heap_ptr(base, offset, DTYPE)
-    tl.store(ptr + r * row_stride + c, block.to(DTYPE), mask=(r < rows) & (c < cols))
+    tl.store(ptr + r * row_stride + c, rounded(block, DTYPE), mask=(r < rows) & (c < cols))
 
 
 def load_args(args: dict[str, int], *names: str) -> list[int]:

@@ -1,4 +1,9 @@
-"""RMSNorm over the last dimension: ``y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` (Llama's)."""
+"""RMSNorm: ``y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` (Llama's), over each row or each head.
+
+With ``head_dim`` set, every ``head_dim`` segment of a row is normalised on its own with one shared
+weight (Qwen3's q/k norm); the tile then walks *segments*: segment i is row i // segments, columns
+(i % segments) * head_dim onwards.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import HeapView, TaskType, next_power_of_2
+from .common import HeapView, TaskType, next_power_of_2, rounded
 
 ROWS_PER_TILE = 4
 MAX_BLOCK_N = 1024
@@ -15,14 +20,14 @@ MAX_BLOCK_N = 1024
 @triton.jit
 def rms_norm_tile(base, args, EPS: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Normalise ``rows <= BLOCK_M`` whole rows of ``cols`` elements, BLOCK_N columns at a time (two passes)."""
+    """Normalise ``rows <= BLOCK_M`` segments of ``cols`` elements, BLOCK_N columns at a time (two passes)."""
     out, x, w = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2)
     rows, cols = tl.load(args + 3), tl.load(args + 4)
-    out_stride, x_stride = tl.load(args + 5), tl.load(args + 6)
+    out_stride, x_stride, segments = tl.load(args + 5), tl.load(args + 6), tl.load(args + 7)
     r = tl.arange(0, BLOCK_M)[:, None]
     c = tl.arange(0, BLOCK_N)[None, :]
-    x_ptr = heap_ptr(base, x, X_DTYPE) + r * x_stride
-    out_ptr = heap_ptr(base, out, X_DTYPE) + r * out_stride
+    x_ptr = heap_ptr(base, x, X_DTYPE) + (r // segments) * x_stride + (r % segments) * cols
+    out_ptr = heap_ptr(base, out, X_DTYPE) + (r // segments) * out_stride + (r % segments) * cols
     w_ptr = heap_ptr(base, w, W_DTYPE)
     squares = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for c0 in range(0, cols, BLOCK_N):
@@ -34,43 +39,49 @@ def rms_norm_tile(base, args, EPS: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE:
         mask = (r < rows) & (c0 + c < cols)
         v = tl.load(x_ptr + c0 + c, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(w_ptr + c0 + c, mask=c0 + c < cols, other=0.0).to(tl.float32)
-        normed = (v * scale).to(X_DTYPE).to(tl.float32)
-        tl.store(out_ptr + c0 + c, (g * normed).to(X_DTYPE), mask=mask)
+        normed = rounded(v * scale, X_DTYPE).to(tl.float32)
+        tl.store(out_ptr + c0 + c, rounded(g * normed, X_DTYPE), mask=mask)
 
 
-ARGS = ("out", "x", "w", "rows", "cols", "out_stride", "x_stride")
+ARGS = ("out", "x", "w", "rows", "cols", "out_stride", "x_stride", "segments")
 
 
 def _reference(heap: HeapView, args: dict[str, int], consts: dict) -> None:
-    rows, cols = args["rows"], args["cols"]
-    x = heap.tensor(args["x"], consts["X_DTYPE"], rows, cols, args["x_stride"])
+    rows, cols, segments = args["rows"], args["cols"], args["segments"]
+    x = heap.tensor(args["x"], consts["X_DTYPE"], rows // segments, cols * segments, args["x_stride"])
     w = heap.tensor(args["w"], consts["W_DTYPE"], 1, cols, cols).float()
-    v = x.float()
+    v = x.float().reshape(rows, cols)
     normed = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + consts["EPS"])).to(x.dtype).float()
-    heap.tensor(args["out"], consts["X_DTYPE"], rows, cols, args["out_stride"]).copy_(w * normed)
+    out = heap.tensor(args["out"], consts["X_DTYPE"], rows // segments, cols * segments, args["out_stride"])
+    out.copy_((w * normed).reshape(out.shape))
 
 
 RMS_NORM = TaskType("rms_norm", rms_norm_tile, ARGS, _reference)
 
 
-def rms_norm(g, x, weight, eps: float = 1e-6):
-    """RMSNorm of each row of ``x`` [M, N] with ``weight`` [N]; the output has x's dtype."""
+def rms_norm(g, x, weight, eps: float = 1e-6, head_dim: int | None = None):
+    """RMSNorm of each row of ``x`` [M, N] with ``weight`` [N], or of each ``head_dim`` segment with
+    ``weight`` [head_dim]; the output has x's dtype."""
     g.check(x.ndim in (1, 2), f"rms_norm: x must be 1-D or 2-D, got shape {x.shape}")
-    g.check(weight.ndim == 1 and weight.shape[0] == x.cols,
-            f"rms_norm: weight has shape {weight.shape}, x has shape {x.shape}; expected weight ({x.cols},)")
+    size = x.cols if head_dim is None else head_dim
+    g.check(weight.ndim == 1 and weight.shape[0] == size and x.cols % size == 0,
+            f"rms_norm: weight has shape {weight.shape}, x has shape {x.shape}; expected weight ({size},)")
     g.check(eps > 0, f"rms_norm: eps must be positive, got {eps}")
     out = g.new_tensor(x.shape, x.dtype)
-    block_m = min(next_power_of_2(x.rows), ROWS_PER_TILE)
-    block_n = min(next_power_of_2(x.cols), MAX_BLOCK_N)
+    segments = x.cols // size
+    rows_per_tile = min(x.rows, max(1, ROWS_PER_TILE // segments))  # a tile holds whole rows
+    block_m = next_power_of_2(rows_per_tile * segments)
+    block_n = min(next_power_of_2(size), MAX_BLOCK_N)
     opcode = g.opcode(RMS_NORM, EPS=float(eps), X_DTYPE=x.dtype, W_DTYPE=weight.dtype, BLOCK_M=block_m,
                       BLOCK_N=block_n)
-    for r0 in range(0, x.rows, block_m):
-        m = min(block_m, x.rows - r0)
-        g.add_task(opcode, (out.addr(r0, 0), x.addr(r0, 0), weight.addr(0, 0), m, x.cols, out.row_stride,
-                            x.row_stride),
-                   reads=(x.region(r0, m, 0, x.cols), weight.region(0, 1, 0, x.cols)),
-                   writes=(out.region(r0, m, 0, x.cols),),
-                   bytes=(3 * m * x.cols) * x.element_size, flops=4 * m * x.cols)
+    src, dst = x.block(), out.block()
+    for r0 in range(0, x.rows, rows_per_tile):
+        m = min(rows_per_tile, x.rows - r0)
+        g.add_task(opcode, (dst.addr(r0, 0), src.addr(r0, 0), weight.addr(0, 0), m * segments, size,
+                            dst.row_stride, src.row_stride, segments),
+                   reads=(src.region(r0, m, 0, x.cols), weight.region(0, 1, 0, size)),
+                   writes=(dst.region(r0, m, 0, x.cols),),
+                   bytes=3 * m * x.cols * x.element_size, flops=4 * m * x.cols)
     return out
 
 

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from .common import HeapView, TaskType, load_block, next_power_of_2, store_block
 
-ROWS, COLS = 8, 128  # largest tile
+BLOCK_ELEMENTS = 1024  # elements per tile; the tile is at most 8 rows high
 
 
 @triton.jit
@@ -45,7 +45,8 @@ SUM_SLICES = TaskType("sum_slices", sum_slices_tile, ARGS, _reference)
 def sum_slices(g, y, p, slices: int, slice_rows: int) -> None:
     """Tiles that write ``y = sum_s p[s*slice_rows : s*slice_rows + y.rows]`` (``p`` a 2-D tensor)."""
     rows, cols = y.rows, y.cols
-    block_m, block_n = min(next_power_of_2(rows), ROWS), min(next_power_of_2(cols), COLS)
+    block_m = min(next_power_of_2(rows), 8)
+    block_n = min(next_power_of_2(cols), BLOCK_ELEMENTS // block_m)
     opcode = g.opcode(SUM_SLICES, P_DTYPE=p.dtype, Y_DTYPE=y.dtype, BLOCK_M=block_m, BLOCK_N=block_n)
     slice_bytes = slice_rows * p.row_stride * p.element_size
     for r0 in range(0, rows, block_m):

@@ -15,21 +15,38 @@ def megakernel(*args, timeout=300):
     return result.stdout
 
 
-def test_demo_then_disasm_execute(tmp_path):
-    out = megakernel("demo", "--steps", "2", "--out", str(tmp_path))
-    assert "step 1:" in out and "max relative error" in out
-    image = tmp_path / "kernel.npz"
-    listing = megakernel("disasm", str(image), "--execute")
+def test_demo_generates_what_transformers_generates(tmp_path):
+    out = megakernel("demo", "--tokens", "4", "--out", str(tmp_path))
+    assert "tokens identical to transformers on every rank" in out and "step  8" in out
+    from megakernel.trace import Trace
+    trace = Trace.load(tmp_path / "trace.json")
+    assert {s.rank for s in trace.spans} == {0, 1} and any(s.comm for s in trace.spans)
+    image = load(tmp_path / "kernel-rank0.npz")
+    assert (image.tables.rank, image.tables.world_size) == (0, 2)
+    assert "megakernel task table v1" in megakernel("disasm", str(tmp_path / "kernel-rank0.npz"))
+
+
+def test_disasm_execute_runs_the_reference_executor(tmp_path):
+    import torch
+
+    import megakernel as mk
+    from megakernel.reference import execute
+    from megakernel.tools.examples import mlp_block
+
+    g = mlp_block()
+    with mk.Megakernel(g, workers=2) as kernel:
+        kernel.bind({name: torch.randn(t.shape) * 0.2 for name, t in g.inputs.items()})
+        kernel.save_image(tmp_path / "kernel.npz")
+    listing = megakernel("disasm", str(tmp_path / "kernel.npz"), "--execute")
     assert "megakernel task table v1" in listing and "worker 1:" in listing
     # --execute prints the reference executor's output: it must match the image's tables run here
-    loaded = load(image)
-    from megakernel.reference import execute
+    loaded = load(tmp_path / "kernel.npz")
     execute(loaded.tables, loaded.heap)
     assert f"sum {loaded.output('y').double().sum().item():.6g}" in listing
 
 
 def test_disasm_round_trips_a_bare_table(tmp_path):
-    image = load(_demo_image(tmp_path))
+    image = load(_mlp_image(tmp_path))
     path = tmp_path / "tables.mkt"
     path.write_bytes(serialize(image.tables))
     listing = megakernel("disasm", str(path))
@@ -37,8 +54,12 @@ def test_disasm_round_trips_a_bare_table(tmp_path):
     assert np.array_equal(load(path).tables.tasks, image.tables.tasks)
 
 
-def _demo_image(tmp_path):
-    megakernel("demo", "--steps", "1", "--out", str(tmp_path))
+def _mlp_image(tmp_path):
+    import megakernel as mk
+    from megakernel.tools.examples import mlp_block
+
+    with mk.Megakernel(mlp_block(), workers=2) as kernel:
+        kernel.save_image(tmp_path / "kernel.npz")
     return tmp_path / "kernel.npz"
 
 

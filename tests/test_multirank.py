@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -12,6 +13,10 @@ import torch
 import megakernel as mk
 from megakernel import cpu_backend
 from megakernel import RankError
+
+from megakernel.reference import execute_ranks
+from megakernel.scheduler import deserialize, serialize
+from megakernel.tasks import HeapView
 
 from conftest import assert_close
 
@@ -24,7 +29,7 @@ def _value(rank: int, run: int, shape, seed: int = 0) -> torch.Tensor:
     return torch.randn(shape, generator=g)
 
 
-def collectives(workers: int):
+def _collectives_graph() -> mk.Graph:
     g = mk.Graph()
     me, world = g.rank, g.world_size
     x = g.input("x", (ROWS, COLS), torch.float32)
@@ -38,6 +43,12 @@ def collectives(workers: int):
     g.output("gather1", g.all_gather(x[:, :7], dim=1))
     g.output("scatter", g.reduce_scatter(g.mul(x, x)[:, : (COLS // world) * world], dim=1))
     g.output("scatter_rows", g.reduce_scatter(big[: 4 * world], dim=0))
+    return g
+
+
+def collectives(workers: int):
+    g = _collectives_graph()
+    me = g.rank
     outputs = []
     with mk.Megakernel(g, workers=workers, timeout=60) as kernel:
         for run in range(2):
@@ -68,6 +79,31 @@ def test_collectives_against_torch_and_bitwise_equal_across_ranks(world, workers
             assert_close(out["scatter_rows"], big_total[4 * me: 4 * me + 4], 1e-5, f"scatter_rows {what}")
             for name in ("one_shot", "two_shot", "auto"):
                 assert torch.equal(out[name], results[0][run][name]), f"{name} differs between rank 0 and {me}"
+
+
+def oracle_job(workers: int):
+    """This rank's tables, its heap before the run (inputs bound, outputs poisoned) and its outputs."""
+    g = _collectives_graph()
+    with mk.Megakernel(g, workers=workers) as kernel:
+        kernel.bind({"x": _value(g.rank, 0, (ROWS, COLS)), "big": _value(g.rank, 0, (20, 1000), 1)})
+        kernel.poison()
+        before = kernel.heap.tensor.clone()
+        out = kernel.run()
+        where = {name: (t.addr(0, 0), t.dtype, t.rows, t.cols, t.row_stride) for name, t in g.outputs.items()}
+        return serialize(kernel.tables), before, out, where
+
+
+def test_kernel_equals_multi_rank_reference_executor():
+    world = 3
+    results = mk.launch(functools.partial(oracle_job, 2), world_size=world, timeout=300)
+    tables = [deserialize(r[0]) for r in results]
+    heaps = [r[1] for r in results]
+    execute_ranks(tables, heaps)
+    for me, (_, _, out, where) in enumerate(results):
+        view = HeapView(heaps[me])
+        for name, (offset, dtype, rows, cols, stride) in where.items():
+            expected = view.tensor(offset, dtype, rows, cols, stride).reshape(out[name].shape)
+            assert_close(out[name], expected, 1e-6, f"rank {me} {name}: kernel vs reference executor")
 
 
 def tensor_parallel_mlp(hidden: int, inter: int):
@@ -116,19 +152,22 @@ def test_diverging_graphs_are_rejected_naming_the_op():
 
 
 def silent_rank():
-    """Rank 1 builds the kernel but never runs it: rank 0's watchdog must name it."""
+    """Rank 1 launches but one of its workers is stopped (SIGSTOP) for 6 s: rank 0's watchdog must name it."""
     g = mk.Graph()
     x = g.input("x", (2, 32), torch.float32)
     g.output("y", g.all_reduce(x))
     with mk.Megakernel(g, workers=1, timeout=2) as kernel:
         if g.rank == 1:
-            time.sleep(8)
-            return "slept"
+            worker = cpu_backend.default_pool().workers[0].process.pid
+            os.kill(worker, signal.SIGSTOP)
+            threading.Timer(6, os.kill, (worker, signal.SIGCONT)).start()
         start = time.monotonic()
         try:
             kernel.run({"x": torch.randn(2, 32)})
         except mk.DeadlockError as error:
             return time.monotonic() - start, error.report
+        except mk.BackendError as error:  # rank 1, resumed: rank 0 has given up and left
+            return str(error)
         return "no error"
 
 
@@ -137,6 +176,27 @@ def test_silent_rank_is_named_by_the_watchdog():
     elapsed, report = results[0]
     assert elapsed < 2 + 5
     assert "on rank 1" in report and "did not run" in report, report
+
+
+def absent_rank():
+    """Rank 1 never launches: rank 0 stops at the pre-launch barrier, naming it."""
+    g = mk.Graph()
+    x = g.input("x", (2, 32), torch.float32)
+    g.output("y", g.all_reduce(x))
+    with mk.Megakernel(g, workers=1, timeout=2) as kernel:
+        if g.rank == 1:
+            time.sleep(6)
+            return "absent"
+        try:
+            kernel.run({"x": torch.randn(2, 32)})
+        except mk.BackendError as error:
+            return str(error)
+        return "no error"
+
+
+def test_absent_rank_is_named_before_launch():
+    message = mk.launch(absent_rank, world_size=2, timeout=120)[0]
+    assert "did not all arrive" in message and "Ranks 1 failed" in message, message
 
 
 def killed_rank():

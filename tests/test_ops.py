@@ -26,6 +26,18 @@ def test_elementwise(op, shape):
     assert_close(out, expected, tolerance(torch.float32), op)
 
 
+@pytest.mark.parametrize("op", ["add", "mul"])
+def test_bfloat16_results_are_rounded_to_nearest_like_torch(op):
+    """One rounding of the float32 result, to nearest even: bitwise what torch computes (the interpreter
+    alone would truncate)."""
+    g = mk.Graph()
+    a, b = g.input("a", (4, 300), torch.bfloat16), g.input("b", (4, 300), torch.bfloat16)
+    g.output("y", getattr(g, op)(a, b))
+    inputs = random_inputs(g, seed=9)
+    out = run_checked(g, inputs)["y"]
+    assert torch.equal(out, getattr(torch, op)(inputs["a"], inputs["b"]))
+
+
 def test_elementwise_on_views_writes_only_the_view():
     g = mk.Graph()
     a = g.input("a", (5, 300), torch.float32)

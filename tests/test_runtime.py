@@ -8,7 +8,7 @@ import torch
 
 import megakernel as mk
 from megakernel.cpu_backend import WorkerPool
-from megakernel.scheduler import WAIT_EVENT
+from megakernel.scheduler import WAIT_EVENT, Tasks
 from megakernel.tools.examples import mlp_block
 
 from conftest import assert_close, random_inputs
@@ -90,7 +90,7 @@ def test_graph_errors_name_the_op_and_shapes():
         g.add(x, mk.Graph().input("x", (2, 64), torch.float32))
     with pytest.raises(AttributeError, match="no op 'conv'"):
         g.conv(x)
-    assert (g.tasks, g.op_names, len(g.buffers)) == ([], [], 3)  # failed ops left nothing behind
+    assert (g.tasks, g.op_names, len(g.buffers)) == (Tasks(), [], 3)  # failed ops left nothing behind
     with pytest.raises(mk.GraphError, match="no tasks"):
         mk.Megakernel(g)
     g.add(x, x)

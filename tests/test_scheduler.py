@@ -4,35 +4,48 @@ import pytest
 import torch
 
 import megakernel as mk
-from megakernel.scheduler import (FAN_IN, NO_EVENT, VERSION, WAIT_EVENT, FormatError, Region, Task, check_acyclic,
+from megakernel.scheduler import (FAN_IN, NO_EVENT, VERSION, WAIT_EVENT, FormatError, Task, Tasks, check_acyclic,
                                   deserialize, disassemble, encode_events, find_cycle, infer_dependencies, place,
                                   schedule, serialize)
 
 
-def _task(reads=(), writes=()):
-    return Task(0, (), tuple(reads), tuple(writes), 1.0, 0)
+def _tasks(*accesses) -> Tasks:
+    """Tasks in program order from their (reads, writes); opcode, args, cost and op do not matter here."""
+    tasks = Tasks()
+    for reads, writes in accesses:
+        tasks.append(0, (), tuple(reads), tuple(writes), 1.0, 0)
+    return tasks
 
 
 SHAPES = {0: (64, 1024), 1: (64, 1024)}
 
 
 def test_dependencies_follow_region_overlap_not_pointers():
-    tasks = [
-        _task(writes=[Region(0, 0, 8, 0, 100)]),              # 0 writes a block
-        _task(writes=[Region(0, 0, 8, 100, 200)]),            # 1 writes a disjoint block: independent
-        _task(reads=[Region(0, 4, 6, 90, 110)]),              # 2 reads across both: RAW on 0 and 1
-        _task(reads=[Region(0, 0, 8, 150, 160)]),             # 3 reads inside 1 only
-        _task(writes=[Region(0, 5, 6, 95, 96)]),              # 4 overwrites what 2 read: WAR on 2, WAW on 0
-        _task(reads=[Region(1, 0, 64, 0, 1024)]),             # 5 reads a buffer nobody writes
-    ]
+    tasks = _tasks(
+        ((), [(0, 0, 8, 0, 100)]),              # 0 writes a block
+        ((), [(0, 0, 8, 100, 200)]),            # 1 writes a disjoint block: independent
+        ([(0, 4, 6, 90, 110)], ()),             # 2 reads across both: RAW on 0 and 1
+        ([(0, 0, 8, 150, 160)], ()),            # 3 reads inside 1 only
+        ((), [(0, 5, 6, 95, 96)]),              # 4 overwrites what 2 read: WAR on 2, WAW on 0
+        ([(1, 0, 64, 0, 1024)], ()),            # 5 reads a buffer nobody writes
+    )
     assert infer_dependencies(tasks, SHAPES) == [(), (), (0, 1), (1,), (0, 2), ()]
 
 
 def test_full_overwrite_prunes_history_but_keeps_order():
-    tasks = [_task(writes=[Region(0, 0, 64, 0, 1024)]) for _ in range(3)]
-    tasks.append(_task(reads=[Region(0, 0, 1, 0, 1)]))
+    overwrite = ((), [(0, 0, 64, 0, 1024)])
+    tasks = _tasks(overwrite, overwrite, overwrite, ([(0, 0, 1, 0, 1)], ()))
     deps = infer_dependencies(tasks, SHAPES)
     assert deps == [(), (0,), (1,), (2,)]
+
+
+def test_tasks_are_columns_and_rows_are_views_of_them():
+    tasks = _tasks(((), [(0, 0, 8, 0, 100)]), ([(0, 4, 6, 90, 110)], ()))
+    tasks.append(3, (7, 8), (), (), 2.5, 1, ((1, (0, 0, 1, 0, 1)),))
+    assert len(tasks) == 3 and list(tasks.opcode) == [0, 0, 3] and tasks.reads[1] == ((0, 4, 6, 90, 110),)
+    assert tasks[2] == Task(3, (7, 8), (), (), 2.5, 1, ((1, (0, 0, 1, 0, 1)),))
+    tasks.truncate(1)
+    assert tasks == _tasks(((), [(0, 0, 8, 0, 100)]))  # every column cut, not just one
 
 
 def test_cycle_is_found_and_named():

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.util import find_spec
+from pathlib import Path
 
 
 def _disasm(args) -> int:
@@ -16,6 +18,10 @@ def _disasm(args) -> int:
         if image.heap is None:
             print("--execute needs a kernel image (.npz from Megakernel.save_image), not a bare table",
                   file=sys.stderr)
+            return 2
+        if image.tables.world_size > 1:
+            print(f"--execute runs one rank's image; this is rank {image.tables.rank} of "
+                  f"{image.tables.world_size}, whose tiles store into the other ranks' heaps", file=sys.stderr)
             return 2
         execute(image.tables, image.heap)
         print("\nreference execution:")
@@ -43,6 +49,52 @@ def _demo(args) -> int:
     return demo(args)
 
 
+def _trace_summary(args: argparse.Namespace) -> int:
+    from ..trace import Trace
+
+    print(Trace.load(args.file).summary(top=args.top))
+    return 0
+
+
+def _trace_plot(args: argparse.Namespace) -> int:
+    from ..trace import Trace
+    from .plot import plot_timeline
+
+    if find_spec("matplotlib") is None:
+        print("megakernel trace plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+        return 2
+    print(f"wrote {plot_timeline(Trace.load(args.file), args.output)}")
+    return 0
+
+
+def _graph(args: argparse.Namespace) -> int:
+    from ..image import load
+    from .dot import RenderError, TooManyNodes, render, select, task_dag, to_dot
+
+    dag = task_dag([load(f).tables for f in args.files])
+    keep = select(dag, args.op, args.layer)
+    if not keep:
+        names = sorted({info.op for info in dag.tasks.values() if info.op})
+        print(f"megakernel graph: no task matches the filters; op names: {', '.join(names[:12])}"
+              f"{', ...' if len(names) > 12 else ''}", file=sys.stderr)
+        return 2
+    try:
+        dot = to_dot(dag, keep, args.max_nodes)
+    except TooManyNodes as error:
+        print(f"megakernel graph: {error}", file=sys.stderr)
+        return 2
+    if args.output is None:
+        sys.stdout.write(dot)
+        return 0
+    try:
+        render(dot, Path(args.output))
+    except RenderError as error:
+        print(f"megakernel graph: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megakernel", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,13 +105,43 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("aot", help="compile a megakernel with every task type for GPU targets, without a GPU")
     p.add_argument("--target", action="append", choices=["sm_90", "gfx942"])
     p.set_defaults(run=_aot)
-    p = sub.add_parser("demo", help="the main job: build, schedule and run a model block on the cpu backend")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--out", default="megakernel-demo", help="folder for the kernel image and generated source")
+    p = sub.add_parser("demo", help="the main job: tensor-parallel greedy decoding of a random Llama on the cpu "
+                                    "backend, checked against transformers")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--workers", type=int, default=1, help="workers per rank")
+    p.add_argument("--tokens", type=int, default=12, help="tokens to generate")
+    p.add_argument("--out", default="megakernel-demo", help="folder for the trace and the kernel image")
     p.set_defaults(run=_demo)
+    _add_trace_commands(sub)
+    _add_graph_command(sub)
     args = parser.parse_args(argv)
     return args.run(args)
+
+
+def _add_trace_commands(sub: argparse._SubParsersAction) -> None:
+    trace = sub.add_parser("trace", help="read a trace (Trace.save, or the partial trace of a hang report)")
+    commands = trace.add_subparsers(dest="trace_command", required=True)
+    p = commands.add_parser("summary", help="time per op, per worker, the critical path and the longest waits")
+    p.add_argument("file", help="a trace .json")
+    p.add_argument("--top", type=int, default=5, help="how many critical-path tasks and waits to list")
+    p.set_defaults(run=_trace_summary)
+    p = commands.add_parser("plot", help="a Gantt chart: one row per worker, grouped per rank")
+    p.add_argument("file", help="a trace .json")
+    p.add_argument("-o", "--output", default="timeline.png", help="image file (.png, .svg, .pdf)")
+    p.set_defaults(run=_trace_plot)
+
+
+def _add_graph_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("graph", help="the task DAG of kernel images as DOT (SVG/PNG with Graphviz's dot), "
+                                     "critical path in red")
+    p.add_argument("files", nargs="+", metavar="FILE",
+                   help="kernel images (.npz from Megakernel.save_image) or serialized tables; one per rank "
+                        "joins the ranks by their cross-rank edges")
+    p.add_argument("-o", "--output", help="a .dot file, or .svg/.png/.pdf (needs dot); default: DOT on stdout")
+    p.add_argument("--op", help="only tasks whose op name contains this")
+    p.add_argument("--layer", type=int, help="only tasks of ops in scope layerN (op names like layerN/linear)")
+    p.add_argument("--max-nodes", type=int, default=5000, help="refuse to draw more tasks than this")
+    p.set_defaults(run=_graph)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,14 @@ def every_task_type() -> Graph:
     y = g.linear(h, w, split_k=2)              # GEMV tiles, split-K partials, the reduction tile
     g.output("y", g.silu_mul(g.add(y, y), g.mul(y, y)))
     g.output("z", g.all_reduce(g.linear(x, wf)))  # tl.dot tiles; put tiles (to itself, in a world of one)
+    # decode: embedding, per-head norm, RoPE, KV cache append, split-KV attention and its combine tile
+    tokens, pos = g.input("tokens", (2,), torch.int64), g.input("pos", (1,), torch.int64)
+    inv_freq = g.input("inv_freq", (24,), torch.float32)
+    q = g.embedding(tokens, g.input("embed", (50, 96), torch.bfloat16))
+    q = g.rope(g.rms_norm(q, g.input("q_norm", (48,), torch.bfloat16), 1e-6, head_dim=48), inv_freq, pos, 48)
+    cache = g.new_tensor((2 * 80, 48), torch.bfloat16)
+    k_cache = g.kv_append(cache, q[:, :48], pos, batch=2)
+    g.output("attention", g.decode_attention(q, k_cache, k_cache, pos, batch=2, head_dim=48))
     return g
 
 

@@ -1,0 +1,102 @@
+"""Llama / Mistral / Qwen3 decoder layers and whole decode steps as megakernel graphs, tensor-parallel.
+
+Per rank: column-parallel fused QKV and gate/up projections (this rank's heads and intermediate
+columns), row-parallel O and down projections followed by a tile-granular all-reduce, and a
+vocabulary-parallel LM head followed by an all-gather, so every rank ends with the full logits. The
+KV cache and the position are on the heap: one graph, compiled once, serves every decode step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import GraphError
+from ..graph import Graph, Tensor
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    layers: int
+    vocab: int
+    eps: float
+    qk_norm: bool          # Qwen3: RMSNorm of every q and k head before RoPE
+    max_seq_len: int
+    batch: int = 1
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What rank ``rank`` of ``world`` holds: its query heads, KV heads, MLP columns and vocabulary rows."""
+
+    rank: int
+    world: int
+    heads: int
+    kv_heads: int
+    first_kv_head: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def of(cls, c: DecoderConfig, rank: int, world: int) -> "Shard":
+        for what, n in (("attention heads", c.heads), ("intermediate size", c.intermediate), ("vocabulary", c.vocab)):
+            if n % world:
+                raise GraphError(f"tensor parallelism over {world} ranks needs {what} divisible by {world}, got {n}")
+        if c.kv_heads % world == 0:
+            kv, first = c.kv_heads // world, rank * (c.kv_heads // world)
+        elif world % c.kv_heads == 0:
+            kv, first = 1, rank * c.kv_heads // world  # several ranks share (replicate) one KV head
+        else:
+            raise GraphError(f"{c.kv_heads} KV heads cannot be shared by {world} ranks")
+        return cls(rank, world, c.heads // world, kv, first, c.intermediate // world, c.vocab // world)
+
+
+def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, inv_freq: Tensor, i: int) -> Tensor:
+    """One pre-norm decoder layer over the residual stream ``x`` [batch, hidden]; returns the new stream."""
+    hd, q_cols, kv_cols = c.head_dim, s.heads * c.head_dim, s.kv_heads * c.head_dim
+    w = lambda name, shape: g.input(f"layers.{i}.{name}", shape, c.dtype)  # noqa: E731
+    h = g.rms_norm(x, w("input_norm", (c.hidden,)), c.eps)
+    qkv = g.linear(h, w("qkv", (q_cols + 2 * kv_cols, c.hidden)))
+    q, k, v = qkv[:, :q_cols], qkv[:, q_cols:q_cols + kv_cols], qkv[:, q_cols + kv_cols:]
+    if c.qk_norm:
+        q = g.rms_norm(q, w("q_norm", (hd,)), c.eps, head_dim=hd)
+        k = g.rms_norm(k, w("k_norm", (hd,)), c.eps, head_dim=hd)
+    q, k = g.rope(q, inv_freq, pos, hd), g.rope(k, inv_freq, pos, hd)
+    k_cache = g.kv_append(g.new_tensor((c.batch * c.max_seq_len, kv_cols), c.dtype, name=f"layers.{i}.k_cache"),
+                          k, pos, c.batch)
+    v_cache = g.kv_append(g.new_tensor((c.batch * c.max_seq_len, kv_cols), c.dtype, name=f"layers.{i}.v_cache"),
+                          v, pos, c.batch)
+    attn = g.decode_attention(q, k_cache, v_cache, pos, c.batch, hd)
+    x = g.add(x, _row_parallel(g, s, g.linear(attn, w("o", (c.hidden, q_cols)))))
+    h = g.rms_norm(x, w("post_norm", (c.hidden,)), c.eps)
+    gate_up = g.linear(h, w("gate_up", (2 * s.intermediate, c.hidden)))
+    act = g.silu_mul(gate_up[:, :s.intermediate], gate_up[:, s.intermediate:])
+    return g.add(x, _row_parallel(g, s, g.linear(act, w("down", (c.hidden, s.intermediate)))))
+
+
+def _row_parallel(g: Graph, s: Shard, partial: Tensor) -> Tensor:
+    return g.all_reduce(partial) if s.world > 1 else partial
+
+
+def decode_step(c: DecoderConfig, g: Graph | None = None) -> Graph:
+    """Embedding -> layers -> final norm -> LM head: logits [batch, vocab] of one token per batch row."""
+    g = g or Graph()
+    s = Shard.of(c, g.rank, g.world_size)
+    tokens = g.input("tokens", (c.batch,), torch.int64)
+    pos = g.input("pos", (1,), torch.int64)
+    inv_freq = g.input("inv_freq", (c.head_dim // 2,), torch.float32)
+    x = g.embedding(tokens, g.input("embed", (c.vocab, c.hidden), c.dtype))
+    for i in range(c.layers):
+        with g.scope(f"layer{i}"):
+            x = decoder_layer(g, c, s, x, pos, inv_freq, i)
+    with g.scope("head"):
+        h = g.rms_norm(x, g.input("norm", (c.hidden,), c.dtype), c.eps)
+        logits = g.linear(h, g.input("lm_head", (s.vocab, c.hidden), c.dtype))
+        g.output("logits", g.all_gather(logits, dim=1) if s.world > 1 else logits)
+    return g

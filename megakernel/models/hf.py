@@ -1,0 +1,102 @@
+"""``from_hf``: a ``transformers`` Llama, Mistral or Qwen3 causal LM as a megakernel decode model."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import GraphError
+from ..graph import Graph
+from ..runtime import Megakernel
+from .decoder import DecoderConfig, Shard, decode_step
+
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+
+
+def config_of(model, max_seq_len: int, max_batch: int) -> DecoderConfig:
+    name = type(model).__name__
+    if name not in SUPPORTED:
+        raise GraphError(f"from_hf supports {', '.join(SUPPORTED)}, got {name}")
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        raise GraphError(f"{name} with biases in attention or MLP is not supported")
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise GraphError(f"rope type {rope.get('rope_type')!r} is not supported (only 'default')")
+    return DecoderConfig(hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
+                         kv_heads=cfg.num_key_value_heads, head_dim=head_dim, intermediate=cfg.intermediate_size,
+                         layers=cfg.num_hidden_layers, vocab=cfg.vocab_size, eps=float(cfg.rms_norm_eps),
+                         qk_norm=name == "Qwen3ForCausalLM", max_seq_len=max_seq_len, batch=max_batch,
+                         dtype=model.dtype)
+
+
+def shard_weights(model, c: DecoderConfig, s: Shard) -> dict[str, torch.Tensor]:
+    """This rank's slices of the model's weights, named as the decode graph's inputs."""
+    hd = c.head_dim
+    base = model.model
+    q_rows = slice(s.rank * s.heads * hd, (s.rank + 1) * s.heads * hd)
+    kv_rows = slice(s.first_kv_head * hd, (s.first_kv_head + s.kv_heads) * hd)
+    mlp = slice(s.rank * s.intermediate, (s.rank + 1) * s.intermediate)
+    weights = {"embed": base.embed_tokens.weight, "norm": base.norm.weight,
+               "lm_head": model.lm_head.weight[s.rank * s.vocab:(s.rank + 1) * s.vocab],
+               "inv_freq": base.rotary_emb.inv_freq.float()}
+    for i, layer in enumerate(base.layers):
+        attn, mlp_block = layer.self_attn, layer.mlp
+        weights[f"layers.{i}.input_norm"] = layer.input_layernorm.weight
+        weights[f"layers.{i}.qkv"] = torch.cat([attn.q_proj.weight[q_rows], attn.k_proj.weight[kv_rows],
+                                                attn.v_proj.weight[kv_rows]])
+        weights[f"layers.{i}.o"] = attn.o_proj.weight[:, q_rows]
+        weights[f"layers.{i}.post_norm"] = layer.post_attention_layernorm.weight
+        weights[f"layers.{i}.gate_up"] = torch.cat([mlp_block.gate_proj.weight[mlp], mlp_block.up_proj.weight[mlp]])
+        weights[f"layers.{i}.down"] = mlp_block.down_proj.weight[:, mlp]
+        if c.qk_norm:
+            weights[f"layers.{i}.q_norm"] = attn.q_norm.weight
+            weights[f"layers.{i}.k_norm"] = attn.k_norm.weight
+    return {name: w.detach().contiguous() for name, w in weights.items()}
+
+
+class DecodeModel:
+    """One rank's share of a model, compiled into one megakernel: one launch per decode step."""
+
+    def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor], **kernel_options):
+        self.config = config
+        self.graph = decode_step(config, Graph())
+        self.kernel = Megakernel(self.graph, **kernel_options)
+        self.kernel.bind(weights)
+
+    def decode(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        """Logits [B, vocab] (float32) for ``tokens`` [B] at position ``pos``; the KV cache keeps the step."""
+        c = self.config
+        tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+        if tokens.numel() != c.batch:
+            raise GraphError(f"decode: tokens has {tokens.numel()} entries; the model was built for batch {c.batch}")
+        if not 0 <= pos < c.max_seq_len:
+            raise GraphError(f"decode: position {pos} is outside [0, {c.max_seq_len}) (max_seq_len)")
+        out = self.kernel.run({"tokens": tokens, "pos": torch.tensor([pos], dtype=torch.int64)})
+        return out["logits"].float()
+
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding: the prompt fed one decode step per token, then ``max_new_tokens`` argmax tokens.
+
+        ``prompt_ids`` [B, T] (or [T] for batch 1); returns [B, T + max_new_tokens].
+        """
+        ids = torch.as_tensor(prompt_ids, dtype=torch.int64)
+        ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
+        if ids.shape[1] + max_new_tokens > self.config.max_seq_len:
+            raise GraphError(f"generate: {ids.shape[1]} prompt + {max_new_tokens} new tokens exceed max_seq_len "
+                             f"{self.config.max_seq_len}")
+        for pos in range(ids.shape[1] + max_new_tokens - 1):
+            logits = self.decode(ids[:, pos], pos)
+            if pos + 1 >= ids.shape[1]:
+                ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+        return ids
+
+    def close(self) -> None:
+        self.kernel.close()
+
+
+def from_hf(model, *, max_seq_len: int, max_batch: int = 1, **kernel_options) -> DecodeModel:
+    """Shard ``model`` (already in memory; nothing is downloaded) for this rank and compile its decode step."""
+    import torch.distributed as dist
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+    config = config_of(model, max_seq_len, max_batch)
+    return DecodeModel(config, shard_weights(model, config, Shard.of(config, rank, world)), **kernel_options)

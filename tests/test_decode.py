@@ -1,0 +1,118 @@
+"""Whole-layer decode against ``transformers`` itself, with the same random weights."""
+import functools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import megakernel as mk
+from megakernel.aot import compile_kernel
+from megakernel.models import DecoderConfig, decode_step, from_hf
+
+from conftest import assert_close
+
+# Not powers of two on purpose: head dim 48, intermediate 200, one KV head (Llama) or two (Qwen3).
+SHAPES = dict(hidden_size=96, head_dim=48, intermediate_size=200, num_hidden_layers=2, vocab_size=128,
+              max_position_embeddings=64)
+
+
+def hf_model(family: str, heads: int = 4, kv_heads: int = 1, dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    if family == "llama":
+        config = LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=5000.0, **SHAPES)
+        model = LlamaForCausalLM(config)
+    else:
+        config = Qwen3Config(num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=20000.0, **SHAPES)
+        model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # norms start at one in transformers: make them random so that they are tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    model.generation_config.eos_token_id = None  # greedy to the end, as DecodeModel.generate does
+    return model.to(dtype).eval()
+
+
+def prompt(batch: int, length: int = 5, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, SHAPES["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _tolerance(dtype) -> float:
+    return 1e-4 if dtype == torch.float32 else 2e-2
+
+
+@pytest.mark.parametrize("family,dtype,batch", [
+    ("llama", torch.float32, 1), ("llama", torch.float32, 2), ("qwen3", torch.float32, 2),
+    ("llama", torch.bfloat16, 1), ("qwen3", torch.bfloat16, 1),
+])
+def test_logits_over_consecutive_positions_match_transformers(family, dtype, batch):
+    model = hf_model(family, kv_heads=1 if family == "llama" else 2, dtype=dtype)
+    ids = prompt(batch, length=6)
+    with torch.no_grad():
+        expected = model(ids).logits.float()  # causal attention over the whole prompt at once
+    m = from_hf(model, max_seq_len=80, max_batch=batch, workers=2)  # 80: two attention splits
+    try:
+        for pos in range(ids.shape[1]):
+            logits = m.decode(ids[:, pos], pos)
+            assert_close(logits, expected[:, pos], _tolerance(dtype), f"{family} {dtype} batch {batch} pos {pos}")
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_generation_matches_transformers(family):
+    model = hf_model(family, kv_heads=1 if family == "llama" else 2)
+    ids = prompt(1)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    m = from_hf(model, max_seq_len=32, workers=2)
+    try:
+        assert torch.equal(m.generate(ids, max_new_tokens=12), expected)
+    finally:
+        m.close()
+
+
+def tensor_parallel_generation(family: str, batch: int):
+    model = hf_model(family, kv_heads=1 if family == "llama" else 2)
+    m = from_hf(model, max_seq_len=24, max_batch=batch, workers=1)
+    try:
+        tokens = m.generate(prompt(batch), max_new_tokens=12)
+        return tokens, m.decode(tokens[:, 3], 3)
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("family,world,batch", [("llama", 2, 1), ("qwen3", 2, 2), ("llama", 4, 2)])
+def test_tensor_parallel_generation_matches_transformers(family, world, batch):
+    model = hf_model(family, kv_heads=1 if family == "llama" else 2)
+    ids = prompt(batch)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        # position 3 recomputed with the generated tokens as context: the cache keeps every step
+        reference = model(expected[:, :4]).logits[:, 3].float()
+    results = mk.launch(functools.partial(tensor_parallel_generation, family, batch), world_size=world, timeout=600)
+    for rank, (tokens, logits) in enumerate(results):
+        assert torch.equal(tokens, expected), f"rank {rank} of {world}"
+        assert_close(logits, reference, 1e-4, f"rank {rank} of {world}")
+        assert torch.equal(logits, results[0][1])
+
+
+def test_decode_graph_compiles_ahead_of_time():
+    config = DecoderConfig(hidden=96, heads=4, kv_heads=2, head_dim=48, intermediate=200, layers=1, vocab=128,
+                           eps=1e-6, qk_norm=True, max_seq_len=80, batch=2, dtype=torch.bfloat16)
+    g = decode_step(config, mk.Graph(world_size=1, rank=0))
+    for target in ("sm_90", "gfx942"):
+        assert compile_kernel(g.specs, target, row_words=16).size > 10_000
+
+
+def test_bad_shapes_are_rejected():
+    model = hf_model("llama", heads=4, kv_heads=1)
+    m = from_hf(model, max_seq_len=8, workers=1)
+    try:
+        with pytest.raises(mk.GraphError, match="outside"):
+            m.decode(torch.tensor([1]), 8)
+        with pytest.raises(mk.GraphError, match="batch 1"):
+            m.decode(torch.tensor([1, 2]), 0)
+    finally:
+        m.close()
+    with pytest.raises(mk.GraphError, match="divisible by 3"):
+        decode_step(DecoderConfig(96, 4, 1, 48, 200, 1, 128, 1e-6, False, 8), mk.Graph(world_size=3, rank=0))
