@@ -3,7 +3,7 @@ import functools
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import megakernel as mk
 from megakernel.aot import compile_kernel
@@ -21,6 +21,9 @@ def hf_model(family: str, heads: int = 4, kv_heads: int = 1, dtype=torch.float32
     if family == "llama":
         config = LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=5000.0, **SHAPES)
         model = LlamaForCausalLM(config)
+    elif family == "mistral":
+        config = MistralConfig(num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=1e6, **SHAPES)
+        model = MistralForCausalLM(config)
     else:
         config = Qwen3Config(num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=20000.0, **SHAPES)
         model = Qwen3ForCausalLM(config)
@@ -42,7 +45,7 @@ def _tolerance(dtype) -> float:
 
 @pytest.mark.parametrize("family,dtype,batch", [
     ("llama", torch.float32, 1), ("llama", torch.float32, 2), ("qwen3", torch.float32, 2),
-    ("llama", torch.bfloat16, 1), ("qwen3", torch.bfloat16, 1),
+    ("llama", torch.bfloat16, 1), ("qwen3", torch.bfloat16, 1), ("mistral", torch.float32, 1),
 ])
 def test_logits_over_consecutive_positions_match_transformers(family, dtype, batch):
     model = hf_model(family, kv_heads=1 if family == "llama" else 2, dtype=dtype)
@@ -81,7 +84,7 @@ def tensor_parallel_generation(family: str, batch: int):
         m.close()
 
 
-@pytest.mark.parametrize("family,world,batch", [("llama", 2, 1), ("qwen3", 2, 2), ("llama", 4, 2)])
+@pytest.mark.parametrize("family,world,batch", [("llama", 2, 1), ("qwen3", 2, 2), ("llama", 4, 2), ("qwen3", 4, 1)])
 def test_tensor_parallel_generation_matches_transformers(family, world, batch):
     model = hf_model(family, kv_heads=1 if family == "llama" else 2)
     ids = prompt(batch)
