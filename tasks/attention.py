@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import HeapView, TaskType, next_power_of_2, rounded
+from .common import HeapView, TaskType, copy_row, next_power_of_2, rounded
 
 SPLIT = 64       # positions per partial tile
 BLOCK_S = 16     # positions per inner step
@@ -32,10 +32,7 @@ def kv_append_tile(base, args, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     cache, x, pos = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2)
     cols, cache_stride = tl.load(args + 3), tl.load(args + 4)
     row = tl.load(heap_ptr(base, pos, tl.int64))
-    c = tl.arange(0, BLOCK_N)
-    for c0 in range(0, cols, BLOCK_N):
-        v = tl.load(heap_ptr(base, x, DTYPE) + c0 + c, mask=c0 + c < cols)
-        tl.store(heap_ptr(base, cache, DTYPE) + row * cache_stride + c0 + c, v, mask=c0 + c < cols)
+    copy_row(base, cache + row * cache_stride * DTYPE.primitive_bitwidth // 8, x, cols, DTYPE, BLOCK_N)
 
 
 APPEND_ARGS = ("cache", "x", "pos", "cols", "cache_stride")

@@ -70,6 +70,15 @@ def rounded(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def copy_row(base, dst, src, cols, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Copy ``cols`` contiguous elements from heap offset ``src`` to ``dst``, BLOCK_N at a time."""
+    c = tl.arange(0, BLOCK_N)
+    for c0 in range(0, cols, BLOCK_N):
+        v = tl.load(heap_ptr(base, src, DTYPE) + c0 + c, mask=c0 + c < cols)
+        tl.store(heap_ptr(base, dst, DTYPE) + c0 + c, v, mask=c0 + c < cols)
+
+
+@triton.jit
 def load_block(base, offset, row_stride, rows, cols, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """The ``rows x cols`` tile at heap ``offset`` as a float32 ``BLOCK_M x BLOCK_N`` block (0 outside)."""

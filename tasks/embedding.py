@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import HeapView, TaskType, next_power_of_2
+from .common import HeapView, TaskType, copy_row, next_power_of_2
 
 MAX_BLOCK_N = 1024
 
@@ -17,10 +17,7 @@ def embedding_tile(base, args, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     out, table, token = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2)
     cols, table_stride = tl.load(args + 3), tl.load(args + 4)
     row = tl.load(heap_ptr(base, token, tl.int64))
-    c = tl.arange(0, BLOCK_N)
-    for c0 in range(0, cols, BLOCK_N):
-        v = tl.load(heap_ptr(base, table, DTYPE) + row * table_stride + c0 + c, mask=c0 + c < cols)
-        tl.store(heap_ptr(base, out, DTYPE) + c0 + c, v, mask=c0 + c < cols)
+    copy_row(base, out, table + row * table_stride * DTYPE.primitive_bitwidth // 8, cols, DTYPE, BLOCK_N)
 
 
 ARGS = ("out", "table", "token", "cols", "table_stride")

@@ -151,11 +151,15 @@ def test_diverging_graphs_are_rejected_naming_the_op():
     assert "op 0" in str(info.value.error) and "add" in str(info.value.error) and "mul" in str(info.value.error)
 
 
+def _small_all_reduce() -> mk.Graph:
+    g = mk.Graph()
+    g.output("y", g.all_reduce(g.input("x", (2, 32), torch.float32)))
+    return g
+
+
 def silent_rank():
     """Rank 1 launches but one of its workers is stopped (SIGSTOP) for 6 s: rank 0's watchdog must name it."""
-    g = mk.Graph()
-    x = g.input("x", (2, 32), torch.float32)
-    g.output("y", g.all_reduce(x))
+    g = _small_all_reduce()
     with mk.Megakernel(g, workers=1, timeout=2) as kernel:
         if g.rank == 1:
             worker = cpu_backend.default_pool().workers[0].process.pid
@@ -180,9 +184,7 @@ def test_silent_rank_is_named_by_the_watchdog():
 
 def absent_rank():
     """Rank 1 never launches: rank 0 stops at the pre-launch barrier, naming it."""
-    g = mk.Graph()
-    x = g.input("x", (2, 32), torch.float32)
-    g.output("y", g.all_reduce(x))
+    g = _small_all_reduce()
     with mk.Megakernel(g, workers=1, timeout=2) as kernel:
         if g.rank == 1:
             time.sleep(6)
@@ -200,9 +202,7 @@ def test_absent_rank_is_named_before_launch():
 
 
 def killed_rank():
-    g = mk.Graph()
-    x = g.input("x", (2, 32), torch.float32)
-    g.output("y", g.all_reduce(x))
+    g = _small_all_reduce()
     with mk.Megakernel(g, workers=1, timeout=30) as kernel:
         if g.rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
