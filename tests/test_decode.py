@@ -117,5 +117,9 @@ def test_bad_shapes_are_rejected():
             m.decode(torch.tensor([1, 2]), 0)
     finally:
         m.close()
+    mistral = hf_model("mistral")
+    mistral.config.sliding_window = 4
+    with pytest.raises(mk.GraphError, match="sliding window of 4"):
+        from_hf(mistral, max_seq_len=8)
     with pytest.raises(mk.GraphError, match="divisible by 3"):
         decode_step(DecoderConfig(96, 4, 1, 48, 200, 1, 128, 1e-6, False, 8), mk.Graph(world_size=3, rank=0))

@@ -19,6 +19,10 @@ def config_of(model, max_seq_len: int, max_batch: int) -> DecoderConfig:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
         raise GraphError(f"{name} with biases in attention or MLP is not supported")
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and window < max_seq_len:
+        raise GraphError(f"{name} attends within a sliding window of {window} positions; decode attends to every "
+                         f"cached position, so max_seq_len must not exceed it (got {max_seq_len})")
     rope = getattr(cfg, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         raise GraphError(f"rope type {rope.get('rope_type')!r} is not supported (only 'default')")
