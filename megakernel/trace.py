@@ -3,8 +3,8 @@
 The kernel records, per task, when its worker started waiting for it, started running it and
 finished it (signals sent), on the backend's clock: host ``CLOCK_MONOTONIC`` nanoseconds on the cpu
 backend, shared by every process of the machine, so every rank and worker is on one time base with
-no correction. (GPU backends read ``%globaltimer`` / ``s_memrealtime``; their ranks' offsets are taken
-from a host/device timestamp pair at launch.) Edges come from the task tables: a consumer's wait
+no correction. (The GPU clocks, ``%globaltimer`` and ``s_memrealtime``, are in ``device.py`` and compile;
+aligning GPU ranks, by a host/device timestamp pair taken at launch, comes with the GPU backends.) Edges come from the task tables: a consumer's wait
 event and the tasks, local or remote, that raise it.
 
 ``Trace.save`` writes Chrome trace JSON that Perfetto and chrome://tracing open: one process per rank,
