@@ -282,7 +282,8 @@ class Megakernel:
             lines.append(f"rank {t.rank} worker {w}: {why} at task {task} ({self._label(task)}), queue position "
                          f"{int(position[task])}: event {event} observed {int(record[int(device.OBSERVED)])}, "
                          f"expected {int(record[int(device.EXPECTED)])}")
-            for p in t.producers_of(event):
+            local = t.producers_of(event)
+            for p in local:
                 ran = position[p] < done[owner[p]]
                 lines.append(f"    producer task {p} ({self._label(p)}) on rank {t.rank} worker {int(owner[p])} "
                              f"queue position {int(position[p])}: {'ran' if ran else 'did not run'}")
@@ -295,7 +296,7 @@ class Megakernel:
                     ran, progress = pos < peer_done, f"rank {rank} worker {worker} finished {peer_done} tasks"
                 lines.append(f"    producer task {task_id} ({t.op_names[int(t.task_op[task_id])]}) on rank {rank} "
                              f"worker {worker} queue position {pos}: {'ran' if ran else 'did not run'} ({progress})")
-            if not t.producers_of(event) and event not in t.remote_producers:
+            if not local and event not in t.remote_producers:
                 lines.append("    no task signals this event")
         return "\n".join(lines)
 

@@ -97,6 +97,3 @@ def store_block(base, offset, row_stride, rows, cols, block, DTYPE: tl.constexpr
     ptr = heap_ptr(base, offset, DTYPE)
     tl.store(ptr + r * row_stride + c, rounded(block, DTYPE), mask=(r < rows) & (c < cols))
 
-
-def load_args(args: dict[str, int], *names: str) -> list[int]:
-    return [args[n] for n in names]
