@@ -2,22 +2,29 @@
 
 The interpreter accepts code the compiler rejects (``break``, recursion, plain-Python calls), so
 every kernel is also compiled for NVIDIA and AMD targets on the host: ``triton.compile`` on an
-``ASTSource`` gives PTX/cubin or AMDGCN/hsaco.
+``ASTSource`` gives PTX/cubin or AMDGCN/hsaco. The binary also tells what one program takes from an
+SM / CU (registers, shared memory), so how many workers the GPU can hold at once is known before any
+GPU is at hand (``megakernel.occupancy``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import codegen
+from .occupancy import KernelResources, binary_resources
 from .scheduler import Spec
 
 TARGETS = {
-    "sm_90": GPUTarget("cuda", 90, 32),
-    "gfx942": GPUTarget("hip", "gfx942", 64),
+    "sm_90": GPUTarget("cuda", 90, 32),       # H100, H200
+    "sm_100": GPUTarget("cuda", 100, 32),     # B200
+    "gfx942": GPUTarget("hip", "gfx942", 64),  # MI300X
+    "gfx950": GPUTarget("hip", "gfx950", 64),  # MI355X
 }
 
 
@@ -26,16 +33,53 @@ class Compiled:
     target: str
     binary: str          # "cubin" or "hsaco"
     size: int            # bytes of the binary
-    shared: int          # bytes of shared memory (LDS) per program
+    shared: int          # bytes of shared memory (LDS) per program, static + dynamic
+    registers: int       # per thread (AMD: arch VGPRs + AGPRs)
+    num_warps: int
+    scalar_registers: int = 0                     # AMD: SGPRs per wave
+    assembly: str = field(default="", repr=False)  # PTX or AMDGCN text, for reading
+
+    @property
+    def resources(self) -> KernelResources:
+        """What one program takes from an SM / CU: the input of ``occupancy.programs_per_unit``."""
+        return KernelResources(self.registers, self.shared, self.num_warps, self.scalar_registers)
 
 
-def compile_kernel(specs: list[Spec], target: str, row_words: int, trace: bool = False) -> Compiled:
+def compile_kernel(specs: list[Spec], target: str, row_words: int, trace: bool = False,
+                   num_warps: int = 4) -> Compiled:
     """Compile the megakernel for ``specs`` for ``target`` (a key of ``TARGETS``), with or without tracing."""
     gpu = TARGETS[target]
     kernel = codegen.load_kernel(codegen.kernel_path(specs, gpu.backend))
     signature = {name: "i64" for name in codegen.KERNEL_ARGS}
     signature.update(ROW="constexpr", TRACE="constexpr")
     source = ASTSource(fn=kernel, signature=signature, constexprs={"ROW": row_words, "TRACE": trace})
-    compiled = triton.compile(source, target=gpu)
-    binary = "cubin" if gpu.backend == "cuda" else "hsaco"
-    return Compiled(target, binary, len(compiled.asm[binary]), compiled.metadata.shared)
+    compiled = triton.compile(source, target=gpu, options={"num_warps": num_warps})
+    binary, text = ("cubin", "ptx") if gpu.backend == "cuda" else ("hsaco", "amdgcn")
+    res = binary_resources(compiled.asm, compiled.metadata.name, compiled.metadata.shared,
+                           compiled.metadata.num_warps)
+    return Compiled(target, binary, len(compiled.asm[binary]), res.shared, res.registers, res.num_warps,
+                    res.scalar_registers, compiled.asm[text])
+
+
+@triton.jit
+def _probe(x):
+    tl.store(x, 1)
+
+
+@functools.cache
+def unsupported_reason(target: str) -> str | None:
+    """Why the installed Triton cannot compile for ``target`` (None when it can), found once by compiling
+    a one-store kernel, so that callers skip a target this Triton lacks instead of failing on it."""
+    gpu = TARGETS[target]
+    try:
+        triton.compile(ASTSource(fn=_probe, signature={"x": "*i32"}), target=gpu)
+    except Exception as error:  # whatever the backend raises: its message is the reason
+        message = str(error).strip().splitlines()
+        return f"triton {triton.__version__} cannot compile for {target}: {type(error).__name__}" + (
+            f": {message[0]}" if message else "")
+    return None
+
+
+def supported_targets() -> list[str]:
+    """The keys of ``TARGETS`` that the installed Triton can compile for."""
+    return [target for target in TARGETS if unsupported_reason(target) is None]

@@ -1,22 +1,109 @@
-"""The ranks of a kernel, over an existing ``torch.distributed`` process group (gloo on cpu).
+"""The ranks of a kernel: a ``torch.distributed`` process group, or virtual ranks (threads of one process).
 
-Everything ranks agree on before a launch goes through here: op lists, heap layouts, segment
-names, cross-rank edges. After that the kernel itself needs no host communication.
+Everything ranks agree on before a launch goes through here: op lists, heap layouts, heap handles,
+cross-rank edges. After that the kernel itself needs no host communication.
+
+Virtual ranks (``launch(..., virtual=True)``) are threads of one process, one per rank, sharing a
+``VirtualWorld``: exchanges pass Python objects by reference, so rank 0 can allocate one heap for all
+ranks and hand the others their slices.
 """
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any
 
 from .errors import BackendError, GraphError
 
+_thread = threading.local()  # .world and .rank while this thread is a virtual rank; .backend its default
+
+
+class VirtualWorld:
+    """The meeting point of ``world_size`` virtual ranks: exchanges and barriers with timeouts."""
+
+    def __init__(self, world_size: int, backend: str = "auto"):
+        self.world_size, self.backend = world_size, backend
+        self._barrier = threading.Barrier(world_size)
+        self._slots: list[Any] = [None] * world_size
+        self._arrivals = [0] * world_size  # barriers each rank has reached: who is missing on a timeout
+        self.failed: list[int] = []        # ranks that raised, first first; the others' waits end at once
+
+    def barrier(self, rank: int, timeout: float, why: str) -> None:
+        self._arrivals[rank] += 1
+        try:
+            self._barrier.wait(timeout)
+        except threading.BrokenBarrierError:
+            if self.failed:
+                raise BackendError(f"rank {rank}: rank {self.failed[0]} failed before the ranks met to {why}") from None
+            missing = [r for r, n in enumerate(self._arrivals) if n < self._arrivals[rank]]
+            raise BackendError(f"rank {rank}: the ranks did not all arrive to {why} within {timeout} s; "
+                               f"missing: rank {', '.join(map(str, missing)) or '?'}") from None
+
+    def all_gather(self, rank: int, value: Any, timeout: float) -> list[Any]:
+        self.barrier(rank, timeout, "exchange")  # nobody still reads the previous exchange's slots
+        self._slots[rank] = value
+        self.barrier(rank, timeout, "exchange")
+        return list(self._slots)
+
+    def fail(self, rank: int) -> None:
+        """Rank ``rank`` raised: release every rank waiting in a barrier, now and later."""
+        self.failed.append(rank)
+        self._barrier.abort()
+
+
+def current_world() -> tuple[int, int]:
+    """(world size, rank) of the calling thread: its virtual rank, else the process group, else (1, 0)."""
+    world = getattr(_thread, "world", None)
+    if world is not None:
+        return world.world_size, _thread.rank
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def default_backend() -> str:
+    """The backend ``"auto"`` means here: what ``launch`` asked for, else the best one available."""
+    world = getattr(_thread, "world", None)
+    return world.backend if world is not None else _process_backend
+
+
+_process_backend = "auto"  # set by launch in each rank process
+_gloo_group = None         # a gloo group for host barriers when the default group is not gloo (NCCL)
+
+
+def set_process_backend(backend: str) -> None:
+    global _process_backend
+    _process_backend = backend
+
+
+def enter_virtual(world: VirtualWorld, rank: int) -> None:
+    _thread.world, _thread.rank = world, rank
+
+
+def leave_virtual() -> None:
+    _thread.world = None
+
 
 class Group:
-    """This process's rank in a world of ``world_size``; a world of one needs no process group."""
+    """This rank in a world of ``world_size``; a world of one needs no process group.
+
+    ``virtual``: the ranks are threads of this process; ``slot`` tells this rank's resources apart
+    from the other virtual ranks' (0 for a process rank).
+    """
+
+    EXCHANGE_TIMEOUT = 600.0
 
     def __init__(self, world_size: int, rank: int):
         self.world_size, self.rank = world_size, rank
-        if world_size > 1:
+        self.world: VirtualWorld | None = getattr(_thread, "world", None)
+        self.virtual = self.world is not None
+        self.slot = rank if self.virtual else 0
+        if self.virtual:
+            if (self.world.world_size, _thread.rank) != (world_size, rank):
+                raise BackendError(f"the graph was built for rank {rank} of {world_size}, but this thread is "
+                                   f"virtual rank {_thread.rank} of {self.world.world_size}")
+        elif world_size > 1:
             import torch.distributed as dist
             if not (dist.is_available() and dist.is_initialized()):
                 raise BackendError(f"a graph of world size {world_size} needs an initialized torch.distributed "
@@ -26,23 +113,39 @@ class Group:
                                    f"rank {dist.get_rank()} of {dist.get_world_size()}")
 
     def all_gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value``, in rank order."""
+        """Every rank's ``value``, in rank order (virtual ranks: the objects themselves, not copies)."""
         if self.world_size == 1:
             return [value]
+        if self.virtual:
+            return self.world.all_gather(self.rank, value, self.EXCHANGE_TIMEOUT)
         import torch.distributed as dist
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value)
+        dist.all_gather_object(gathered, value, group=_host_group())
         return gathered
 
     def barrier(self, timeout: float, why: str = "launch") -> None:
         """Wait for every rank; a rank that does not arrive within ``timeout`` s is named in the error."""
         if self.world_size == 1:
             return
+        if self.virtual:
+            return self.world.barrier(self.rank, timeout, why)
         import torch.distributed as dist
         try:
-            dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+            dist.monitored_barrier(group=_host_group(), timeout=timedelta(seconds=timeout), wait_all_ranks=True)
         except RuntimeError as error:
             raise BackendError(f"rank {self.rank}: the ranks did not all arrive to {why}: {error}") from None
+
+
+def _host_group():
+    """The group for host exchanges and monitored barriers: the default one when it is gloo, else a
+    gloo group made once (monitored barriers exist only in gloo; NCCL bootstraps the GPU ranks)."""
+    global _gloo_group
+    import torch.distributed as dist
+    if dist.get_backend() == "gloo":
+        return None
+    if _gloo_group is None:
+        _gloo_group = dist.new_group(backend="gloo")
+    return _gloo_group
 
 
 def check_agreement(group: Group, what: str, items: list[str]) -> None:

@@ -19,8 +19,10 @@ import subprocess
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 
@@ -28,17 +30,31 @@ from .errors import BackendError
 from .heap import SharedHeap
 
 PR_SET_PDEATHSIG = 1
+_spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megakernel-spawner")
 
 
 @dataclass
 class Launch:
     """One worker's share of a run."""
 
-    heap: str                  # name of the kernel's heap segment (already mapped by the worker)
+    heap: str                  # key of the kernel's heap mapping in the worker (see ``Part.key``)
     kernel: str                # path of the generated kernel module
     worker: int
     rank: int
-    args: dict[str, int]       # the kernel's integer arguments, ROW included
+    args: dict[str, int]       # the kernel's integer arguments, ROW and TRACE included
+
+
+@dataclass(frozen=True)
+class Part:
+    """Where a rank's heap lies: ``size`` bytes at ``offset`` of segment ``name`` (virtual ranks share one)."""
+
+    name: str
+    segment_size: int
+    offset: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{self.offset}"
 
 
 def _die_with_parent() -> None:
@@ -57,8 +73,8 @@ def _worker_main(fd: int) -> None:
 
     _die_with_parent()
     conn = Connection(fd)
-    heaps: dict[str, list[SharedHeap]] = {}   # by the kernel's own heap name: every rank's heap
-    bases: dict[str, torch.Tensor] = {}       # by the same name: their addresses here, in rank order
+    heaps: dict[str, list[SharedHeap]] = {}   # by the kernel's own heap key: the segments it maps
+    bases: dict[str, torch.Tensor] = {}       # by the same key: every rank's heap address here, in rank order
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -68,10 +84,11 @@ def _worker_main(fd: int) -> None:
         command, payload = message
         try:
             if command == "map":
-                names, rank, size = payload
-                mapped = [SharedHeap(name, size) for name in names]
-                heaps[names[rank]] = mapped
-                bases[names[rank]] = torch.tensor([heap.address for heap in mapped], dtype=torch.int64)
+                parts, rank = payload
+                mapped = {p.name: SharedHeap(p.name, p.segment_size) for p in parts}
+                heaps[parts[rank].key] = list(mapped.values())
+                bases[parts[rank].key] = torch.tensor([mapped[p.name].address + p.offset for p in parts],
+                                                      dtype=torch.int64)
                 conn.send(("ok", None))
             elif command == "unmap":
                 bases.pop(payload, None)
@@ -99,9 +116,12 @@ class _Worker:
     def __init__(self):
         parent, child = socket.socketpair()
         env = dict(os.environ, TRITON_INTERPRET="1")  # read by triton at import
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", f"from megakernel.cpu_backend import _worker_main; _worker_main({child.fileno()})"],
-            pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        command = [sys.executable, "-c", f"from megakernel.cpu_backend import _worker_main; _worker_main({child.fileno()})"]
+        # Linux sends the parent-death signal when the *thread* that started the child ends: a virtual
+        # rank's thread ends with its launch, but its pool lives on. Start workers from one thread that
+        # lives as long as the process.
+        self.process = _spawner.submit(subprocess.Popen, command, pass_fds=(child.fileno(),), env=env,
+                                       stdin=subprocess.DEVNULL).result()
         child.close()
         self.conn = Connection(parent.detach())
 
@@ -125,8 +145,9 @@ class _Worker:
                 raise BackendError(f"worker process {self.process.pid} did not answer within {timeout} s")
         try:
             status, value = self.conn.recv()
-        except EOFError:
-            raise BackendError(f"worker process {self.process.pid} closed its pipe") from None
+        except (EOFError, OSError):
+            raise BackendError(f"worker process {self.process.pid} closed its pipe "
+                               f"(exit code {self.process.poll()})") from None
         if status == "error":
             raise BackendError(f"worker process {self.process.pid} failed:\n{value}")
         return value
@@ -169,22 +190,101 @@ class WorkerPool:
         self.workers = []
 
 
-_default_pool: WorkerPool | None = None
+_default_pools: dict[int, WorkerPool] = {}
 
 
-def default_pool() -> WorkerPool:
-    """The pool kernels share unless given one; ``shutdown()`` stops it (a later kernel starts a new one)."""
-    global _default_pool
-    if _default_pool is None:
-        _default_pool = WorkerPool()
-    return _default_pool
+def default_pool(slot: int = 0) -> WorkerPool:
+    """The pool kernels share unless given one, one per virtual rank (``slot``: a rank's workers must
+    not be another rank's); ``shutdown()`` stops them (a later kernel starts new ones)."""
+    if slot not in _default_pools:
+        _default_pools[slot] = WorkerPool()
+    return _default_pools[slot]
+
+
+def default_pool_pids() -> set[int]:
+    """The processes of every default pool of this process (one pool per virtual rank that ran)."""
+    return {w.process.pid for pool in _default_pools.values() for w in pool.workers}
 
 
 def shutdown() -> None:
-    global _default_pool
-    if _default_pool is not None:
-        _default_pool.close()
-        _default_pool = None
+    while _default_pools:
+        _default_pools.popitem()[1].close()
+
+
+class CpuBackend:
+    """Workers are processes of a pool; the heap is shared memory that every worker maps."""
+
+    name = "cpu"
+    DEFAULT_WORKERS = 2
+
+    def __init__(self, group, kernel_path: Path, workers: int | None, pool: WorkerPool | None):
+        self.group, self.kernel_path = group, kernel_path
+        self.workers = self.DEFAULT_WORKERS if workers is None else workers
+        self.pool = pool or default_pool(group.slot)
+        self.processes: list[_Worker] = []
+        self.segments: list[SharedHeap] = []  # mapped here: this rank's and the peers' (or the one shared)
+        self.key = ""
+
+    def allocate(self, size: int):
+        from .backend import Heaps
+        group, rank = self.group, self.group.rank
+        if group.virtual:  # rank 0 makes one segment; each rank's heap is a slice of it
+            created = SharedHeap.create(group.world_size * size) if rank == 0 else None
+            segment = group.all_gather(created)[0]
+            self.segments = [segment]
+            parts = [Part(segment.name, segment.size, r * size) for r in range(group.world_size)]
+            tensors = {r: segment.tensor[r * size:(r + 1) * size] for r in range(group.world_size)}
+        else:
+            created = SharedHeap.create(size)
+            names = group.all_gather(created.name)
+            self.segments = [created if r == rank else SharedHeap(name, size) for r, name in enumerate(names)]
+            parts = [Part(name, size, 0) for name in names]
+            tensors = {r: heap.tensor for r, heap in enumerate(self.segments)}
+        self.key = parts[rank].key
+        try:
+            self.processes = self.pool.ensure(self.workers)
+            for worker in self.processes:
+                worker.request("map", (parts, rank), timeout=60)
+            group.barrier(timeout=120, why="map every heap")
+        finally:
+            if created is not None:
+                created.unlink()  # mapped by every process that needs it: the name can go now
+        return Heaps(tensors.pop(rank), tensors)
+
+    def settle(self) -> None:
+        pass  # host writes to shared memory are visible at once
+
+    def launch(self, args: dict[str, int], abort: torch.Tensor) -> float:
+        start = time.perf_counter()
+        failure, running = None, []
+        for w, worker in enumerate(self.processes):
+            try:
+                worker.send("run", Launch(self.key, str(self.kernel_path), w, self.group.rank, args))
+                running.append((w, worker))
+            except BackendError as error:
+                failure = failure or BackendError(f"worker {w}: {error}")
+        for w, worker in running:
+            if failure is not None:
+                abort.fill_(1)  # the other workers stop at their next wait
+            try:
+                worker.reply()
+            except BackendError as error:
+                failure = failure or BackendError(f"worker {w}: {error}")
+        if failure is not None:
+            raise failure
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        for worker in self.processes:
+            try:
+                worker.request("unmap", self.key, timeout=30)
+            except Exception:
+                pass  # a dead worker holds no mapping
+        if not self.group.virtual:  # a virtual segment is shared: it goes with its last user
+            self.segments[self.group.rank].unlink()
+            for segment in self.segments:
+                segment.close()
+        self.segments, self.processes = [], []
 
 
 atexit.register(shutdown)

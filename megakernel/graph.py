@@ -119,10 +119,8 @@ def _describe(value) -> str:
 
 
 def _process_group() -> tuple[int, int]:
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
+    from .bootstrap import current_world
+    return current_world()
 
 
 class Graph:
@@ -132,7 +130,12 @@ class Graph:
     the task library; ``dir(graph)`` lists them.
     """
 
-    def __init__(self, world_size: int | None = None, rank: int | None = None):
+    def __init__(self, world_size: int | None = None, rank: int | None = None, parallelism: int = 1):
+        """``parallelism``: the number of workers the graph is meant for; ops whose natural tiling gives
+        fewer tiles split finer (split-K linears, more attention splits) to keep that many busy."""
+        if not (isinstance(parallelism, int) and parallelism >= 1):
+            raise GraphError(f"parallelism must be a positive integer, got {parallelism!r}")
+        self.parallelism = parallelism
         group_size, group_rank = _process_group()
         self.world_size = group_size if world_size is None else world_size
         self.rank = group_rank if rank is None else rank

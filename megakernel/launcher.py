@@ -1,8 +1,13 @@
-"""``launch``: run a function on every rank of a fresh process group (or of ``torchrun``'s).
+"""``launch``: run a function on every rank of a fresh process group (or of ``torchrun``'s), or on
+virtual ranks: threads of this process.
 
-On the cpu backend the process group uses gloo. Each rank is a process; its kernels' workers are
-processes of its own. An exception in any rank is re-raised in the caller, naming the rank, and the
-other ranks are torn down; shared-memory segments of the launch are removed whatever happened.
+Process ranks: the process group uses gloo on the cpu backend and NCCL/RCCL on GPUs (rank ``r`` on
+GPU ``r mod devices``). Each rank is a process; on the cpu backend its kernels' workers are processes
+of its own. Virtual ranks (``virtual=True``) run ``fn`` in one thread per rank; their kernels share
+one heap allocation and, on a GPU, the one device: R persistent kernels resident at once on R
+streams, each with its share of the SMs, so the multi-rank protocol meets real GPU memory semantics
+with a single GPU. An exception in any rank is re-raised in the caller, naming the rank, and the
+other ranks are stopped; shared-memory segments of the launch are removed whatever happened.
 """
 from __future__ import annotations
 
@@ -12,11 +17,14 @@ import pickle
 import secrets
 import tempfile
 import time
+import threading
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
+from . import bootstrap
+from .backend import resolve
 from .errors import BackendError, MegakernelError
 from .heap import LAUNCH_ENV, remove_segments
 
@@ -38,19 +46,23 @@ def _under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE")) and any(k in os.environ for k in TORCHRUN_ENV)
 
 
-def _init_group(rank: int, world_size: int, init_method: str, timeout: float) -> None:
+def _init_group(rank: int, world_size: int, init_method: str, timeout: float, backend: str) -> None:
+    import torch
     import torch.distributed as dist
+    bootstrap.set_process_backend(backend)
+    if backend != "cpu":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+        dist.init_process_group("gloo" if backend == "cpu" else "nccl", init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout))
 
 
-def _rank_main(fn, rank: int, world_size: int, init_method: str, timeout: float, conn) -> None:
+def _rank_main(fn, rank: int, world_size: int, init_method: str, timeout: float, backend: str, conn) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     from . import cpu_backend
     import torch.distributed as dist
     try:
-        _init_group(rank, world_size, init_method, timeout)
+        _init_group(rank, world_size, init_method, timeout, backend)
         result = fn()
         conn.send(("ok", pickle.dumps(result)))
     except BaseException as error:  # report everything, KeyboardInterrupt included
@@ -65,19 +77,23 @@ def _rank_main(fn, rank: int, world_size: int, init_method: str, timeout: float,
             dist.destroy_process_group()
 
 
-def launch(fn: Callable[[], Any], world_size: int, backend: str = "auto", timeout: float = 600.0) -> list[Any]:
+def launch(fn: Callable[[], Any], world_size: int, backend: str = "auto", timeout: float = 600.0,
+           virtual: bool = False) -> list[Any]:
     """Run ``fn()`` on ``world_size`` ranks; return the per-rank results in rank order.
 
-    ``fn`` must be importable by name (a module-level function), as with ``torch.multiprocessing``.
-    Under ``torchrun`` the current process is one rank of the job: ``fn`` runs here and the results
-    of every rank are gathered.
+    ``backend`` ("auto": the GPU if there is one, else "cpu") is what kernels built with backend "auto"
+    use. Process ranks: ``fn`` must be importable by name (a module-level function), as with
+    ``torch.multiprocessing``; under ``torchrun`` the current process is one rank of the job: ``fn``
+    runs here and the results of every rank are gathered. ``virtual=True``: the ranks are threads of
+    this process sharing its device (any callable will do).
     """
-    if backend not in ("auto", "cpu"):
-        raise BackendError(f"unknown backend {backend!r} for launch; available: auto, cpu")
-    if _under_torchrun():
-        return _launch_in_torchrun(fn, world_size, timeout)
+    backend = resolve(backend)
     if world_size < 1:
         raise BackendError(f"world_size must be at least 1, got {world_size}")
+    if virtual:
+        return _launch_virtual(fn, world_size, backend, timeout)
+    if _under_torchrun():
+        return _launch_in_torchrun(fn, world_size, timeout, backend)
     context = mp.get_context("spawn")
     launch_id = secrets.token_hex(6)
     with tempfile.TemporaryDirectory(prefix="megakernel-launch-") as tmp:
@@ -88,7 +104,8 @@ def launch(fn: Callable[[], Any], world_size: int, backend: str = "auto", timeou
         try:
             for rank in range(world_size):
                 parent, child = context.Pipe(duplex=False)
-                process = context.Process(target=_rank_main, args=(fn, rank, world_size, init_method, timeout, child),
+                process = context.Process(target=_rank_main,
+                                          args=(fn, rank, world_size, init_method, timeout, backend, child),
                                           name=f"megakernel-rank-{rank}")
                 process.start()
                 child.close()
@@ -141,12 +158,56 @@ def _collect(ranks, conns, timeout: float) -> list[Any]:
     return [results[r] for r in range(len(ranks))]
 
 
-def _launch_in_torchrun(fn, world_size: int, timeout: float) -> list[Any]:
+def _launch_virtual(fn, world_size: int, backend: str, timeout: float) -> list[Any]:
+    """One thread per rank; the first rank to raise (in rank order among those that raised first-hand,
+    not because a peer failed) is reported, and the others' waits are released at once."""
+    world = bootstrap.VirtualWorld(world_size, backend)
+    results: list[Any] = [None] * world_size
+    errors: dict[int, tuple[BaseException, str]] = {}
+
+    def rank_main(rank: int) -> None:
+        bootstrap.enter_virtual(world, rank)
+        try:
+            results[rank] = fn()
+        except BaseException as error:
+            errors[rank] = (error, traceback.format_exc())
+            world.fail(rank)
+        finally:
+            bootstrap.leave_virtual()
+
+    launch_id = secrets.token_hex(6)
+    saved = os.environ.get(LAUNCH_ENV)
+    os.environ[LAUNCH_ENV] = launch_id
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"megakernel-rank-{r}", daemon=True)
+               for r in range(world_size)]
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0))
+        running = [r for r, thread in enumerate(threads) if thread.is_alive()]
+        if running:
+            world.fail(-1)
+            raise BackendError(f"launch timed out after {timeout} s; virtual ranks still running: {running}")
+    finally:
+        if saved is None:
+            del os.environ[LAUNCH_ENV]
+        else:
+            os.environ[LAUNCH_ENV] = saved
+        remove_segments(launch_id)
+    if errors:
+        rank = next(r for r in world.failed if r in errors)  # the first to fail; the others followed it
+        raise RankError(rank, *errors[rank])
+    return results
+
+
+def _launch_in_torchrun(fn, world_size: int, timeout: float, backend: str) -> list[Any]:
     import torch.distributed as dist
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if size != world_size:
         raise BackendError(f"launch(world_size={world_size}) under torchrun with WORLD_SIZE={size}")
-    _init_group(rank, size, "env://", timeout)
+    _init_group(rank, size, "env://", timeout, backend)
     result = fn()
     gathered: list[Any] = [None] * size
     dist.all_gather_object(gathered, result)

@@ -13,17 +13,14 @@ import numpy as np
 import torch
 
 from . import codegen, device
+from .backend import Backend, resolve
 from .bootstrap import Group, check_agreement
-from .cpu_backend import Launch, WorkerPool, default_pool
+from .cpu_backend import CpuBackend, WorkerPool
 from .errors import BackendError, DeadlockError, GraphError
 from .graph import HEAP_ALIGN, Graph, Tensor
-from .heap import SharedHeap
-from .scheduler import QueueTables, schedule, serialize
+from .scheduler import ARG0, QueueTables, schedule, serialize
 from .tasks import HeapView
 from .trace import Trace, rank_trace
-
-BACKENDS = ("auto", "cpu")
-DEFAULT_CPU_WORKERS = 2
 
 
 def _align(n: int) -> int:
@@ -62,20 +59,17 @@ class HeapLayout:
         return cls(*offsets, size=at)
 
 
-def _resolve_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise BackendError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
-    return "cpu"
-
-
 class Megakernel:
     """A scheduled graph bound to a heap and a persistent kernel; ``run`` launches it once per call.
 
-    ``workers``: persistent programs per rank (cpu: processes); ``policy``: "critical_path" or
-    ``"round_robin"``; ``timeout``: seconds any single wait may take before the watchdog stops the run;
-    ``trace``: record every task's wait, start and end (``kernel.trace`` after each run).
-    With a world size above one, every rank builds its kernel at the same point of its program: the
-    ranks check that their graphs agree, exchange cross-rank edges and map each other's heaps.
+    ``workers``: persistent programs per rank (cpu: processes, 2 by default; GPU: as many as can be
+    resident at once, by default all of them, shared among virtual ranks); ``policy``:
+    ``"critical_path"`` or ``"round_robin"``; ``backend``: ``"auto"`` (the GPU when there is one, or what
+    ``launch`` chose), ``"cpu"``, ``"cuda"``, ``"hip"``; ``timeout``: seconds any single wait may take before
+    the watchdog stops the run; ``trace``: record every task's wait, start and end (``kernel.trace``
+    after each run). With a world size above one, every rank builds its kernel at the same point of
+    its program: the ranks check that their graphs agree, exchange cross-rank edges and map each
+    other's heaps.
     """
 
     def __init__(self, graph: Graph, workers: int | None = None, policy: str = "critical_path",
@@ -86,48 +80,39 @@ class Megakernel:
             raise GraphError("the graph has no tasks: add ops before building a kernel")
         if not graph.outputs:
             raise GraphError("the graph has no outputs: mark results with graph.output(name, tensor)")
-        self.backend = _resolve_backend(backend)
+        if workers is not None and not (isinstance(workers, int) and workers >= 1):
+            raise GraphError(f"workers must be a positive integer, got {workers!r}")
         self.graph = graph
-        self.workers = DEFAULT_CPU_WORKERS if workers is None else int(workers)
         self.timeout = float(timeout)
         self.tracing = bool(trace)
         self.trace: Trace | None = None  # of the last run, every rank's tasks
+        self.launch_seconds = 0.0          # of the last run: the launch alone (GPU: device time)
         self.group = Group(graph.world_size, graph.rank)
         check_agreement(self.group, "op", graph.op_calls)
         check_agreement(self.group, "buffer", graph.buffer_layout())
+        self.backend: Backend = _make_backend(resolve(backend), self.group, graph, workers, trace, pool)
+        self.workers = self.backend.workers
+        self.kernel_path = self.backend.kernel_path  # the generated kernel module
         self.tables = schedule(graph.tasks, graph.buffer_shapes(), specs=graph.specs, op_names=graph.op_names,
                                workers=self.workers, policy=policy, rank=graph.rank,
                                world_size=graph.world_size, describe=graph.describe_task,
                                exchange=self.group.all_gather)
         sizes = [max(column) for column in zip(*self.group.all_gather(HeapLayout.sizes(self.tables, self.tracing)))]
         self.layout = HeapLayout.of(graph.heap_bytes, sizes)
-        self.kernel_path = codegen.kernel_path(graph.specs, "interpreter")
         self.epoch = 0
         self._broken = False
         self._bound: set[str] = set()
-        self.heap = SharedHeap.create(self.layout.size)
-        self.peers: dict[int, SharedHeap] = {}
-        self._finalizer = weakref.finalize(self, _release, self.heap, self.peers, [])
-        self.view = HeapView(self.heap.tensor)
+        self._finalizer = weakref.finalize(self, self.backend.close)
+        heaps = self.backend.allocate(self.layout.size)
+        self.heap, self.peers = heaps.local, heaps.peers
+        self.view = HeapView(self.heap)
         self.upload_tables()
-        self._pool = pool or default_pool()
-        self._workers = self._pool.ensure(self.workers)
-        try:
-            names = self.group.all_gather(self.heap.name)
-            for rank, name in enumerate(names):
-                if rank != graph.rank:
-                    self.peers[rank] = SharedHeap(name, self.layout.size)
-            for worker in self._workers:
-                worker.request("map", (names, graph.rank, self.layout.size), timeout=60)
-            self.group.barrier(timeout=120, why="map every heap")
-        finally:
-            self.heap.unlink()  # mapped by every process that needs it: the name can go now
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _release, self.heap, self.peers, list(self._workers))
 
     # -- heap access ------------------------------------------------------------------------------
-    def words(self, offset: int, count: int) -> torch.Tensor:
-        return self.heap.tensor[offset:offset + 8 * count].view(torch.int64)
+    def words(self, offset: int, count: int, heap: torch.Tensor | None = None) -> torch.Tensor:
+        """``count`` int64 words at byte ``offset`` of this rank's heap (or of ``heap``), a view."""
+        heap = self.heap if heap is None else heap
+        return heap[offset:offset + 8 * count].view(torch.int64)
 
     def upload_tables(self) -> None:
         """Copy ``self.tables`` into the heap (again, if a test or tool edited them) and clear events."""
@@ -136,6 +121,7 @@ class Megakernel:
                               (lay.index, t.queue_index)]:
             if array.size:
                 self.words(offset, array.size).copy_(torch.from_numpy(np.ascontiguousarray(array).reshape(-1)))
+        self.backend.settle()
         self._reset_events()
 
     def _reset_events(self) -> None:
@@ -172,7 +158,7 @@ class Megakernel:
             if value.dtype != t.dtype:
                 raise GraphError(f"input {name!r} has dtype {value.dtype}; the graph declares {t.dtype}")
         for name, value in inputs.items():
-            self.tensor(self.graph.inputs[name]).copy_(value.detach().cpu())
+            self.tensor(self.graph.inputs[name]).copy_(value.detach())
             self._bound.add(name)
 
     def run(self, inputs: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -192,30 +178,20 @@ class Megakernel:
         if missing:
             raise GraphError(f"input {missing[0]!r} was never bound: pass it to run(); "
                              f"unbound: {', '.join(missing)}")
+        lay = self.layout
+        if self.tracing:
+            self.words(lay.trace, int(device.TRACE_WORDS) * len(self.tables.tasks)).zero_()
+        self.backend.settle()
         self.group.barrier(timeout=self.timeout)
         self.epoch += 1
-        lay = self.layout
         args = dict(epoch=self.epoch, timeout_ns=int(self.timeout * 1e9), tasks_off=lay.tasks,
                     signals_off=lay.signals, queue_off=lay.queue, index_off=lay.index, events_off=lay.events,
                     status_off=lay.status, trace_off=lay.trace, ROW=self.tables.row_words, TRACE=self.tracing)
-        if self.tracing:
-            self._stamps()[:] = 0
-        launches = [Launch(self.heap.name, str(self.kernel_path), w, self.graph.rank, args)
-                    for w in range(self.workers)]
-        failure, running = None, []
-        for w, (worker, launch) in enumerate(zip(self._workers, launches)):
-            try:
-                worker.send("run", launch)
-                running.append((w, worker))
-            except BackendError as error:
-                failure = failure or BackendError(f"worker {w}: {error}")
-        for w, worker in running:
-            if failure is not None:
-                self.words(lay.status, 1).fill_(1)  # abort: the other workers stop at their next wait
-            try:
-                worker.reply()
-            except BackendError as error:
-                failure = failure or BackendError(f"worker {w}: {error}")
+        failure = None
+        try:
+            self.launch_seconds = self.backend.launch(args, self.words(lay.status, 1))
+        except BackendError as error:
+            failure = error
         if failure is None and self._status()[:, int(device.STATE)].any():
             report = self.deadlock_report()
             files = self._write_hang_files(report)
@@ -234,9 +210,9 @@ class Megakernel:
         return {name: self.tensor(t).clone() for name, t in self.graph.outputs.items()}
 
     def _stamps(self) -> np.ndarray:
-        """This rank's trace buffer on the heap, [tasks, TRACE_WORDS] (a view)."""
+        """This rank's trace buffer on the heap, [tasks, TRACE_WORDS] (a copy)."""
         words = int(device.TRACE_WORDS)
-        return self.words(self.layout.trace, words * len(self.tables.tasks)).numpy().reshape(-1, words)
+        return self.words(self.layout.trace, words * len(self.tables.tasks)).cpu().numpy().reshape(-1, words).copy()
 
     def _write_hang_files(self, report: str) -> list[Path]:
         """The report, and with tracing the partial trace of what finished, in the temp folder."""
@@ -253,14 +229,14 @@ class Megakernel:
         outputs = {name: [t.addr(0, 0), str(t.dtype).removeprefix("torch."), t.rows, t.cols, t.row_stride]
                    for name, t in self.graph.outputs.items()}
         np.savez(path, tables=np.frombuffer(serialize(self.tables), dtype=np.uint8),
-                 heap=self.heap.tensor.numpy(), outputs=np.frombuffer(json.dumps(outputs).encode(), dtype=np.uint8))
+                 heap=self.heap.cpu().numpy(), outputs=np.frombuffer(json.dumps(outputs).encode(), dtype=np.uint8))
 
     # -- diagnosis --------------------------------------------------------------------------------
-    def _status(self, heap: SharedHeap | None = None) -> np.ndarray:
-        """Per-worker status records [workers, STATUS_WORDS] of this rank's heap, or of a peer's."""
+    def _status(self, heap: torch.Tensor | None = None) -> np.ndarray:
+        """Per-worker status records [workers, STATUS_WORDS] of this rank's heap, or of a peer's (a copy)."""
         words = int(device.STATUS_WORDS)
-        raw = (heap or self.heap).tensor[self.layout.status:self.layout.status + 8 * words * (self.workers + 1)]
-        return raw.view(torch.int64).numpy().reshape(-1, words)[1:].copy()
+        raw = self.words(self.layout.status, words * (self.workers + 1), heap)
+        return raw.cpu().numpy().reshape(-1, words)[1:].copy()
 
     def deadlock_report(self) -> str:
         """What each worker was doing when the run stopped; for a stalled wait, who should have signalled."""
@@ -317,13 +293,10 @@ class Megakernel:
         self.close()
 
 
-def _release(heap: SharedHeap, peers: dict[int, SharedHeap], workers: list) -> None:
-    for worker in workers:
-        try:
-            worker.request("unmap", heap.name, timeout=30)
-        except Exception:
-            pass  # a dead worker holds no mapping
-    for peer in peers.values():
-        peer.close()
-    heap.unlink()
-    heap.close()
+def _make_backend(name: str, group: Group, graph: Graph, workers: int | None, trace: bool,
+                  pool: WorkerPool | None) -> Backend:
+    if name == "cpu":
+        return CpuBackend(group, codegen.kernel_path(graph.specs, "interpreter"), workers, pool)
+    from .gpu_backend import GpuBackend
+    row_words = ARG0 + max(map(len, graph.tasks.args))
+    return GpuBackend(name, group, codegen.kernel_path(graph.specs, name), row_words, trace, workers)

@@ -34,7 +34,7 @@ class TaskType:
 
 
 class HeapView:
-    """Typed torch views of a heap (a flat uint8 CPU tensor), for reference tiles and the runtime."""
+    """Typed torch views of a heap (a flat uint8 tensor, host or device), for reference tiles and the runtime."""
 
     def __init__(self, heap: torch.Tensor):
         self.heap = heap
@@ -47,7 +47,9 @@ class HeapView:
             typed = self._typed[dtype] = self.heap.view(dtype)
         size = torch.empty((), dtype=dtype).element_size()
         assert offset % size == 0, f"misaligned {dtype} at heap offset {offset}"
-        return torch.as_strided(typed, (rows, cols), (row_stride, 1), offset // size)
+        # as_strided counts from the storage's start: a heap that is a slice of a larger one (virtual
+        # ranks) begins at its own storage offset
+        return torch.as_strided(typed, (rows, cols), (row_stride, 1), typed.storage_offset() + offset // size)
 
 
 def next_power_of_2(n: int) -> int:

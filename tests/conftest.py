@@ -42,7 +42,7 @@ def run_checked(graph: mk.Graph, inputs: dict, workers: int = 2, policy: str = "
     try:
         kernel.bind(inputs)
         kernel.poison()
-        heap = kernel.heap.tensor.clone()
+        heap = kernel.heap.cpu().clone()
         out = kernel.run()
         execute(deserialize(serialize(kernel.tables)), heap)
         view = HeapView(heap)

@@ -1,18 +1,160 @@
-"""The generated megakernel, with every task type of the library in it, compiles for both GPU vendors."""
-import pytest
+"""The generated megakernel, with every task type of the library in it, compiles for both GPU vendors, and
+what one of its programs takes from an SM / CU, read from the binary, lets its workers be resident.
 
-from megakernel.aot import TARGETS, compile_kernel
+Every target of ``megakernel.aot.TARGETS`` is tried; one the installed Triton cannot compile for is
+skipped, with Triton's own reason. Compiles are slow (seconds each), so each kernel is compiled once
+per target for the whole module.
+"""
+import functools
+import re
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.compiler import ASTSource
+
+import megakernel as mk
+from megakernel.aot import TARGETS, compile_kernel, supported_targets, unsupported_reason
+from megakernel.errors import BackendError
+from megakernel.models import DecoderConfig, decode_step
+from megakernel.occupancy import LIMITS, binary_resources, check_grid, cubin_resources, max_grid, programs_per_unit
 from megakernel.tasks import TASK_TYPES
 from megakernel.tools.examples import every_task_type
+
+KERNELS = ["every task type", "decode step"]
+NVIDIA = [t for t, gpu in TARGETS.items() if gpu.backend == "cuda"]
+AMD = [t for t, gpu in TARGETS.items() if gpu.backend == "hip"]
+
+
+def need(target: str) -> None:
+    reason = unsupported_reason(target)
+    if reason:
+        pytest.skip(reason)
+
+
+@functools.cache
+def graph(kernel: str) -> tuple[mk.Graph, int]:
+    """The graph of ``kernel`` and its task-table row width."""
+    if kernel == "every task type":
+        return every_task_type(), 32
+    config = DecoderConfig(hidden=96, heads=4, kv_heads=2, head_dim=48, intermediate=200, layers=1, vocab=128,
+                           eps=1e-6, qk_norm=True, max_seq_len=80, batch=2, dtype=torch.bfloat16)
+    return decode_step(config, mk.Graph(world_size=1, rank=0)), 16
+
+
+@functools.cache
+def compiled(kernel: str, target: str, trace: bool = False, num_warps: int = 4):
+    need(target)
+    g, row_words = graph(kernel)
+    return compile_kernel(g.specs, target, row_words=row_words, trace=trace, num_warps=num_warps)
+
+
+def test_the_targets_every_triton_has_are_supported():
+    assert unsupported_reason("sm_90") is None and unsupported_reason("gfx942") is None
+    assert {"sm_90", "gfx942"} <= set(supported_targets()) <= set(TARGETS)
 
 
 @pytest.mark.parametrize("trace", [False, True])
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_every_task_type_compiles_ahead_of_time(target, trace):
-    graph = every_task_type()
-    assert {s.task_type for s in graph.specs} == set(TASK_TYPES), "the example must use every task type"
-    assert any(dict(s.constexprs).get("USE_DOT") for s in graph.specs)
-    assert any(dict(s.constexprs).get("USE_DOT") is False for s in graph.specs)
-    compiled = compile_kernel(graph.specs, target, row_words=32, trace=trace)  # trace: the GPU clocks too
-    assert compiled.binary == ("cubin" if target.startswith("sm") else "hsaco")
-    assert compiled.size > 10_000
+    g, _ = graph("every task type")
+    assert {s.task_type for s in g.specs} == set(TASK_TYPES), "the example must use every task type"
+    assert any(dict(s.constexprs).get("USE_DOT") for s in g.specs)
+    assert any(dict(s.constexprs).get("USE_DOT") is False for s in g.specs)
+    c = compiled("every task type", target, trace)  # trace: the GPU clocks too
+    assert c.binary == ("cubin" if target.startswith("sm") else "hsaco")
+    assert c.size > 10_000
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_registers_read_from_the_binary_are_plausible(kernel, target):
+    c = compiled(kernel, target)
+    assert c.num_warps == 4 and c.shared > 0
+    if target in NVIDIA:
+        assert 0 < c.registers <= 255 and c.scalar_registers == 0
+    else:  # VGPRs with AGPRs: 512 at most; SGPRs: 112 at most per wave on gfx9
+        assert 0 < c.registers <= 512 and 0 < c.scalar_registers <= 112
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_workers_fit_on_every_target(kernel, target):
+    c = compiled(kernel, target)
+    limits = LIMITS[target]
+    assert programs_per_unit(limits, c.resources) >= 1
+    check_grid(max_grid(limits, c.resources), limits, c.resources)
+    with pytest.raises(BackendError, match="<- limits"):
+        check_grid(max_grid(limits, c.resources) + 1, limits, c.resources)
+
+
+def test_num_warps_reaches_the_compiler():
+    c = compiled("every task type", "sm_90", num_warps=8)
+    assert c.num_warps == 8 and ".reqntid 256" in c.assembly
+    assert programs_per_unit(LIMITS["sm_90"], c.resources) >= 1
+
+
+@pytest.mark.parametrize("target", AMD)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_amd_occupancy_agrees_with_llvm(kernel, target):
+    """LLVM writes the waves per SIMD it expects into the assembly; the occupancy rule must say the same.
+
+    LLVM knows only static LDS (Triton's is dynamic), so the rule is asked without LDS.
+    """
+    c = compiled(kernel, target)
+    occupancy = int(re.search(r"; Occupancy: (\d+)", c.assembly).group(1))
+    limits = LIMITS[target]
+    waves = programs_per_unit(limits, replace(c.resources, shared=0)) * c.num_warps
+    assert waves == occupancy * limits.register_partitions, (c.resources, occupancy)
+
+
+@triton.jit
+def dot_tile(a, b, c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    m, n, k = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+    x = tl.load(a + m[:, None] * K + k[None, :])
+    y = tl.load(b + k[:, None] * N + n[None, :])
+    tl.store(c + m[:, None] * N + n[None, :], tl.dot(x, y))
+
+
+def compile_dot_tile(target: str, m: int, n: int, k: int):
+    need(target)
+    signature = {"a": "*fp16", "b": "*fp16", "c": "*fp32", "M": "constexpr", "N": "constexpr", "K": "constexpr"}
+    source = ASTSource(fn=dot_tile, signature=signature, constexprs={"M": m, "N": n, "K": k})
+    return triton.compile(source, target=TARGETS[target], options={"num_warps": 4})
+
+
+@pytest.mark.parametrize("target", AMD)
+def test_a_tile_too_big_for_an_mi300x_cu(target):
+    """A 256x128 tile with K=256 takes 128 KiB of LDS and AGPRs beside 256 VGPRs: an MI355X CU holds one
+    program, an MI300X CU (64 KiB of LDS) none."""
+    kernel = compile_dot_tile(target, 256, 128, 256)
+    res = binary_resources(kernel.asm, kernel.name, kernel.metadata.shared, kernel.metadata.num_warps)
+    assert res.shared == 128 * 1024 and res.registers > 256  # the accumulators live in AGPRs
+    occupancy = int(re.search(r"; Occupancy: (\d+)", kernel.asm["amdgcn"]).group(1))
+    assert programs_per_unit(LIMITS[target], replace(res, shared=0)) == occupancy == 1
+    if target == "gfx942":
+        assert programs_per_unit(LIMITS[target], res) == 0
+        with pytest.raises(BackendError, match=r"not even one program(.|\n)*LDS: 0 \(131072 bytes"):
+            check_grid(1, LIMITS[target], res)
+    else:
+        assert programs_per_unit(LIMITS[target], res) == 1
+
+
+@pytest.mark.parametrize("target", NVIDIA)
+def test_cubin_resources_match_cuobjdump(target, tmp_path):
+    """The registers and shared memory read from the cubin are those NVIDIA's own tool reports."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip(f"this Triton ships no cuobjdump ({cuobjdump})")
+    kernel = compile_dot_tile(target, 64, 64, 64)
+    path = tmp_path / "kernel.cubin"
+    path.write_bytes(kernel.asm["cubin"])
+    report = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(path)], capture_output=True, text=True,
+                            check=True).stdout
+    registers, shared = (int(re.search(rf"\b{key}:(\d+)", report).group(1)) for key in ("REG", "SHARED"))
+    assert cubin_resources(kernel.asm["cubin"], kernel.name) == (registers, shared)
+    assert registers > 0 and kernel.metadata.shared > 0

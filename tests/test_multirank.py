@@ -57,9 +57,10 @@ def collectives(workers: int):
     return outputs
 
 
-@pytest.mark.parametrize("world,workers", [(2, 1), (2, 2), (3, 1), (3, 2), (4, 1), (4, 2)])
-def test_collectives_against_torch_and_bitwise_equal_across_ranks(world, workers):
-    results = mk.launch(functools.partial(collectives, workers), world_size=world, timeout=300)
+@pytest.mark.parametrize("world,workers,virtual", [(2, 1, False), (2, 2, False), (3, 1, False), (3, 2, False),
+                                                   (4, 1, False), (4, 2, False), (2, 2, True), (3, 1, True)])
+def test_collectives_against_torch_and_bitwise_equal_across_ranks(world, workers, virtual):
+    results = mk.launch(functools.partial(collectives, workers), world_size=world, timeout=300, virtual=virtual)
     for run in range(2):
         xs = [_value(r, run, (ROWS, COLS)).double() for r in range(world)]
         bigs = [_value(r, run, (20, 1000), 1).double() for r in range(world)]
@@ -87,7 +88,7 @@ def oracle_job(workers: int):
     with mk.Megakernel(g, workers=workers) as kernel:
         kernel.bind({"x": _value(g.rank, 0, (ROWS, COLS)), "big": _value(g.rank, 0, (20, 1000), 1)})
         kernel.poison()
-        before = kernel.heap.tensor.clone()
+        before = kernel.heap.cpu().clone()
         out = kernel.run()
         where = {name: (t.addr(0, 0), t.dtype, t.rows, t.cols, t.row_stride) for name, t in g.outputs.items()}
         return serialize(kernel.tables), before, out, where
@@ -238,7 +239,7 @@ def test_killed_rank_gives_clear_error_and_leaves_nothing_behind():
         mk.launch(killed_rank, world_size=2, timeout=120)
     assert time.monotonic() - start < 60
     assert _shm_segments() <= before
-    ours = {w.process.pid for w in cpu_backend.default_pool().workers}  # this test process's own pool
+    ours = cpu_backend.default_pool_pids()  # this test process's own pools
     deadline = time.monotonic() + 10
     while _megakernel_processes() - ours and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -283,3 +284,34 @@ def test_same_code_runs_under_torchrun(tmp_path):
         for run in range(2):
             for name, value in launched[me][run].items():
                 assert torch.equal(torchrun[me][run][name], value), f"{name} rank {me} run {run}"
+
+
+def _virtual_heaps():
+    g = _collectives_graph()
+    with mk.Megakernel(g, workers=1) as kernel:
+        segment = kernel.backend.segments
+        return [s.name for s in segment], kernel.heap.data_ptr() - segment[0].address, threading.current_thread().name
+
+
+def test_virtual_ranks_are_threads_carving_one_heap():
+    results = mk.launch(_virtual_heaps, world_size=3, virtual=True, timeout=300)
+    names = {tuple(r[0]) for r in results}
+    assert len(names) == 1 and len(next(iter(names))) == 1, f"one segment for every rank, got {names}"
+    offsets = [r[1] for r in results]
+    assert offsets[0] == 0 and offsets == sorted(set(offsets)), f"each rank its own slice, got {offsets}"
+    assert [r[2] for r in results] == [f"megakernel-rank-{r}" for r in range(3)]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("megakernel-")]
+
+
+def test_virtual_rank_failure_names_the_rank_and_releases_the_others():
+    def job():
+        g = _collectives_graph()
+        if g.rank == 1:
+            raise ValueError("rank one gives up")
+        mk.Megakernel(g, workers=1)  # waits for rank 1 at the first exchange: released by its failure
+
+    start = time.monotonic()
+    with pytest.raises(RankError, match="rank 1 raised ValueError: rank one gives up") as info:
+        mk.launch(job, world_size=3, virtual=True, timeout=120)
+    assert isinstance(info.value.error, ValueError)
+    assert time.monotonic() - start < 30, "the other ranks were not released"

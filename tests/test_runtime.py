@@ -154,7 +154,7 @@ def test_dead_worker_gives_backend_error():
 def test_heap_segment_is_unlinked_once_mapped():
     g = mlp_block(hidden=64, intermediate=96)
     with mk.Megakernel(g, workers=2) as kernel:
-        assert not os.path.exists(f"/dev/shm/{kernel.heap.name}")
+        assert not os.path.exists(f"/dev/shm/{kernel.backend.segments[0].name}")
         kernel.run(random_inputs(g))
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("megakernel-")]
 
@@ -170,3 +170,15 @@ def test_generated_kernel_source_is_cached_by_content_and_readable():
 def test_unknown_backend():
     with pytest.raises(mk.BackendError, match="unknown backend 'tpu'"):
         mk.Megakernel(mlp_block(hidden=64, intermediate=96), backend="tpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the backends are checked by bench/gpu_check.py")
+def test_gpu_backends_without_a_gpu_are_a_clear_error():
+    g = mlp_block(hidden=64, intermediate=96)
+    with pytest.raises(mk.BackendError, match="backend 'cuda' needs a CUDA build of torch and a visible GPU; "
+                                              "this process has no GPU"):
+        mk.Megakernel(g, backend="cuda")
+    with pytest.raises(mk.BackendError, match="backend 'hip' needs a ROCm build"):
+        mk.launch(print, world_size=2, backend="hip", virtual=True)
+    with mk.Megakernel(g, workers=1) as kernel:  # "auto" falls back to the cpu backend
+        assert kernel.backend.name == "cpu"

@@ -33,14 +33,22 @@ def _disasm(args) -> int:
 
 
 def _aot(args) -> int:
-    from ..aot import TARGETS, compile_kernel
+    from ..aot import TARGETS, compile_kernel, unsupported_reason
+    from ..occupancy import LIMITS, programs_per_unit
     from .examples import every_task_type
 
     graph = every_task_type()
     for target in args.target or list(TARGETS):
+        reason = unsupported_reason(target)
+        if reason is not None:
+            print(f"{target}: not supported by this Triton ({reason})")
+            continue
         compiled = compile_kernel(graph.specs, target, row_words=32)
-        print(f"{target}: {compiled.binary} {compiled.size} bytes, {compiled.shared} bytes shared, "
-              f"{len(graph.specs)} opcodes")
+        limits = LIMITS[target]
+        per_unit = programs_per_unit(limits, compiled.resources)
+        print(f"{target}: {compiled.binary} {compiled.size} bytes, {compiled.registers} registers, "
+              f"{compiled.shared} bytes shared, {len(graph.specs)} opcodes; {per_unit} programs per "
+              f"{limits.unit}, at most {per_unit * limits.units} workers on {limits.name}")
     return 0
 
 
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--execute", action="store_true", help="run the tables with the torch reference executor")
     p.set_defaults(run=_disasm)
     p = sub.add_parser("aot", help="compile a megakernel with every task type for GPU targets, without a GPU")
-    p.add_argument("--target", action="append", choices=["sm_90", "gfx942"])
+    p.add_argument("--target", action="append", choices=["sm_90", "sm_100", "gfx942", "gfx950"])
     p.set_defaults(run=_aot)
     p = sub.add_parser("demo", help="the main job: tensor-parallel greedy decoding of a random Llama on the cpu "
                                     "backend, checked against transformers")

@@ -15,7 +15,7 @@ def every_task_type() -> Graph:
     wf = g.input("wf", (40, 96), torch.float32)
     norm = g.input("norm", (96,), torch.float32)
     h = g.rms_norm(xb, norm, 1e-6)
-    y = g.linear(h, w, split_k=2)              # GEMV tiles, split-K partials, the reduction tile
+    y = g.touch(g.linear(h, w, split_k=2))     # GEMV tiles, split-K partials, the reduction tile; an empty task
     g.output("y", g.silu_mul(g.add(y, y), g.mul(y, y)))
     g.output("z", g.all_reduce(g.linear(x, wf)))  # tl.dot tiles; put tiles (to itself, in a world of one)
     # decode: embedding, per-head norm, RoPE, KV cache append, split-KV attention and its combine tile

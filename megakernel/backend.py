@@ -1,0 +1,74 @@
+"""What a backend gives the runtime: a symmetric heap shared by the ranks, and a way to run every
+worker of this rank once.
+
+The runtime (``Megakernel``) owns the protocol: layout, tables, epochs, barriers, reports. A backend
+owns the memory and the processors:
+
+| backend | heap | workers |
+| --- | --- | --- |
+| ``cpu`` | POSIX shared memory | interpreter processes (``cpu_backend``) |
+| ``cuda``, ``hip`` | device memory, shared by IPC | programs of one persistent launch (``gpu_backend``) |
+
+Virtual ranks (threads of one process) carve their heaps from one allocation on every backend.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .bootstrap import default_backend
+from .errors import BackendError
+
+BACKENDS = ("auto", "cpu", "cuda", "hip")
+
+
+@dataclass
+class Heaps:
+    """This rank's heap and every peer's, as flat uint8 tensors this process can read and write."""
+
+    local: torch.Tensor
+    peers: dict[int, torch.Tensor]
+
+
+class Backend(Protocol):
+    name: str
+    workers: int          # persistent programs of this rank
+
+    def allocate(self, size: int) -> Heaps:
+        """Collective over the ranks: every rank's heap of ``size`` bytes, mapped where workers see it."""
+
+    def settle(self) -> None:
+        """Finish this process's pending writes to the heap (inputs, poison) before the ranks meet."""
+
+    def launch(self, args: dict[str, int], abort: torch.Tensor) -> float:
+        """Run every worker once with the kernel arguments ``args``; return the seconds the launch took
+        (GPU: device time). On a failure, set ``abort`` (the rank's abort word) so the other workers
+        stop, and raise ``BackendError``."""
+
+    def close(self) -> None:
+        """Release the heap and the workers' mappings of it."""
+
+
+def gpu_flavour() -> str | None:
+    """"hip" on a ROCm build of torch with a device, "cuda" on a CUDA build with one, else None."""
+    if not torch.cuda.is_available():
+        return None
+    return "hip" if torch.version.hip else "cuda"
+
+
+def resolve(backend: str) -> str:
+    """The concrete backend for ``backend``: "auto" is what ``launch`` chose, else the GPU if there is one."""
+    if backend not in BACKENDS:
+        raise BackendError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+    if backend == "auto":
+        backend = default_backend()
+    if backend == "auto":
+        return gpu_flavour() or "cpu"
+    if backend != "cpu" and gpu_flavour() != backend:
+        found = gpu_flavour()
+        raise BackendError(f"backend {backend!r} needs a {'ROCm' if backend == 'hip' else 'CUDA'} build of torch "
+                           f"and a visible GPU; this process has "
+                           f"{f'a {found} device' if found else 'no GPU'} (torch {torch.__version__})")
+    return backend

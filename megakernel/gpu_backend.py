@@ -1,0 +1,106 @@
+"""The cuda and hip backends: every worker of a rank is a program of one persistent launch on its GPU,
+and the heap is device memory.
+
+Process ranks (one GPU each) share their heaps by IPC: torch exports each rank's heap as an IPC
+handle (``cudaIpcGetMemHandle``; on ROCm torch's HIP build calls ``hipIpcGetMemHandle``), the ranks
+exchange handles over the host group, and each opens its peers' (peer access is enabled when a handle
+is opened), so a store through a peer's base lands in that GPU's memory. Virtual ranks (threads of one
+process) carve their heaps from one allocation on one GPU and launch on streams of their own, each
+rank with its share of the programs that can be resident at once.
+
+A persistent kernel whose programs wait on each other deadlocks if one of them is not resident, so
+the grid is checked against the compiled kernel's registers and shared memory before any launch.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from . import codegen, occupancy
+from .backend import Heaps
+from .errors import BackendError
+
+NUM_WARPS = 4              # threads per program: 128 (NVIDIA) / 256 (AMD, wave64)
+_compile_lock = threading.Lock()  # virtual ranks build the same kernel: compile it once, not racing
+
+
+def ipc_export(heap: torch.Tensor):
+    """A picklable handle that another process opens with ``ipc_open`` (the heap must outlive it)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+    return reduce_tensor(heap)
+
+
+def ipc_open(handle) -> torch.Tensor:
+    rebuild, args = handle
+    return rebuild(*args)
+
+
+class GpuBackend:
+    """One persistent launch per run on this process's current GPU; see the module docstring."""
+
+    def __init__(self, name: str, group, kernel_path: Path, row_words: int, trace: bool, workers: int | None):
+        self.name, self.group, self.kernel_path = name, group, kernel_path
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.kernel = codegen.load_kernel(kernel_path)
+        self.constexprs = dict(ROW=row_words, TRACE=trace)
+        with _compile_lock:
+            compiled = self.kernel.warmup(*[0] * len(codegen.KERNEL_ARGS), **self.constexprs, num_warps=NUM_WARPS,
+                                          grid=(1,))
+        self.limits = occupancy.device_limits(self.device.index)
+        self.resources = occupancy.kernel_resources(compiled, NUM_WARPS)
+        share = group.world_size if group.virtual else 1  # virtual ranks: R kernels resident together
+        capacity = occupancy.max_grid(self.limits, self.resources)
+        self.workers = capacity // share if workers is None else workers
+        try:
+            occupancy.check_grid(self.workers * share, self.limits, self.resources)
+        except BackendError as error:
+            ranks = f" ({share} virtual ranks of {self.workers} workers)" if share > 1 else ""
+            raise BackendError(f"rank {group.rank}{ranks}: {error}") from None
+        self.stream = torch.cuda.Stream(self.device)
+        self.heaps: list[torch.Tensor] = []
+        self.bases: torch.Tensor | None = None
+
+    def allocate(self, size: int) -> Heaps:
+        group, rank = self.group, self.group.rank
+        if group.virtual:  # rank 0 allocates for everyone; each rank's heap is a slice
+            whole = torch.zeros(group.world_size * size, dtype=torch.uint8, device=self.device) if rank == 0 else None
+            whole = group.all_gather(whole)[0]
+            self.heaps = [whole[r * size:(r + 1) * size] for r in range(group.world_size)]
+        else:
+            own = torch.zeros(size, dtype=torch.uint8, device=self.device)
+            try:
+                handles = group.all_gather(ipc_export(own))
+                self.heaps = [own if r == rank else ipc_open(h) for r, h in enumerate(handles)]
+            except RuntimeError as error:
+                raise BackendError(f"rank {rank}: could not share heaps by IPC on {self.device}: {error}") from None
+        self.bases = torch.tensor([h.data_ptr() for h in self.heaps], dtype=torch.int64, device=self.device)
+        torch.cuda.synchronize(self.device)
+        group.barrier(timeout=120, why="map every heap")
+        return Heaps(self.heaps[rank], {r: h for r, h in enumerate(self.heaps) if r != rank})
+
+    def settle(self) -> None:
+        # This thread's stream only: a virtual peer's kernel may be running on the same device.
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def launch(self, args: dict[str, int], abort: torch.Tensor) -> float:
+        # ``abort`` is for workers the host must stop; a launch either runs every program or none,
+        # and the device watchdog ends every wait, so there is nothing to stop from here.
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        try:
+            with torch.cuda.stream(self.stream):
+                start.record()
+                self.kernel[(self.workers,)](self.bases.data_ptr(), self.group.rank, 0, **args, num_warps=NUM_WARPS)
+                end.record()
+            self.stream.synchronize()
+        except Exception as error:  # a fault makes the CUDA/HIP context unusable: say where it happened
+            raise BackendError(f"rank {self.group.rank}: the {self.name} launch of {self.workers} programs on "
+                               f"{self.device} failed: {type(error).__name__}: {error}") from None
+        current.wait_stream(self.stream)
+        return start.elapsed_time(end) / 1e3
+
+    def close(self) -> None:
+        self.heaps, self.bases = [], None  # torch frees the memory and closes IPC mappings

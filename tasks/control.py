@@ -1,0 +1,35 @@
+"""``touch``: an empty task ordered like a writer of a tensor.
+
+It waits for the tensor's earlier writers and readers, and its later readers and writers wait for
+it, but it moves no data: a join point in a graph, and the unit of the dispatch benchmarks (what a
+task costs when its tile does nothing).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import HeapView, TaskType
+
+
+@triton.jit
+def touch_tile(base, args):
+    """Nothing: the wait and signals around it are the whole task."""
+    pass
+
+
+def _touch_reference(heap: HeapView, args: dict[str, int], consts: dict) -> None:
+    pass
+
+
+TOUCH = TaskType("touch", touch_tile, (), _touch_reference)
+
+
+def touch(g, t):
+    """One empty task that writes ``t`` as far as dependencies go; returns ``t``."""
+    g.add_task(g.opcode(TOUCH), (), reads=(), writes=(t.region(0, t.rows, 0, t.cols),), bytes=0, flops=0)
+    return t
+
+
+TASK_TYPES = (TOUCH,)
+OPS = {"touch": touch}
