@@ -40,27 +40,38 @@ def ipc_open(handle) -> torch.Tensor:
 class GpuBackend:
     """One persistent launch per run on this process's current GPU; see the module docstring."""
 
-    def __init__(self, name: str, group, kernel_path: Path, row_words: int, trace: bool, workers: int | None):
+    def __init__(self, name: str, group, kernel_path: Path, row_words: int, trace: bool, workers: int | None,
+                 timeout_ns: int):
         self.name, self.group, self.kernel_path = name, group, kernel_path
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.kernel = codegen.load_kernel(kernel_path)
-        self.constexprs = dict(ROW=row_words, TRACE=trace)
-        with _compile_lock:
-            compiled = self.kernel.warmup(*[0] * len(codegen.KERNEL_ARGS), **self.constexprs, num_warps=NUM_WARPS,
-                                          grid=(1,))
+        # Triton types an int argument by its value (int32 or int64): compile with values of the types
+        # the launches will have, addresses and the timeout above 2**31, offsets and counters below.
+        typical = dict.fromkeys(codegen.KERNEL_ARGS, 0) | dict(bases_addr=1 << 40, epoch=1, timeout_ns=timeout_ns,
+                                                               ROW=row_words, TRACE=trace)
+        self.compiled = self._compile(typical, grid=1)
         self.limits = occupancy.device_limits(self.device.index)
-        self.resources = occupancy.kernel_resources(compiled, NUM_WARPS)
-        share = group.world_size if group.virtual else 1  # virtual ranks: R kernels resident together
-        capacity = occupancy.max_grid(self.limits, self.resources)
-        self.workers = capacity // share if workers is None else workers
-        try:
-            occupancy.check_grid(self.workers * share, self.limits, self.resources)
-        except BackendError as error:
-            ranks = f" ({share} virtual ranks of {self.workers} workers)" if share > 1 else ""
-            raise BackendError(f"rank {group.rank}{ranks}: {error}") from None
+        self.share = group.world_size if group.virtual else 1  # virtual ranks: R kernels resident together
+        capacity = occupancy.max_grid(self.limits, occupancy.kernel_resources(self.compiled, NUM_WARPS))
+        self.workers = capacity // self.share if workers is None else workers
+        self._check(self.compiled)
         self.stream = torch.cuda.Stream(self.device)
         self.heaps: list[torch.Tensor] = []
         self.bases: torch.Tensor | None = None
+
+    def _compile(self, args: dict[str, int], grid: int):
+        """The compiled kernel these arguments (ROW and TRACE included) launch: compiled now if new,
+        once for all virtual ranks."""
+        with _compile_lock:
+            return self.kernel.warmup(**args, num_warps=NUM_WARPS, grid=(grid,))
+
+    def _check(self, compiled) -> None:
+        """Refuse a grid that the device cannot hold at once, with the numbers."""
+        try:
+            occupancy.check_grid(self.workers * self.share, self.limits, occupancy.kernel_resources(compiled, NUM_WARPS))
+        except BackendError as error:
+            ranks = f" ({self.share} virtual ranks of {self.workers} workers)" if self.share > 1 else ""
+            raise BackendError(f"rank {self.group.rank}{ranks}: {error}") from None
 
     def allocate(self, size: int) -> Heaps:
         group, rank = self.group, self.group.rank
@@ -87,13 +98,19 @@ class GpuBackend:
     def launch(self, args: dict[str, int], abort: torch.Tensor) -> float:
         # ``abort`` is for workers the host must stop; a launch either runs every program or none,
         # and the device watchdog ends every wait, so there is nothing to stop from here.
+        args = dict(bases_addr=self.bases.data_ptr(), rank=self.group.rank, worker=0, **args)
+        if args["epoch"] == 1:  # the arguments' types are fixed from now on: check what they compile to
+            compiled = self._compile(args, grid=self.workers)
+            if compiled is not self.compiled:
+                self._check(compiled)
+                self.compiled = compiled
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         try:
             with torch.cuda.stream(self.stream):
                 start.record()
-                self.kernel[(self.workers,)](self.bases.data_ptr(), self.group.rank, 0, **args, num_warps=NUM_WARPS)
+                self.kernel[(self.workers,)](**args, num_warps=NUM_WARPS)
                 end.record()
             self.stream.synchronize()
         except Exception as error:  # a fault makes the CUDA/HIP context unusable: say where it happened

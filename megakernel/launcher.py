@@ -164,10 +164,16 @@ def _launch_virtual(fn, world_size: int, backend: str, timeout: float) -> list[A
     world = bootstrap.VirtualWorld(world_size, backend)
     results: list[Any] = [None] * world_size
     errors: dict[int, tuple[BaseException, str]] = {}
+    gpu = None
+    if backend != "cpu":
+        import torch
+        gpu = torch.cuda.current_device()  # the caller's: a new thread would start on device 0
 
     def rank_main(rank: int) -> None:
         bootstrap.enter_virtual(world, rank)
         try:
+            if gpu is not None:
+                torch.cuda.set_device(gpu)
             results[rank] = fn()
         except BaseException as error:
             errors[rank] = (error, traceback.format_exc())

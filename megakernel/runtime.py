@@ -90,7 +90,8 @@ class Megakernel:
         self.group = Group(graph.world_size, graph.rank)
         check_agreement(self.group, "op", graph.op_calls)
         check_agreement(self.group, "buffer", graph.buffer_layout())
-        self.backend: Backend = _make_backend(resolve(backend), self.group, graph, workers, trace, pool)
+        self.backend: Backend = _make_backend(resolve(backend), self.group, graph, workers, trace, self.timeout,
+                                              pool)
         self.workers = self.backend.workers
         self.kernel_path = self.backend.kernel_path  # the generated kernel module
         self.tables = schedule(graph.tasks, graph.buffer_shapes(), specs=graph.specs, op_names=graph.op_names,
@@ -293,10 +294,11 @@ class Megakernel:
         self.close()
 
 
-def _make_backend(name: str, group: Group, graph: Graph, workers: int | None, trace: bool,
+def _make_backend(name: str, group: Group, graph: Graph, workers: int | None, trace: bool, timeout: float,
                   pool: WorkerPool | None) -> Backend:
     if name == "cpu":
         return CpuBackend(group, codegen.kernel_path(graph.specs, "interpreter"), workers, pool)
     from .gpu_backend import GpuBackend
     row_words = ARG0 + max(map(len, graph.tasks.args))
-    return GpuBackend(name, group, codegen.kernel_path(graph.specs, name), row_words, trace, workers)
+    return GpuBackend(name, group, codegen.kernel_path(graph.specs, name), row_words, trace, workers,
+                      timeout_ns=int(timeout * 1e9))

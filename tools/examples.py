@@ -23,7 +23,7 @@ def every_task_type() -> Graph:
     inv_freq = g.input("inv_freq", (24,), torch.float32)
     q = g.embedding(tokens, g.input("embed", (50, 96), torch.bfloat16))
     q = g.rope(g.rms_norm(q, g.input("q_norm", (48,), torch.bfloat16), 1e-6, head_dim=48), inv_freq, pos, 48)
-    cache = g.new_tensor((2 * 80, 48), torch.bfloat16)
+    cache = g.new_tensor((2 * 80, 48), torch.bfloat16, name="kv_cache")
     k_cache = g.kv_append(cache, q[:, :48], pos, batch=2)
     g.output("attention", g.decode_attention(q, k_cache, k_cache, pos, batch=2, head_dim=48))
     return g

@@ -1,0 +1,400 @@
+"""The GPU check: one script, one GPU, under 8 minutes; prints a table last.
+
+1. every task type, run by the megakernel on the GPU, against the reference executor (the task
+   types' torch references replaying the same tables on a host copy of the heap);
+2. decode steps of a small random Llama against ``transformers`` on the same GPU;
+3. a Llama-3-8B-shaped decoder layer (bfloat16, batch 1) as one megakernel launch, checked against
+   an eager PyTorch layer computed in float32, and timed against the eager layer and against
+   CUDA-graph replay of it, with its fraction of the memory-bandwidth floor (copy bandwidth measured
+   here, in the same run);
+4. per-task dispatch overhead (many empty tasks);
+5. cross-rank signal latency and small all-reduces between two virtual ranks (two persistent
+   kernels resident at once on one GPU).
+
+    python bench/gpu_check.py            # on a machine with an NVIDIA or AMD GPU
+    python bench/gpu_check.py --smoke    # small shapes on the cpu backend (the test suite runs this)
+
+Times are device times of the launch (CUDA events) unless a row says wall.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import megakernel as mk
+from megakernel.models.decoder import DecoderConfig, Shard, decoder_layer
+from megakernel.reference import execute
+from megakernel.scheduler import deserialize, serialize
+from megakernel.tasks import HeapView
+from megakernel.tools.examples import every_task_type
+
+LLAMA3_8B = DecoderConfig(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, layers=1,
+                          vocab=128256, eps=1e-5, qk_norm=False, max_seq_len=4096, dtype=torch.bfloat16)
+SMOKE_LAYER = DecoderConfig(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, layers=1, vocab=256,
+                            eps=1e-5, qk_norm=False, max_seq_len=64, dtype=torch.bfloat16)
+
+
+@dataclass
+class Row:
+    check: str
+    value: str
+    target: str = ""
+    ok: bool | None = None   # None: a measurement without a target
+    timing: bool = False     # a target on time: it holds on a GPU only
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |a - e| / max |e|; infinite when an element was never written (the poison is NaN)."""
+    if torch.isnan(actual).any():
+        return math.inf
+    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max().clamp_min(1e-12)).item()
+
+
+def median_launch(kernel: mk.Megakernel, repeats: int) -> tuple[float, float]:
+    """(device seconds of the launch, wall seconds of ``run``), medians over ``repeats`` runs after one."""
+    kernel.run()
+    device, wall = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kernel.run()
+        wall.append(time.perf_counter() - start)
+        device.append(kernel.launch_seconds)
+    return statistics.median(device), statistics.median(wall)
+
+
+def timed(fn, repeats: int, device: str) -> float:
+    """Median seconds of ``fn()`` after two warm-up calls (CUDA events on a GPU, wall clock on the host)."""
+    fn(), fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cpu":
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        else:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+# -- 1. every task type ---------------------------------------------------------------------------------
+def check_task_types(backend: str) -> Row:
+    g = every_task_type()
+    gen = torch.Generator().manual_seed(0)
+    inputs = {name: torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype)
+              for name, t in g.inputs.items() if t.dtype.is_floating_point}
+    inputs["tokens"] = torch.randint(0, g.inputs["embed"].shape[0], g.inputs["tokens"].shape, generator=gen)
+    inputs["pos"] = torch.tensor([37])
+    inputs["inv_freq"] = 1.0 / 10000 ** (torch.arange(0, 48, 2, dtype=torch.float32) / 48)
+    with mk.Megakernel(g, backend=backend) as kernel:
+        kernel.bind(inputs)
+        kernel.poison()
+        cache = next(b for b in g.buffers if b.name == "kv_cache")  # the positions before pos: history
+        kernel.view.tensor(cache.offset, cache.dtype, cache.rows, cache.cols, cache.cols).copy_(
+            torch.randn(cache.rows, cache.cols, generator=gen).to(cache.dtype))
+        heap = kernel.heap.cpu().clone()
+        out = kernel.run()
+        execute(deserialize(serialize(kernel.tables)), heap)
+        view, worst = HeapView(heap), {}
+        for name, t in g.outputs.items():
+            ref = view.tensor(t.addr(0, 0), t.dtype, t.rows, t.cols, t.row_stride).reshape(t.shape)
+            worst[name] = relative_error(out[name].cpu(), ref)
+        types = len({s.task_type for s in g.specs})
+    name, error = max(worst.items(), key=lambda item: item[1])
+    return Row(f"{types} task types, {len(g.tasks)} tasks vs reference", f"max rel. error {error:.1e} ({name})",
+               "<= 1e-2 (bf16)", error <= 1e-2)
+
+
+# -- 2. decode steps against transformers ----------------------------------------------------------------
+def check_decode(backend: str, device: str) -> Row:
+    from megakernel.models import from_hf
+    from megakernel.tools.demo import random_llama
+
+    hf = random_llama(seed=3).to(device)
+    steps = 8
+    ids = torch.randint(0, hf.config.vocab_size, (1, steps), generator=torch.Generator().manual_seed(4))
+    model = from_hf(hf, max_seq_len=steps, backend=backend)
+    try:
+        worst = 0.0
+        with torch.no_grad():
+            for pos in range(steps):
+                ours = model.decode(ids[:, pos], pos)
+                theirs = hf(ids[:, :pos + 1].to(device)).logits[:, -1]
+                worst = max(worst, relative_error(ours.float().cpu(), theirs.float().cpu()))
+    finally:
+        model.close()
+    return Row(f"decode, random Llama ({hf.config.num_hidden_layers} layers), {steps} steps vs transformers",
+               f"max rel. error {worst:.1e}", "<= 1e-3 (fp32)", worst <= 1e-3)
+
+
+# -- 3. the Llama-3-8B-shaped layer ----------------------------------------------------------------------
+def layer_graph(c: DecoderConfig, parallelism: int) -> mk.Graph:
+    g = mk.Graph(world_size=1, rank=0, parallelism=parallelism)
+    x = g.input("x", (c.batch, c.hidden), c.dtype)
+    pos = g.input("pos", (1,), torch.int64)
+    inv_freq = g.input("inv_freq", (c.head_dim // 2,), torch.float32)
+    g.output("y", decoder_layer(g, c, Shard.of(c, 0, 1), x, pos, inv_freq, 0))
+    return g
+
+
+def layer_weights(c: DecoderConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    shapes = {"qkv": (q + 2 * kv, c.hidden), "o": (c.hidden, q), "gate_up": (2 * c.intermediate, c.hidden),
+              "down": (c.hidden, c.intermediate)}
+    weights = {f"layers.0.{k}": (torch.randn(s, generator=gen) / math.sqrt(s[1])).to(c.dtype) for k, s in shapes.items()}
+    for norm in ("input_norm", "post_norm"):
+        weights[f"layers.0.{norm}"] = (1 + 0.1 * torch.randn(c.hidden, generator=gen)).to(c.dtype)
+    return weights
+
+
+def eager_layer(c: DecoderConfig, w: dict[str, torch.Tensor], x: torch.Tensor, pos: int, inv_freq: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """The same layer in plain PyTorch over a static KV cache [max_seq, kv_heads * head_dim]."""
+    def rms(t, weight):
+        t32 = t.float()
+        return (t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + c.eps)).to(t.dtype) * weight
+
+    def rope(t, heads):  # [batch, heads * head_dim], rotate-half
+        t = t.view(-1, heads, c.head_dim)
+        angle = pos * inv_freq
+        cos, sin = torch.cat([angle.cos(), angle.cos()]).to(t.dtype), torch.cat([angle.sin(), angle.sin()]).to(t.dtype)
+        half = c.head_dim // 2
+        rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+        return t * cos + rotated * sin
+
+    q_cols, kv_cols = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    qkv = rms(x, w["layers.0.input_norm"]) @ w["layers.0.qkv"].T
+    q, k, v = qkv[:, :q_cols], qkv[:, q_cols:q_cols + kv_cols], qkv[:, q_cols + kv_cols:]
+    q, k = rope(q, c.heads), rope(k, c.kv_heads)
+    k_cache[pos] = k.reshape(-1)
+    v_cache[pos] = v.reshape(-1)
+    keys = k_cache[:pos + 1].view(pos + 1, c.kv_heads, c.head_dim).transpose(0, 1)      # [kv, seq, hd]
+    values = v_cache[:pos + 1].view(pos + 1, c.kv_heads, c.head_dim).transpose(0, 1)
+    attn = F.scaled_dot_product_attention(q.view(c.heads, 1, c.head_dim), keys, values, enable_gqa=True)
+    x = x + attn.reshape(1, q_cols) @ w["layers.0.o"].T
+    gate, up = (rms(x, w["layers.0.post_norm"]) @ w["layers.0.gate_up"].T).chunk(2, dim=-1)
+    return x + (F.silu(gate.float()).to(x.dtype) * up) @ w["layers.0.down"].T
+
+
+def layer_bytes(c: DecoderConfig, pos: int) -> int:
+    """What the layer must move at least: its weights once, the KV cache it attends to, the stream."""
+    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    weights = (q + 2 * kv) * c.hidden + c.hidden * q + 3 * c.intermediate * c.hidden + 2 * c.hidden
+    return (weights + 2 * (pos + 1) * kv + 2 * c.hidden) * c.dtype.itemsize
+
+
+def copy_bandwidth(device: str, mib: int) -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read and written."""
+    src = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / timed(lambda: dst.copy_(src), 10, device)
+
+
+def check_layer(c: DecoderConfig, backend: str, device: str, pos: int, repeats: int) -> list[Row]:
+    gen = torch.Generator().manual_seed(5)
+    weights = layer_weights(c, gen)
+    x = (torch.randn(1, c.hidden, generator=gen)).to(c.dtype)
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+    history = [(torch.randn(pos, c.kv_heads * c.head_dim, generator=gen) * 0.5).to(c.dtype) for _ in range(2)]
+    # Build for the workers this GPU can hold: the first kernel says how many that is.
+    g = layer_graph(c, parallelism=1)
+    kernel = mk.Megakernel(g, backend=backend)
+    if kernel.workers > 1:
+        kernel.close()
+        g = layer_graph(c, parallelism=kernel.workers)
+        kernel = mk.Megakernel(g, backend=backend)
+    try:
+        kernel.bind({**weights, "x": x, "pos": torch.tensor([pos]), "inv_freq": inv_freq})
+        kernel.poison()  # the cache rows past the position stay poisoned: no tile may read them
+        caches = {b.name: b for b in g.buffers if b.name.endswith("_cache")}
+        for b, rows in zip((caches["layers.0.k_cache"], caches["layers.0.v_cache"]), history):
+            kernel.view.tensor(b.offset, b.dtype, b.rows, b.cols, b.cols)[:pos].copy_(rows)
+        y = kernel.run()["y"].cpu()
+        mk_device, mk_wall = median_launch(kernel, repeats)  # the same step again: same work, same result
+        workers, tasks = kernel.workers, len(g.tasks)
+    finally:
+        kernel.close()
+
+    kv_cols = c.kv_heads * c.head_dim
+    caches32 = [torch.cat([h.float(), torch.zeros(c.max_seq_len - pos, kv_cols)]) for h in history]
+    w32 = {k: v.float() for k, v in weights.items()}
+    reference = eager_layer(c, w32, x.float(), pos, inv_freq, *caches32)
+    error = relative_error(y, reference)
+
+    on = {k: v.to(device) for k, v in weights.items()}
+    caches = [torch.cat([h, torch.zeros(c.max_seq_len - pos, kv_cols, dtype=c.dtype)]).to(device) for h in history]
+    xd, freq = x.to(device), inv_freq.to(device)
+    step = functools.partial(eager_layer, c, on, xd, pos, freq, *caches)
+    eager = timed(step, repeats, device)
+    rows = [Row(f"layer {c.hidden}x{c.intermediate} bf16 ({tasks} tasks, {workers} workers) vs fp32 eager",
+                f"max rel. error {error:.1e}", "<= 3e-2", error <= 3e-2)]
+    if device == "cpu":
+        rows.append(Row("layer: megakernel / eager (cpu interpreter, wall)", f"{mk_wall * 1e3:.1f} / {eager * 1e3:.1f} ms"))
+        return rows
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(), step()  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        step()
+    replay = timed(graph.replay, repeats, device)
+    bandwidth = copy_bandwidth(device, 2048)
+    floor = layer_bytes(c, pos) / bandwidth
+    fraction = floor / mk_device
+    return rows + [
+        Row("copy bandwidth (read + write)", f"{bandwidth / 1e12:.2f} TB/s"),
+        Row(f"layer floor ({layer_bytes(c, pos) / 2**20:.0f} MiB at copy bandwidth)", f"{floor * 1e6:.1f} us"),
+        Row("layer: megakernel launch", f"{mk_device * 1e6:.1f} us ({mk_wall * 1e6:.0f} us wall per run)"),
+        Row("layer: eager PyTorch", f"{eager * 1e6:.1f} us"),
+        Row("layer: CUDA-graph replay of eager", f"{replay * 1e6:.1f} us"),
+        Row("layer: fraction of the bandwidth floor", f"{fraction:.0%}", ">= 75%", fraction >= 0.75, timing=True),
+        Row("layer: megakernel vs CUDA-graph replay", f"{replay / mk_device:.2f}x faster", "> 1x", mk_device < replay,
+            timing=True),
+    ]
+
+
+# -- 4. dispatch overhead --------------------------------------------------------------------------------
+def _touch_graph(workers: int, per_worker: int) -> mk.Graph:
+    g = mk.Graph(world_size=1, rank=0)
+    t = g.input("t", (workers, per_worker), torch.float32)
+    for r in range(workers):     # independent tasks: each its own element
+        for col in range(per_worker):
+            g.touch(t[r:r + 1, col:col + 1])
+    g.output("t", t)
+    return g
+
+
+def check_dispatch(backend: str, per_worker: int, repeats: int) -> Row:
+    """Seconds one worker spends per empty task: the slope between queues of ``per_worker`` and
+    ``4 * per_worker`` tasks, so the launch itself does not count."""
+    probe = _touch_graph(1, 1)
+    with mk.Megakernel(probe, backend=backend) as kernel:
+        workers = kernel.workers
+    seconds = {}
+    for n in (per_worker, 4 * per_worker):
+        with mk.Megakernel(_touch_graph(workers, n), backend=backend, policy="round_robin") as kernel:
+            kernel.bind({"t": torch.zeros(workers, n)})
+            seconds[n], _ = median_launch(kernel, repeats)
+    per_task = (seconds[4 * per_worker] - seconds[per_worker]) / (3 * per_worker)
+    return Row(f"dispatch: empty tasks, {workers} workers x {per_worker} and x {4 * per_worker}",
+               f"{per_task * 1e6:.2f} us per task per worker ({workers / per_task / 1e6:.0f} M tasks/s in all)",
+               "<= 1 us", per_task <= 1e-6, timing=True)
+
+
+# -- 5. two virtual ranks --------------------------------------------------------------------------------
+SHORT, LONG = 4, 36
+
+
+def _chain(steps: int) -> mk.Graph:
+    g = mk.Graph()
+    x = g.input("x", (1, 8), torch.float32)
+    for i in range(steps):
+        x = g.put(x, to_rank=1 - g.rank, into=g.new_tensor((1, 8), torch.float32, name=f"hop{i}"))
+    g.output("y", x)
+    return g
+
+
+def _virtual_job(backend: str, repeats: int, sizes: tuple[int, ...]) -> dict:
+    out = {}
+    for steps in (SHORT, LONG):
+        with mk.Megakernel(_chain(steps), backend=backend) as kernel:
+            kernel.bind({"x": torch.randn(1, 8)})
+            out[steps], _ = median_launch(kernel, repeats)
+            y = kernel.run()["y"]
+            out[f"ok{steps}"] = bool(torch.isfinite(y).all())
+    for size in sizes:
+        g = mk.Graph()
+        g.output("y", g.all_reduce(g.input("x", (1, size // 4), torch.float32)))
+        with mk.Megakernel(g, backend=backend) as kernel:
+            x = torch.randn(1, size // 4, generator=torch.Generator().manual_seed(g.rank))
+            kernel.bind({"x": x})
+            out[size], _ = median_launch(kernel, repeats)
+            expected = sum(torch.randn(1, size // 4, generator=torch.Generator().manual_seed(r)).double()
+                           for r in range(2))
+            out[f"error{size}"] = relative_error(kernel.run()["y"].cpu(), expected)
+    return out
+
+
+def check_virtual_ranks(backend: str, repeats: int, sizes: tuple[int, ...]) -> list[Row]:
+    ranks = mk.launch(functools.partial(_virtual_job, backend, repeats, sizes), world_size=2, virtual=True,
+                      backend=backend, timeout=600)
+    hop = max((r[LONG] - r[SHORT]) / (LONG - SHORT) for r in ranks)
+    unit, scale = ("us", 1e6)
+    written = all(r[f"ok{s}"] for r in ranks for s in (SHORT, LONG))
+    rows = [Row("virtual ranks: put chains written", "yes" if written else "NO", "", written),
+            Row("virtual ranks: signal round trip (2 puts + waits)", f"{2 * hop * scale:.2f} {unit}", "<= 5 us",
+                2 * hop <= 5e-6, timing=True)]
+    for size in sizes:
+        error = max(r[f"error{size}"] for r in ranks)
+        rows.append(Row(f"virtual ranks: all_reduce {size:,} B", f"{max(r[size] for r in ranks) * scale:.1f} {unit}, "
+                        f"rel. error {error:.0e}", "<= 1e-6", error <= 1e-6))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="small shapes on the cpu backend")
+    parser.add_argument("--only", help="comma-separated sections to run (default: all): "
+                                       "types, decode, layer, dispatch, virtual")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        backend, device, layer, pos, repeats, per_worker, sizes = "cpu", "cpu", SMOKE_LAYER, 9, 2, 2, (256,)
+    else:
+        if not torch.cuda.is_available():
+            print("no GPU visible to torch: run with --smoke for the cpu backend", file=sys.stderr)
+            return 2
+        backend, device, layer, pos, repeats, per_worker, sizes = "auto", "cuda", LLAMA3_8B, 1023, 20, 16, (4096, 65536)
+    import triton
+    gpu = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    print(f"# gpu_check {time.strftime('%Y-%m-%d')}: {gpu}; torch {torch.__version__}, triton {triton.__version__}, "
+          f"python {platform.python_version()}", flush=True)
+    rows: list[Row] = []
+    sections = {"types": lambda: [check_task_types(backend)],
+                "decode": lambda: [check_decode(backend, device)],
+                "layer": lambda: check_layer(layer, backend, device, pos, repeats),
+                "dispatch": lambda: [check_dispatch(backend, per_worker, repeats)],
+                "virtual": lambda: check_virtual_ranks(backend, repeats, sizes)}
+    chosen = args.only.split(",") if args.only else list(sections)
+    unknown = set(chosen) - set(sections)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; known: {', '.join(sections)}")
+    for name in chosen:
+        section = sections[name]
+        start = time.perf_counter()
+        try:
+            rows += section()
+        except Exception as error:  # one broken section must not hide the others' results
+            traceback.print_exc()
+            last = str(error).strip().splitlines()[-1][:160] if str(error).strip() else ""
+            rows.append(Row(name, f"FAILED: {type(error).__name__}: {last}", "", False))
+        print(f"# {name}: {time.perf_counter() - start:.1f} s", flush=True)
+    if args.smoke:  # the interpreter is no GPU: time targets do not apply
+        for row in rows:
+            if row.timing:
+                row.target, row.ok = f"{row.target} (GPU)", None
+    print()
+    print("| check | result | target | ok |")
+    print("| --- | --- | --- | --- |")
+    for row in rows:
+        print(f"| {row.check} | {row.value} | {row.target} | {'' if row.ok is None else 'yes' if row.ok else 'NO'} |")
+    return 0 if all(row.ok is not False for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
