@@ -214,8 +214,11 @@ def _shm_segments():
     return {n for n in os.listdir("/dev/shm") if n.startswith("megakernel-")}
 
 
+_TAG = f"MEGAKERNEL_TEST_OWNER={os.getpid()}".encode()  # inherited by ranks and workers: tells ours from others'
+
+
 def _megakernel_processes() -> set[int]:
-    """Pids of every live rank or worker process on the machine (zombies excluded), from /proc."""
+    """Pids of every live rank or worker process started by this test process (zombies excluded), from /proc."""
     found = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -225,14 +228,17 @@ def _megakernel_processes() -> set[int]:
                 cmdline = f.read()
             with open(f"/proc/{entry}/stat") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                ours = _TAG in f.read().split(b"\0")
         except OSError:
             continue
-        if state != "Z" and (b"_worker_main" in cmdline or b"multiprocessing.spawn" in cmdline):
+        if ours and state != "Z" and (b"_worker_main" in cmdline or b"multiprocessing.spawn" in cmdline):
             found.add(int(entry))
     return found
 
 
-def test_killed_rank_gives_clear_error_and_leaves_nothing_behind():
+def test_killed_rank_gives_clear_error_and_leaves_nothing_behind(monkeypatch):
+    monkeypatch.setenv(*_TAG.decode().split("=", 1))  # other test runs on the machine are not ours
     before = _shm_segments()
     start = time.monotonic()
     with pytest.raises(mk.BackendError, match="rank 1 died"):
