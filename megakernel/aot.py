@@ -17,6 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import codegen
+from .gpu_backend import launch_options
 from .occupancy import KernelResources, binary_resources
 from .scheduler import Spec
 
@@ -46,14 +47,16 @@ class Compiled:
 
 
 def compile_kernel(specs: list[Spec], target: str, row_words: int, trace: bool = False,
-                   num_warps: int = 4) -> Compiled:
-    """Compile the megakernel for ``specs`` for ``target`` (a key of ``TARGETS``), with or without tracing."""
+                   num_warps: int | None = None) -> Compiled:
+    """Compile the megakernel for ``specs`` for ``target`` (a key of ``TARGETS``), with or without tracing,
+    with the options a GPU launch uses (``gpu_backend.launch_options``; ``num_warps`` overrides)."""
     gpu = TARGETS[target]
     kernel = codegen.load_kernel(codegen.kernel_path(specs, gpu.backend))
     signature = {name: "i64" for name in codegen.KERNEL_ARGS}
     signature.update(ROW="constexpr", TRACE="constexpr")
     source = ASTSource(fn=kernel, signature=signature, constexprs={"ROW": row_words, "TRACE": trace})
-    compiled = triton.compile(source, target=gpu, options={"num_warps": num_warps})
+    options = launch_options(gpu.backend) | ({} if num_warps is None else {"num_warps": num_warps})
+    compiled = triton.compile(source, target=gpu, options=options)
     binary, text = ("cubin", "ptx") if gpu.backend == "cuda" else ("hsaco", "amdgcn")
     res = binary_resources(compiled.asm, compiled.metadata.name, compiled.metadata.shared,
                            compiled.metadata.num_warps)

@@ -23,6 +23,15 @@ from .backend import Heaps
 from .errors import BackendError
 
 NUM_WARPS = 4              # threads per program: 128 (NVIDIA) / 256 (AMD, wave64)
+# The kernel inlines every tile; its register count is the heaviest tile's. On NVIDIA it is capped
+# so that 4 programs fit per SM (65536 registers / (4 x 128 threads)): the GEMV tiles need about 4
+# programs' loads in flight per SM to stream weights at full bandwidth (tasks/linear.py).
+MAX_REGISTERS = 128
+
+
+def launch_options(vendor: str) -> dict[str, int]:
+    """Compile options of every megakernel launch on ``vendor`` ("cuda" or "hip"); AOT checks use them too."""
+    return dict(num_warps=NUM_WARPS, **({"maxnreg": MAX_REGISTERS} if vendor == "cuda" else {}))
 _compile_lock = threading.Lock()  # virtual ranks build the same kernel: compile it once, not racing
 
 
@@ -63,7 +72,7 @@ class GpuBackend:
         """The compiled kernel these arguments (ROW and TRACE included) launch: compiled now if new,
         once for all virtual ranks."""
         with _compile_lock:
-            return self.kernel.warmup(**args, num_warps=NUM_WARPS, grid=(grid,))
+            return self.kernel.warmup(**args, **launch_options(self.name), grid=(grid,))
 
     def _check(self, compiled) -> None:
         """Refuse a grid that the device cannot hold at once, with the numbers."""
@@ -110,7 +119,7 @@ class GpuBackend:
         try:
             with torch.cuda.stream(self.stream):
                 start.record()
-                self.kernel[(self.workers,)](**args, num_warps=NUM_WARPS)
+                self.kernel[(self.workers,)](**args, **launch_options(self.name))
                 end.record()
             self.stream.synchronize()
         except Exception as error:  # a fault makes the CUDA/HIP context unusable: say where it happened

@@ -9,7 +9,10 @@ they may touch.
 Attention is split along the sequence: a partial tile per (batch row, KV head, split) computes, for
 the query heads of its group, the running max ``m``, the sum of exponentials ``l`` and the
 unnormalised output over its positions (an online softmax, numerically stable); a combine tile per
-(batch row, KV head) rescales the partials by ``exp(m_s - max m)`` and normalises.
+(batch row, query head) rescales the partials by ``exp(m_s - max m)`` and normalises. Splits are
+shorter when the graph is meant for more workers than there are (batch row, KV head, split) tiles
+(``split_size``); the tiles of splits past the current position do no work, and the combine tiles
+read only the splits that reach it.
 """
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ import triton.language as tl
 from ..device import heap_ptr
 from .common import HeapView, TaskType, copy_row, next_power_of_2, rounded
 
-SPLIT = 64       # positions per partial tile
-BLOCK_S = 16     # positions per inner step
+SPLIT = 64           # positions per partial tile: at most, and at parallelism 1 (``split_size``)
+BLOCK_S = 32         # positions per step of a partial tile (K and V: 2 x 32 x head_dim elements, 16 KiB at
+#                      head_dim 128 in bfloat16, in flight at once), and the smallest split
+COMBINE_SPLITS = 32  # partials a combine tile reads per step (16 KiB of float32 at head_dim 128)
 
 
 @triton.jit
@@ -47,38 +52,55 @@ def _append_reference(heap: HeapView, args: dict[str, int], consts: dict) -> Non
 
 @triton.jit
 def attention_partial_tile(base, args, DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           SCALE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK_S: tl.constexpr):
-    """Online softmax of ``GROUP`` query heads against cache positions [start, min(start + length, pos + 1))."""
+                           SCALE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                           ALIGNED: tl.constexpr):
+    """Online softmax of ``GROUP`` query heads against cache positions [start, min(start + length, pos + 1)).
+
+    One query head at a time: BLOCK_S cache rows of K and of V per step, each row a contiguous run of
+    HEAD_DIM elements loaded as 16-byte vectors (ALIGNED: the cache, its row stride and q are 16-byte
+    aligned, checked by the host). The query row is loaded in the same [BLOCK_S, BLOCK_D] shape as K
+    (every row the same address), so the scores need no register shuffle; the later heads of the
+    group find K and V in cache. A split wholly past the current position runs no step: it writes the
+    empty partial (m = -inf, l = 0, o = 0) and is done.
+    """
     o, ml, q = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2)
     k, v, pos = tl.load(args + 3), tl.load(args + 4), tl.load(args + 5)
     start, length, cache_stride = tl.load(args + 6), tl.load(args + 7), tl.load(args + 8)
     end = tl.minimum(start + length, tl.load(heap_ptr(base, pos, tl.int64)) + 1)
-    g = tl.arange(0, BLOCK_G)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
+    q_ptr = (base + q).to(tl.pointer_type(DTYPE))
+    k_ptr = (base + k).to(tl.pointer_type(DTYPE))
+    v_ptr = (base + v).to(tl.pointer_type(DTYPE))
+    if ALIGNED:  # hints on values made in this function (the compiler drops a hint on a callee's argument)
+        q_ptr = tl.multiple_of(q_ptr, 16)
+        k_ptr = tl.multiple_of(k_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+        cache_stride = tl.multiple_of(cache_stride, 16 // (DTYPE.primitive_bitwidth // 8))
     j = tl.arange(0, BLOCK_S)
-    qv = tl.load(heap_ptr(base, q, DTYPE) + g * HEAD_DIM + d, mask=(g < GROUP) & (d < HEAD_DIM), other=0.0)
-    qv = qv.to(tl.float32) * SCALE
-    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_G,), tl.float32)
-    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    for s0 in range(start, end, BLOCK_S):
-        valid = s0 + j < end
-        rows = (s0 + j)[:, None] * cache_stride + d
-        kv = tl.load(heap_ptr(base, k, DTYPE) + rows, mask=valid[:, None] & (d < HEAD_DIM), other=0.0).to(tl.float32)
-        vv = tl.load(heap_ptr(base, v, DTYPE) + rows, mask=valid[:, None] & (d < HEAD_DIM), other=0.0).to(tl.float32)
-        scores = tl.sum(qv[:, None, :] * kv[None, :, :], axis=2)                   # [G, S]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vv[None, :, :], axis=1)
-        m = m_new
-    gg = tl.arange(0, BLOCK_G)
-    tl.store(heap_ptr(base, o, tl.float32) + g * HEAD_DIM + d, acc, mask=(g < GROUP) & (d < HEAD_DIM))
-    tl.store(heap_ptr(base, ml, tl.float32) + gg, m, mask=gg < GROUP)
-    tl.store(heap_ptr(base, ml, tl.float32) + GROUP + gg, l, mask=gg < GROUP)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    o_ptr = heap_ptr(base, o, tl.float32)
+    ml_ptr = heap_ptr(base, ml, tl.float32)
+    for g in tl.static_range(GROUP):
+        qg = tl.load(q_ptr + g * HEAD_DIM + j[:, None] * 0 + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32) * SCALE
+        m = tl.full([], float("-inf"), tl.float32)
+        l = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros((BLOCK_D,), tl.float32)
+        for s0 in range(start, end, BLOCK_S):
+            valid = s0 + j < end
+            rows = (s0 + j)[:, None] * cache_stride + d
+            mask = valid[:, None] & (d < HEAD_DIM)
+            kv = tl.load(k_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+            vv = tl.load(v_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+            scores = tl.where(valid, tl.sum(kv * qg, axis=1), float("-inf"))     # [BLOCK_S]
+            m_new = tl.maximum(m, tl.max(scores, axis=0))
+            p = tl.exp(scores - m_new)
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * vv, axis=0)
+            m = m_new
+        dd = tl.arange(0, BLOCK_D)
+        tl.store(o_ptr + g * HEAD_DIM + dd, acc, mask=dd < HEAD_DIM)
+        tl.store(ml_ptr + g, m)
+        tl.store(ml_ptr + GROUP + g, l)
 
 
 PARTIAL_ARGS = ("o", "ml", "q", "k", "v", "pos", "start", "length", "cache_stride")
@@ -109,40 +131,51 @@ def _partial_reference(heap: HeapView, args: dict[str, int], consts: dict) -> No
 
 @triton.jit
 def attention_combine_tile(base, args, DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s`` over ``splits`` partials, M = max_s m_s."""
+                           BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, ALIGNED: tl.constexpr):
+    """One query head: ``out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s``, M = max_s m_s, over the
+    splits that reach the current position (``*pos // split + 1`` of them; the others are empty).
+
+    The head's partials are ``o_s`` at ``o + s * GROUP * HEAD_DIM`` floats, ``m_s`` at ``ml + s * 2 * GROUP``
+    and ``l_s`` GROUP floats after it; BLOCK_P splits are read per step.
+    """
     out, o, ml, splits = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2), tl.load(args + 3)
-    g = tl.arange(0, BLOCK_G)
+    pos, split = tl.load(args + 4), tl.load(args + 5)
+    active = tl.minimum(splits, tl.load(heap_ptr(base, pos, tl.int64)) // split + 1)
+    o_ptr = (base + o).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        o_ptr = tl.multiple_of(o_ptr, 16)
+    m_ptr = heap_ptr(base, ml, tl.float32)
+    p = tl.arange(0, BLOCK_P)
     d = tl.arange(0, BLOCK_D)[None, :]
-    mask_g = g < GROUP
-    ml_ptr = heap_ptr(base, ml, tl.float32)
-    top = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    for s in range(0, splits):
-        top = tl.maximum(top, tl.load(ml_ptr + s * 2 * GROUP + g, mask=mask_g, other=float("-inf")))
-    top = tl.where(mask_g, top, 0.0)
-    total = tl.zeros((BLOCK_G,), tl.float32)
-    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    mask = mask_g[:, None] & (d < HEAD_DIM)
-    for s in range(0, splits):
-        weight = tl.exp(tl.load(ml_ptr + s * 2 * GROUP + g, mask=mask_g, other=float("-inf")) - top)
-        total += weight * tl.load(ml_ptr + s * 2 * GROUP + GROUP + g, mask=mask_g, other=0.0)
-        part = tl.load(heap_ptr(base, o, tl.float32) + s * GROUP * HEAD_DIM + g[:, None] * HEAD_DIM + d, mask=mask,
+    top = tl.full([], float("-inf"), tl.float32)
+    for s0 in range(0, active, BLOCK_P):
+        top = tl.maximum(top, tl.max(tl.load(m_ptr + (s0 + p) * (2 * GROUP), mask=s0 + p < active,
+                                             other=float("-inf")), axis=0))
+    total = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for s0 in range(0, active, BLOCK_P):
+        ok = s0 + p < active
+        weight = tl.exp(tl.load(m_ptr + (s0 + p) * (2 * GROUP), mask=ok, other=float("-inf")) - top)
+        total += tl.sum(weight * tl.load(m_ptr + (s0 + p) * (2 * GROUP) + GROUP, mask=ok, other=0.0), axis=0)
+        part = tl.load(o_ptr + (s0 + p)[:, None] * (GROUP * HEAD_DIM) + d, mask=ok[:, None] & (d < HEAD_DIM),
                        other=0.0)
-        acc += weight[:, None] * part
-    result = acc / tl.where(mask_g, total, 1.0)[:, None]
-    tl.store(heap_ptr(base, out, DTYPE) + g[:, None] * HEAD_DIM + d, rounded(result, DTYPE), mask=mask)
+        acc += tl.sum(weight[:, None] * part, axis=0)
+    dd = tl.arange(0, BLOCK_D)
+    tl.store(heap_ptr(base, out, DTYPE) + dd, rounded(acc / total, DTYPE), mask=dd < HEAD_DIM)
 
 
-COMBINE_ARGS = ("out", "o", "ml", "splits")
+COMBINE_ARGS = ("out", "o", "ml", "splits", "pos", "split")
 
 
 def _combine_reference(heap: HeapView, args: dict[str, int], consts: dict) -> None:
-    group, hd, splits = consts["GROUP"], consts["HEAD_DIM"], args["splits"]
-    o = heap.tensor(args["o"], torch.float32, splits * group, hd, hd).reshape(splits, group, hd)
-    ml = heap.tensor(args["ml"], torch.float32, splits * 2, group, group).reshape(splits, 2, group)
-    weight = (ml[:, 0] - ml[:, 0].max(0).values).exp()                       # [splits, group]
-    result = (weight[:, :, None] * o).sum(0) / (weight * ml[:, 1]).sum(0)[:, None]
-    heap.tensor(args["out"], consts["DTYPE"], group, hd, hd).copy_(result)
+    group, hd = consts["GROUP"], consts["HEAD_DIM"]
+    pos = int(heap.tensor(args["pos"], torch.int64, 1, 1, 1))
+    splits = min(args["splits"], pos // args["split"] + 1)
+    o = heap.tensor(args["o"], torch.float32, splits, hd, group * hd)                   # [splits, hd]
+    m = heap.tensor(args["ml"], torch.float32, splits, 1, 2 * group)[:, 0]             # [splits]
+    l = heap.tensor(args["ml"] + group * 4, torch.float32, splits, 1, 2 * group)[:, 0]
+    weight = (m - m.max()).exp()
+    heap.tensor(args["out"], consts["DTYPE"], 1, hd, hd).copy_((weight[:, None] * o).sum(0) / (weight * l).sum())
 
 
 KV_APPEND = TaskType("kv_append", kv_append_tile, APPEND_ARGS, _append_reference)
@@ -165,10 +198,24 @@ def kv_append(g, cache, x, pos, batch: int):
     return cache
 
 
+def split_size(rows: int, max_seq: int, parallelism: int) -> int:
+    """Cache positions per partial tile, for ``rows`` (batch x KV heads) of ``max_seq`` positions.
+
+    SPLIT (64) when that makes at least ``parallelism`` partial tiles (always at parallelism 1);
+    otherwise halved, down to BLOCK_S, until it does, so that every worker gets a split at long contexts.
+    """
+    size = SPLIT
+    while size > BLOCK_S and rows * -(-max_seq // size) < parallelism:
+        size //= 2
+    return size
+
+
 def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int):
     """Attention of ``q`` [batch, heads * head_dim] over cache rows 0 ..= ``*pos`` of every batch row.
 
-    The caches hold ``kv_heads`` heads; each KV head serves ``heads / kv_heads`` query heads.
+    The caches hold ``kv_heads`` heads; each KV head serves ``heads / kv_heads`` query heads. The
+    sequence is cut into splits of ``split_size`` positions (one partial tile per batch row, KV head
+    and split) and a combine tile per batch row and query head adds up the splits that reach ``*pos``.
     """
     heads, kv_heads = q.cols // head_dim, k_cache.cols // head_dim
     g.check(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0,
@@ -178,13 +225,18 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int):
             f"decode_attention: caches {k_cache.shape}, {v_cache.shape} and q {q.shape} for batch {batch}")
     group = heads // kv_heads
     max_seq = k_cache.rows // batch
-    splits = -(-max_seq // SPLIT)
+    split = split_size(batch * kv_heads, max_seq, g.parallelism)
+    splits = -(-max_seq // split)
     partial_o = g.new_tensor((batch * kv_heads * splits * group, head_dim), torch.float32)
     partial_ml = g.new_tensor((batch * kv_heads * splits * 2, group), torch.float32)
     out = g.new_tensor(q.shape, q.dtype)
-    shape = dict(DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=next_power_of_2(group),
-                 BLOCK_D=next_power_of_2(head_dim))
-    partial = g.opcode(PARTIAL, **shape, SCALE=1.0 / math.sqrt(head_dim), BLOCK_S=BLOCK_S)
+    size = q.element_size
+    # 16-byte vectors along head_dim: every row of q and of the caches must start 16-byte aligned
+    aligned = all(a % 16 == 0 for a in (q.addr(0, 0), q.row_stride * size, head_dim * size, k_cache.addr(0, 0),
+                                        v_cache.addr(0, 0), k_cache.row_stride * size, v_cache.row_stride * size))
+    block_d = next_power_of_2(head_dim)
+    partial = g.opcode(PARTIAL, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, SCALE=1.0 / math.sqrt(head_dim),
+                       BLOCK_D=block_d, BLOCK_S=BLOCK_S, ALIGNED=aligned)
     for b in range(batch):
         for h in range(kv_heads):
             q_rows = q.region(b, 1, h * group * head_dim, group * head_dim)
@@ -193,25 +245,28 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int):
                 cols = h * head_dim
                 g.add_task(partial, (partial_o.addr(slot * group, 0), partial_ml.addr(slot * 2, 0),
                                      q.addr(b, h * group * head_dim), k_cache.addr(b * max_seq, cols),
-                                     v_cache.addr(b * max_seq, cols), pos.addr(0, 0), s * SPLIT, SPLIT,
+                                     v_cache.addr(b * max_seq, cols), pos.addr(0, 0), s * split, split,
                                      k_cache.row_stride),
                            reads=(q_rows, pos.region(0, 1, 0, 1), k_cache.region(b * max_seq, max_seq, cols, head_dim),
                                   v_cache.region(b * max_seq, max_seq, cols, head_dim)),
                            writes=(partial_o.region(slot * group, group, 0, head_dim),
                                    partial_ml.region(slot * 2, 2, 0, group)),
-                           bytes=2 * min(SPLIT, max_seq) * head_dim * q.element_size,
-                           flops=4 * group * min(SPLIT, max_seq) * head_dim)
+                           bytes=2 * min(split, max_seq) * head_dim * size,
+                           flops=4 * group * min(split, max_seq) * head_dim)
     g.phase("decode_attention.combine")
-    combine = g.opcode(COMBINE, **shape)
+    combine = g.opcode(COMBINE, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                       BLOCK_P=min(COMBINE_SPLITS, next_power_of_2(splits)), ALIGNED=head_dim % 4 == 0)
     for b in range(batch):
         for h in range(kv_heads):
             slot = (b * kv_heads + h) * splits
-            g.add_task(combine, (out.addr(b, h * group * head_dim), partial_o.addr(slot * group, 0),
-                                 partial_ml.addr(slot * 2, 0), splits),
-                       reads=(partial_o.region(slot * group, splits * group, 0, head_dim),
-                              partial_ml.region(slot * 2, splits * 2, 0, group)),
-                       writes=(out.region(b, 1, h * group * head_dim, group * head_dim),),
-                       bytes=splits * group * (head_dim + 2) * 4, flops=2 * splits * group * head_dim)
+            reads = (partial_o.region(slot * group, splits * group, 0, head_dim),
+                     partial_ml.region(slot * 2, splits * 2, 0, group), pos.region(0, 1, 0, 1))
+            for j in range(group):
+                head = h * group + j
+                g.add_task(combine, (out.addr(b, head * head_dim), partial_o.addr(slot * group + j, 0),
+                                     partial_ml.addr(slot * 2, j), splits, pos.addr(0, 0), split),
+                           reads=reads, writes=(out.region(b, 1, head * head_dim, head_dim),),
+                           bytes=splits * (head_dim + 2) * 4, flops=2 * splits * head_dim)
     return out
 
 

@@ -1,29 +1,215 @@
 """Linear layers ``y = x @ w.T`` (w is [out, in], as in torch), optionally split along K.
 
-Small batches (M < DOT_MIN_M) use GEMV tiles: all M rows times BLOCK_N output columns, the product
-formed by broadcasting. Larger batches use ``tl.dot`` tiles. With ``split_k = S`` each tile covers a
-K-range and writes a float32 partial; one reduction tile per output block then adds the S partials
-in a fixed order, so the result does not depend on which partial finished first.
+Small batches (M < DOT_MIN_M) use GEMV tiles, built to stream w at memory bandwidth: w rows are
+contiguous along K, so every thread loads 16-byte vectors along K, several blocks of w are loaded
+before the first FMA of a step, rows past the tile's last are clamped (re-read, never stored) instead
+of masked, and K is masked only when it is not a whole number of blocks. A tile covers any number of
+rows of w: it walks them as (row block, step) pairs in one flat loop, so one task can stream a large
+slice of w and the reduction of a finished row block overlaps the loads of the next one.
+
+- One row of x (decode at batch 1): products accumulate elementwise into a float32
+  ``BLOCK_N x BLOCK_K`` block, reduced across K once per row block.
+- 2 to 15 rows: each step's products are reduced across K per row of x (an elementwise partial per
+  row of x would take M times the registers).
+- 16 rows and more: ``tl.dot`` tiles.
+
+With ``split_k = S`` each tile covers a K-range and writes a float32 partial; one reduction tile per
+output block then adds the S partials in a fixed order, so the result does not depend on which
+partial finished first. ``split_k=None`` (the default) chooses the tiling from ``Graph.parallelism``,
+the number of workers the graph is meant for (``plan``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import HeapView, TaskType, next_power_of_2, store_block
+from .common import HeapView, TaskType, next_power_of_2, rounded, store_block
 from .reduction import sum_slices
 
 DOT_MIN_M = 16
-GEMV_BLOCK_N, GEMV_BLOCK_K = 32, 128
 DOT_BLOCK_M, DOT_BLOCK_N, DOT_BLOCK_K = 32, 32, 32
+
+# GEMV blocks. The kernel runs 128 threads per program (num_warps=4) and several programs per SM; a
+# 16-byte vector per thread along K is one ld.global.v4 (CUDA) / global_load_dwordx4 (AMD).
+VECTOR_BYTES = 16
+# One row of x: a block is 4 rows x 1 KiB of w (64 threads x 16 B along a row: BLOCK_K = 512 bfloat16
+# or 256 float32), and a step loads ONE_ROW_UNROLL = 4 blocks, 16 KiB of w, before its first FMA: four
+# programs per SM then keep 64 KiB in flight, above the ~33 KiB (bandwidth x latency, ~33 B/ns per SM
+# x ~1 us) an H200 needs. The float32 accumulator is 16 registers per thread; the whole tile compiles to
+# 116 registers on sm_90 (56 VGPRs on gfx942), within the 128 that four resident programs allow. Four
+# rows per block is also the granularity at which rows are shared out among workers.
+ONE_ROW_SEGMENT_BYTES, ONE_ROW_BLOCK_N = 1024, 4
+ONE_ROW_UNROLL = tl.constexpr(4)
+# 2 to 15 rows of x: a row segment is one warp wide (32 x 16 B = 512 B: BLOCK_K = 256 bfloat16), so the
+# per-step reductions across K are warp shuffles with no barrier; 8 rows per block, ROWS_UNROLL = 2
+# blocks = 8 KiB per step (the w blocks stay live across the loop over x's rows: 16 KiB would go over
+# 128 registers).
+ROWS_SEGMENT_BYTES, ROWS_BLOCK_N = 512, 8
+ROWS_UNROLL = tl.constexpr(2)
+MIN_BLOCK_K = 16             # the narrowest block, for a short K (``gemv_blocks``)
+# Tiling (``plan``).
+TILE_ROWS = 32               # rows of w per GEMV tile when the graph is meant for one worker (parallelism 1)
+TASK_OVERHEAD_BYTES = 16 * 1024  # the fixed cost of a task (its wait, argument loads, the drain of its last
+#                              loads, its signal: ~2 us), in the bytes a worker streams meanwhile (~8 B/ns
+#                              each for 528 workers on an H200); a split-K sum phase costs about one more
+MAX_WAVES = 16               # tiles per worker considered when sizing tiles
+MIN_SPLIT_BLOCKS = 2         # automatic split-K: every K-range is at least this many BLOCK_K
+MAX_SPLIT_K = 16             # ... and at most this many partials per output (the sum tile reads them all)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gemv_blocks(m: int, w_dtype: torch.dtype, k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the GEMV tile for ``m < DOT_MIN_M`` rows of x and w of ``w_dtype``.
+
+    A block is 4 KiB of w: a full row segment by ONE_ROW_BLOCK_N / ROWS_BLOCK_N rows; when K is too
+    short for a step of full segments, narrower and taller (up to TILE_ROWS rows), so that a small
+    layer does not load, multiply and mask columns it does not have.
+    """
+    size = w_dtype.itemsize
+    segment, unroll, rows = ((ONE_ROW_SEGMENT_BYTES, ONE_ROW_UNROLL.value, ONE_ROW_BLOCK_N) if m == 1
+                             else (ROWS_SEGMENT_BYTES, ROWS_UNROLL.value, ROWS_BLOCK_N))
+    block_k = min(segment // size, max(MIN_BLOCK_K, next_power_of_2(_cdiv(k, unroll))))
+    block_n = min(TILE_ROWS, max(rows, segment * rows // (block_k * size)))
+    return next_power_of_2(m), block_n, block_k
 
 
 @triton.jit
-def linear_tile(base, args, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
-    """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` for ``m <= BLOCK_M``, ``n <= BLOCK_N``, any k; float32 accumulation."""
+def _w_block(w_rows, kk, k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Columns ``kk ..< kk + BLOCK_K`` of the w rows; with EVEN_K (k a multiple of BLOCK_K) unmasked,
+    a block wholly past k (the end of the last step) re-reading the last one (in bounds, cached)."""
+    if EVEN_K:
+        return tl.load(w_rows + tl.minimum(kk, k - BLOCK_K))
+    else:
+        return tl.load(w_rows + kk, mask=kk + tl.arange(0, BLOCK_K)[None, :] < k, other=0.0)
+
+
+@triton.jit
+def _x_block(x_cols, kk, k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The x columns matching ``_w_block``: zero for a block past k, so a re-read w block adds nothing."""
+    if EVEN_K:  # one flag for the whole block: the loads stay 16-byte vectors
+        inside = kk + tl.arange(0, BLOCK_K)[None, :] * 0 < k
+        return tl.load(x_cols + tl.minimum(kk, k - BLOCK_K), mask=inside, other=0.0)
+    else:
+        return tl.load(x_cols + kk, mask=kk + tl.arange(0, BLOCK_K)[None, :] < k, other=0.0)
+
+
+@triton.jit
+def _gemv_one_row(base, args, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr):
+    """``y[0, :n] = x[0, :k] @ w[:n, :k].T`` for any n, BLOCK_N rows at a time.
+
+    One flat loop over (row block, step) pairs. A step loads ONE_ROW_UNROLL blocks of w and x, then
+    accumulates their products elementwise in float32; a row block is reduced across K once, at the
+    start of the next row block's first step, after that step's loads are issued, so the reduction and
+    the store overlap them instead of draining the program's loads.
+    """
+    y, x, w = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2)
+    n, k, w_stride = tl.load(args + 4), tl.load(args + 5), tl.load(args + 8)
+    x_ptr = (base + x).to(tl.pointer_type(X_DTYPE))
+    w_ptr = (base + w).to(tl.pointer_type(W_DTYPE))
+    if ALIGNED:  # hints on values made in this function (the compiler drops a hint on a callee's argument)
+        x_ptr = tl.multiple_of(x_ptr, 16)
+        w_ptr = tl.multiple_of(w_ptr, 16)
+        w_stride = tl.multiple_of(w_stride, 16 // (W_DTYPE.primitive_bitwidth // 8))
+    if EVEN_K:
+        k = tl.multiple_of(k, BLOCK_K)
+    rn = tl.arange(0, BLOCK_N)[:, None]
+    rk = tl.arange(0, BLOCK_K)[None, :]
+    x_cols = x_ptr + rn * 0 + rk  # x's row repeated per w row: w's register layout, no shuffle per step
+    steps = tl.cdiv(k, ONE_ROW_UNROLL * BLOCK_K)
+    blocks = tl.cdiv(n, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for t in range(0, blocks * steps):
+        r0 = t // steps * BLOCK_N
+        k0 = (t % steps) * (ONE_ROW_UNROLL * BLOCK_K)
+        w_rows = w_ptr + tl.minimum(r0 + rn, n - 1) * w_stride + rk  # rows past n: row n - 1 again, not stored
+        b0 = _w_block(w_rows, k0, k, BLOCK_K, EVEN_K)
+        b1 = _w_block(w_rows, k0 + BLOCK_K, k, BLOCK_K, EVEN_K)
+        b2 = _w_block(w_rows, k0 + 2 * BLOCK_K, k, BLOCK_K, EVEN_K)
+        b3 = _w_block(w_rows, k0 + 3 * BLOCK_K, k, BLOCK_K, EVEN_K)
+        a0 = _x_block(x_cols, k0, k, BLOCK_K, EVEN_K)
+        a1 = _x_block(x_cols, k0 + BLOCK_K, k, BLOCK_K, EVEN_K)
+        a2 = _x_block(x_cols, k0 + 2 * BLOCK_K, k, BLOCK_K, EVEN_K)
+        a3 = _x_block(x_cols, k0 + 3 * BLOCK_K, k, BLOCK_K, EVEN_K)
+        if (k0 == 0) & (t > 0):  # the previous row block is complete
+            _store_one_row(base, y, r0 - BLOCK_N, n, acc, Y_DTYPE, BLOCK_N)
+            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        acc += b0.to(tl.float32) * a0.to(tl.float32)
+        acc += b1.to(tl.float32) * a1.to(tl.float32)
+        acc += b2.to(tl.float32) * a2.to(tl.float32)
+        acc += b3.to(tl.float32) * a3.to(tl.float32)
+    _store_one_row(base, y, (blocks - 1) * BLOCK_N, n, acc, Y_DTYPE, BLOCK_N)
+
+
+@triton.jit
+def _store_one_row(base, y, r0, n, acc, Y_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``y[0, r0 + i] = sum_k acc[i, k]`` for the rows below n."""
+    rows = r0 + tl.arange(0, BLOCK_N)
+    tl.store(heap_ptr(base, y, Y_DTYPE) + rows, rounded(tl.sum(acc, axis=1), Y_DTYPE), mask=rows < n)
+
+
+@triton.jit
+def _gemv_rows(base, args, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               ALIGNED: tl.constexpr):
+    """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` for 1 < m <= BLOCK_M, any n: the same walk over w, with
+    each step's products reduced across K per row of x (a warp-wide reduction: shuffles only)."""
+    y, x, w = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2)
+    m, n, k = tl.load(args + 3), tl.load(args + 4), tl.load(args + 5)
+    y_stride, x_stride, w_stride = tl.load(args + 6), tl.load(args + 7), tl.load(args + 8)
+    x_ptr = (base + x).to(tl.pointer_type(X_DTYPE))
+    w_ptr = (base + w).to(tl.pointer_type(W_DTYPE))
+    if ALIGNED:
+        x_ptr = tl.multiple_of(x_ptr, 16)
+        w_ptr = tl.multiple_of(w_ptr, 16)
+        x_stride = tl.multiple_of(x_stride, 16 // (X_DTYPE.primitive_bitwidth // 8))
+        w_stride = tl.multiple_of(w_stride, 16 // (W_DTYPE.primitive_bitwidth // 8))
+    if EVEN_K:
+        k = tl.multiple_of(k, BLOCK_K)
+    rn = tl.arange(0, BLOCK_N)[:, None]
+    rk = tl.arange(0, BLOCK_K)[None, :]
+    cols = tl.arange(0, BLOCK_M)[None, :]
+    steps = tl.cdiv(k, ROWS_UNROLL * BLOCK_K)
+    blocks = tl.cdiv(n, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # transposed: y[i, r0 + j] is acc[j, i]
+    for t in range(0, blocks * steps):
+        r0 = t // steps * BLOCK_N
+        k0 = (t % steps) * (ROWS_UNROLL * BLOCK_K)
+        w_rows = w_ptr + tl.minimum(r0 + rn, n - 1) * w_stride + rk
+        b0 = _w_block(w_rows, k0, k, BLOCK_K, EVEN_K).to(tl.float32)
+        b1 = _w_block(w_rows, k0 + BLOCK_K, k, BLOCK_K, EVEN_K).to(tl.float32)
+        if (k0 == 0) & (t > 0):
+            _store_rows(base, y, y_stride, m, r0 - BLOCK_N, n, acc, Y_DTYPE, BLOCK_M, BLOCK_N)
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for i in range(0, m):
+            x_cols = x_ptr + i * x_stride + rn * 0 + rk
+            part = b0 * _x_block(x_cols, k0, k, BLOCK_K, EVEN_K).to(tl.float32)
+            part += b1 * _x_block(x_cols, k0 + BLOCK_K, k, BLOCK_K, EVEN_K).to(tl.float32)
+            acc = tl.where(cols == i, acc + tl.sum(part, axis=1)[:, None], acc)
+    _store_rows(base, y, y_stride, m, (blocks - 1) * BLOCK_N, n, acc, Y_DTYPE, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _store_rows(base, y, y_stride, m, r0, n, acc, Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """``y[i, r0 + j] = acc[j, i]`` for i < m, r0 + j < n."""
+    rows = r0 + tl.arange(0, BLOCK_N)[:, None]
+    cols = tl.arange(0, BLOCK_M)[None, :]
+    tl.store(heap_ptr(base, y, Y_DTYPE) + cols * y_stride + rows, rounded(acc, Y_DTYPE),
+             mask=(rows < n) & (cols < m))
+
+
+@triton.jit
+def _dot_tile(base, args, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` for m <= BLOCK_M, n <= BLOCK_N with ``tl.dot``."""
     y, x, w = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2)
     m, n, k = tl.load(args + 3), tl.load(args + 4), tl.load(args + 5)
     y_stride, x_stride, w_stride = tl.load(args + 6), tl.load(args + 7), tl.load(args + 8)
@@ -36,11 +222,26 @@ def linear_tile(base, args, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYP
     for k0 in range(0, k, BLOCK_K):
         a = tl.load(x_ptr + k0, mask=(rm < m) & (k0 + rk < k), other=0.0).to(tl.float32)
         b = tl.load(w_ptr + k0, mask=(rn < n) & (k0 + rk < k), other=0.0).to(tl.float32)
-        if USE_DOT:
-            acc += tl.dot(a, tl.trans(b), input_precision="ieee")
-        else:
-            acc += tl.sum(a[:, None, :] * b[None, :, :], axis=2)
+        acc += tl.dot(a, tl.trans(b), input_precision="ieee")
     store_block(base, y, y_stride, m, n, acc, Y_DTYPE, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def linear_tile(base, args, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                EVEN_K: tl.constexpr, ALIGNED: tl.constexpr):
+    """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` for ``m <= BLOCK_M``, any k; float32 accumulation.
+
+    GEMV tiles take any n (BLOCK_N rows at a time), ``tl.dot`` tiles ``n <= BLOCK_N``. ``EVEN_K``: k is
+    a multiple of BLOCK_K. ``ALIGNED``: x, w and their row strides are 16-byte aligned. Both are checked
+    by the host and let the GEMV loads be unmasked 16-byte vectors.
+    """
+    if USE_DOT:
+        _dot_tile(base, args, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif BLOCK_M == 1:
+        _gemv_one_row(base, args, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_N, BLOCK_K, EVEN_K, ALIGNED)
+    else:
+        _gemv_rows(base, args, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, ALIGNED)
 
 
 LINEAR_ARGS = ("y", "x", "w", "m", "n", "k", "y_stride", "x_stride", "w_stride")
@@ -56,30 +257,106 @@ def _linear_reference(heap: HeapView, args: dict[str, int], consts: dict) -> Non
 LINEAR = TaskType("linear", linear_tile, LINEAR_ARGS, _linear_reference)
 
 
-def linear(g, x, w, split_k: int = 1):
-    """``x [M, K] @ w [N, K].T -> [M, N]`` in x's dtype; ``split_k`` cuts K into that many ranges."""
+@dataclass(frozen=True)
+class Plan:
+    """How a linear is cut: ``rows`` of w per tile (a multiple of BLOCK_N) and the K-ranges."""
+
+    rows: int
+    k_ranges: tuple[tuple[int, int], ...]
+
+
+def whole_block_ranges(k_total: int, splits: int, block_k: int) -> tuple[tuple[int, int], ...]:
+    """``splits`` K-ranges of whole ``block_k`` blocks (the last takes any partial block), as even as possible."""
+    blocks = _cdiv(k_total, block_k)
+    splits = min(splits, blocks)
+    bounds = [min(k_total, blocks * s // splits * block_k) for s in range(splits + 1)]
+    return tuple((k0, k1 - k0) for k0, k1 in zip(bounds, bounds[1:]))
+
+
+def plan(m: int, n: int, k: int, blocks: tuple[int, int, int], w_size: int, parallelism: int,
+         split_k: int | None) -> Plan:
+    """The tiling of ``[m, k] @ [n, k].T`` for ``parallelism`` workers.
+
+    - An explicit ``split_k``: that many K-ranges (of whole blocks when K has that many blocks).
+    - parallelism 1: TILE_ROWS rows per GEMV tile (BLOCK_N per ``tl.dot`` tile), no split.
+    - Otherwise, when the output's blocks (BLOCK_M x BLOCK_N) are fewer than the workers, K is split
+      into enough ranges of at least MIN_SPLIT_BLOCKS blocks (at most MAX_SPLIT_K) for every worker to
+      get a tile; never when they are not. GEMV tiles then take as many row blocks each, and a split
+      GEMV as many ranges (from that fewest on), as minimises the estimated time: waves of tiles
+      (ceil(tiles / parallelism)) times a tile's bytes of w plus TASK_OVERHEAD_BYTES, plus one more
+      overhead for a split-K sum phase. This fills the workers evenly (the 8B layer's QKV, 1536 row
+      blocks over 528 workers, gets 512 tiles of 3 blocks: one even wave rather than 2.9 uneven ones)
+      and makes a big layer a few long tasks per worker instead of many short ones.
+    """
+    block_m, block_n, block_k = blocks
+    gemv = block_m < DOT_MIN_M
+    row_blocks, m_tiles, k_blocks = _cdiv(n, block_n), _cdiv(m, block_m), _cdiv(k, block_k)
+    default_rows = max(block_n, TILE_ROWS // block_n * block_n) if gemv else block_n
+    if split_k is not None:
+        if k_blocks >= split_k:
+            k_ranges = whole_block_ranges(k, split_k, block_k)
+        else:
+            step = _cdiv(k, split_k)
+            k_ranges = tuple((k0, min(step, k - k0)) for k0 in range(0, k, step))
+        candidates = [k_ranges]
+    elif parallelism == 1:
+        return Plan(default_rows, ((0, k),))
+    else:
+        output_blocks = row_blocks * m_tiles
+        max_splits = max(1, min(MAX_SPLIT_K, k_blocks // MIN_SPLIT_BLOCKS))
+        fewest = 1 if output_blocks >= parallelism else min(max_splits, _cdiv(parallelism, output_blocks))
+        last = fewest if output_blocks >= parallelism or not gemv else max_splits
+        candidates = [whole_block_ranges(k, s, block_k) for s in range(fewest, last + 1)]
+    if parallelism == 1 or not gemv:
+        return Plan(default_rows, candidates[0])
+    best = None
+    for k_ranges in candidates:
+        splits = len(k_ranges) * m_tiles
+        range_bytes = max(kk for _, kk in k_ranges) * w_size
+        groups = {1} | {_cdiv(row_blocks, waves * parallelism // splits) for waves in range(1, MAX_WAVES + 1)
+                        if waves * parallelism >= splits}
+        for g in groups:
+            tiles = _cdiv(row_blocks, g) * splits
+            cost = (_cdiv(tiles, parallelism) * (g * block_n * range_bytes + TASK_OVERHEAD_BYTES)
+                    + (len(k_ranges) > 1) * TASK_OVERHEAD_BYTES)
+            key = (cost, len(k_ranges), tiles)
+            if best is None or key < best[0]:
+                best = (key, Plan(g * block_n, k_ranges))
+    return best[1]
+
+
+def linear(g, x, w, split_k: int | None = None):
+    """``x [M, K] @ w [N, K].T -> [M, N]`` in x's dtype; ``split_k`` cuts K into that many ranges.
+
+    ``split_k=None`` (the default) chooses the tiling for ``g.parallelism`` workers (``plan``): at 1,
+    no split; above, K is split when the output alone has fewer blocks than workers.
+    """
     g.check(x.ndim == 2 and w.ndim == 2, f"linear: x {x.shape} and w {w.shape} must both be 2-D")
     g.check(x.cols == w.cols, f"linear: x has shape {x.shape} but w has shape {w.shape}; "
                               f"expected w of shape (N, {x.cols})")
-    g.check(isinstance(split_k, int) and 1 <= split_k <= x.cols,
-            f"linear: split_k must be an integer in [1, {x.cols}], got {split_k!r}")
+    g.check(split_k is None or (isinstance(split_k, int) and not isinstance(split_k, bool) and 1 <= split_k <= x.cols),
+            f"linear: split_k must be None or an integer in [1, {x.cols}], got {split_k!r}")
     m_total, n_total, k_total = x.rows, w.rows, x.cols
     y = g.new_tensor((m_total, n_total), x.dtype)
     use_dot = m_total >= DOT_MIN_M
-    block_m = DOT_BLOCK_M if use_dot else next_power_of_2(m_total)
-    block_n = DOT_BLOCK_N if use_dot else GEMV_BLOCK_N
-    block_k = DOT_BLOCK_K if use_dot else GEMV_BLOCK_K
-    k_step = -(-k_total // split_k)
-    k_ranges = [(k0, min(k_step, k_total - k0)) for k0 in range(0, k_total, k_step)]
+    blocks = (DOT_BLOCK_M, DOT_BLOCK_N, DOT_BLOCK_K) if use_dot else gemv_blocks(m_total, w.dtype, k_total)
+    block_m, block_n, block_k = blocks
+    cut = plan(m_total, n_total, k_total, blocks, w.element_size, g.parallelism, split_k)
+    k_ranges, tile_rows = cut.k_ranges, cut.rows
     target = y if len(k_ranges) == 1 else g.new_tensor((len(k_ranges) * m_total, n_total), torch.float32)
+    x_size, w_size, y_size = x.element_size, w.element_size, target.element_size
+    even_k = all(kk % block_k == 0 for _, kk in k_ranges)
+    aligned = all(v % VECTOR_BYTES == 0 for v in (x.addr(0, 0), w.addr(0, 0), x.row_stride * x_size,
+                                                   w.row_stride * w_size, *(k0 * x_size for k0, _ in k_ranges),
+                                                   *(k0 * w_size for k0, _ in k_ranges)))
     opcode = g.opcode(LINEAR, X_DTYPE=x.dtype, W_DTYPE=w.dtype, Y_DTYPE=target.dtype, BLOCK_M=block_m,
-                      BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot)
+                      BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot, EVEN_K=even_k and not use_dot,
+                      ALIGNED=aligned and not use_dot)
     # A big graph has hundreds of thousands of these tiles: what does not change along a row of tiles
     # is computed once per row (the x tile and its Region, shared by the row's tasks), and the y and w
     # addresses advance by a fixed step per tile, instead of going through Tensor.addr each time.
-    x_size, w_size, y_size = x.element_size, w.element_size, target.element_size
     strides = (target.row_stride, x.row_stride, w.row_stride)
-    w_step = block_n * w.row_stride * w_size  # bytes from one tile's w rows to the next tile's
+    w_step = tile_rows * w.row_stride * w_size  # bytes from one tile's w rows to the next tile's
     add_task = g.add_task
     for s, (k0, k) in enumerate(k_ranges):
         for r0 in range(0, m_total, block_m):
@@ -87,8 +364,8 @@ def linear(g, x, w, split_k: int = 1):
             row = s * m_total + r0
             y_addr, x_addr, w_addr = target.addr(row, 0), x.addr(r0, k0), w.addr(0, k0)
             x_tile = x.region(r0, m, k0, k)
-            for c0 in range(0, n_total, block_n):
-                n = min(block_n, n_total - c0)
+            for c0 in range(0, n_total, tile_rows):
+                n = min(tile_rows, n_total - c0)
                 add_task(opcode, (y_addr + c0 * y_size, x_addr, w_addr, m, n, k, *strides),
                          reads=(x_tile, w.region(c0, n, k0, k)), writes=(target.region(row, m, c0, n),),
                          bytes=m * k * x_size + n * k * w_size + m * n * y_size, flops=2 * m * n * k)

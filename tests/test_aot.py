@@ -20,6 +20,7 @@ from triton.compiler import ASTSource
 import megakernel as mk
 from megakernel.aot import TARGETS, compile_kernel, supported_targets, unsupported_reason
 from megakernel.errors import BackendError
+from megakernel.gpu_backend import MAX_REGISTERS
 from megakernel.models import DecoderConfig, decode_step
 from megakernel.occupancy import LIMITS, binary_resources, check_grid, cubin_resources, max_grid, programs_per_unit
 from megakernel.tasks import TASK_TYPES
@@ -90,6 +91,14 @@ def test_workers_fit_on_every_target(kernel, target):
     check_grid(max_grid(limits, c.resources), limits, c.resources)
     with pytest.raises(BackendError, match="<- limits"):
         check_grid(max_grid(limits, c.resources) + 1, limits, c.resources)
+
+
+@pytest.mark.parametrize("target", NVIDIA)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_nvidia_kernels_are_capped_to_four_programs_per_sm(kernel, target):
+    c = compiled(kernel, target)
+    assert c.registers <= MAX_REGISTERS
+    assert programs_per_unit(LIMITS[target], c.resources) >= 4
 
 
 def test_num_warps_reaches_the_compiler():

@@ -43,20 +43,24 @@ def _tolerance(dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 2e-2
 
 
-@pytest.mark.parametrize("family,dtype,batch", [
-    ("llama", torch.float32, 1), ("llama", torch.float32, 2), ("qwen3", torch.float32, 2),
-    ("llama", torch.bfloat16, 1), ("qwen3", torch.bfloat16, 1), ("mistral", torch.float32, 1),
+@pytest.mark.parametrize("family,dtype,batch,parallelism", [
+    ("llama", torch.float32, 1, 1), ("llama", torch.float32, 2, 1), ("qwen3", torch.float32, 2, 1),
+    ("llama", torch.bfloat16, 1, 1), ("qwen3", torch.bfloat16, 1, 1), ("mistral", torch.float32, 1, 1),
+    ("llama", torch.float32, 2, 24), ("qwen3", torch.bfloat16, 1, 24),  # tiles sized for 24 workers
 ])
-def test_logits_over_consecutive_positions_match_transformers(family, dtype, batch):
+def test_logits_over_consecutive_positions_match_transformers(family, dtype, batch, parallelism):
     model = hf_model(family, kv_heads=1 if family == "llama" else 2, dtype=dtype)
     ids = prompt(batch, length=6)
     with torch.no_grad():
         expected = model(ids).logits.float()  # causal attention over the whole prompt at once
-    m = from_hf(model, max_seq_len=80, max_batch=batch, workers=2)  # 80: two attention splits
+    # 80 positions: two attention splits at parallelism 1, three of 32 at 24 (where the bfloat16 Qwen3
+    # step also splits its down projection along K)
+    m = from_hf(model, max_seq_len=80, max_batch=batch, workers=2, parallelism=parallelism)
     try:
         for pos in range(ids.shape[1]):
             logits = m.decode(ids[:, pos], pos)
-            assert_close(logits, expected[:, pos], _tolerance(dtype), f"{family} {dtype} batch {batch} pos {pos}")
+            assert_close(logits, expected[:, pos], _tolerance(dtype),
+                         f"{family} {dtype} batch {batch} parallelism {parallelism} pos {pos}")
     finally:
         m.close()
 
@@ -99,10 +103,20 @@ def test_tensor_parallel_generation_matches_transformers(family, world, batch):
         assert torch.equal(logits, results[0][1])
 
 
-def test_decode_graph_compiles_ahead_of_time():
-    config = DecoderConfig(hidden=96, heads=4, kv_heads=2, head_dim=48, intermediate=200, layers=1, vocab=128,
-                           eps=1e-6, qk_norm=True, max_seq_len=80, batch=2, dtype=torch.bfloat16)
-    g = decode_step(config, mk.Graph(world_size=1, rank=0))
+@pytest.mark.parametrize("config,parallelism", [
+    (DecoderConfig(hidden=96, heads=4, kv_heads=2, head_dim=48, intermediate=200, layers=1, vocab=128, eps=1e-6,
+                   qk_norm=True, max_seq_len=80, batch=2, dtype=torch.bfloat16), 1),
+    # GPU-shaped at batch 1: the one-row GEMV tiles and attention with 16-byte vectors (aligned, whole blocks)
+    (DecoderConfig(hidden=1024, heads=8, kv_heads=2, head_dim=128, intermediate=2048, layers=1, vocab=512,
+                   eps=1e-6, qk_norm=False, max_seq_len=256, batch=1, dtype=torch.bfloat16), 64),
+])
+def test_decode_graph_compiles_ahead_of_time(config, parallelism):
+    g = decode_step(config, mk.Graph(world_size=1, rank=0, parallelism=parallelism))
+    if config.batch == 1:
+        specs = [dict(s.constexprs) for s in g.specs]
+        assert any(s.get("BLOCK_M") == 1 and s.get("EVEN_K") and s.get("ALIGNED") and s.get("USE_DOT") is False
+                   for s in specs)
+        assert any(s.get("BLOCK_S") and s.get("ALIGNED") for s in specs)
     for target in ("sm_90", "gfx942"):
         assert compile_kernel(g.specs, target, row_words=16).size > 10_000
 

@@ -3,6 +3,8 @@ import pytest
 import torch
 
 import megakernel as mk
+from megakernel.tasks.attention import BLOCK_S, split_size
+from megakernel.tasks.linear import MIN_SPLIT_BLOCKS
 
 from conftest import assert_close, random_inputs, run_checked, tolerance
 
@@ -81,6 +83,79 @@ def test_linear(m, k, n, split_k, dtype):
     assert_close(out, inputs["x"].double() @ inputs["w"].double().T, tolerance(dtype), "linear")
 
 
+def _linear_specs(g):
+    return [dict(s.constexprs) for s in g.specs if s.task_type == "linear"]
+
+
+def _tasks_of(g, task_type):
+    return sum(g.specs[op].task_type == task_type for op in g.tasks.opcode)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("k,n,x_dtype,w_dtype", [
+    (1000, 70, torch.float32, torch.float32),    # K not a whole number of blocks: masked last block
+    (1024, 45, torch.bfloat16, torch.bfloat16),  # whole blocks, a partial last step, 45 = 11 x 4 + 1 rows
+    (1500, 40, torch.float32, torch.bfloat16),   # bfloat16 weights under a float32 stream
+])
+def test_gemv_tiles(m, k, n, x_dtype, w_dtype):
+    """The GEMV tiles at shapes that are not multiples of their blocks, against float64."""
+    g = mk.Graph()
+    x = g.input("x", (m, k), x_dtype)
+    w = g.input("w", (n, k), w_dtype)
+    g.output("y", g.linear(x, w))
+    (spec,) = _linear_specs(g)
+    assert spec["BLOCK_M"] == (1 if m == 1 else 8 if m == 5 else 2) and not spec["USE_DOT"]
+    assert spec["EVEN_K"] == (k % spec["BLOCK_K"] == 0)
+    assert spec["ALIGNED"] == (k * x_dtype.itemsize % 16 == 0 and k * w_dtype.itemsize % 16 == 0)
+    assert _tasks_of(g, "linear") == -(-n // 32)  # parallelism 1: 32 rows of w per tile, as ever
+    inputs = random_inputs(g, seed=m * 7919 + k + n)
+    out = run_checked(g, inputs, workers=2)["y"]
+    assert out.dtype == x_dtype and out.shape == (m, n)
+    assert_close(out, inputs["x"].double() @ inputs["w"].double().T, tolerance(x_dtype), "gemv")
+
+
+@pytest.mark.parametrize("m,dtype,parallelism", [
+    (1, torch.float32, 30), (2, torch.bfloat16, 15), (5, torch.float32, 15),  # as many workers as 1500 allows
+])
+def test_linear_splits_k_for_parallelism(m, dtype, parallelism):
+    """split_k=None: with fewer output tiles than the workers the graph is meant for, K is cut into
+    whole blocks (at least MIN_SPLIT_BLOCKS each) until every worker has a tile; a fixed-order sum
+    tile adds the partials."""
+    k, n = 1500, 40
+    g = mk.Graph(parallelism=parallelism)
+    x = g.input("x", (m, k), dtype)
+    w = g.input("w", (n, k), dtype)
+    g.output("y", g.linear(x, w))
+    (spec,) = _linear_specs(g)
+    block_k = spec["BLOCK_K"]
+    splits = _tasks_of(g, "linear") // -(-n // spec["BLOCK_N"])
+    assert splits > 1 and _tasks_of(g, "linear") >= parallelism and _tasks_of(g, "sum_slices") >= 1
+    assert not spec["EVEN_K"]  # 1500 is not a whole number of blocks: only the last range has a partial block
+    ranges = sorted({(t[1] - g.inputs["x"].addr(0, 0)) // x.element_size for op, t in zip(g.tasks.opcode, g.tasks.args)
+                     if g.specs[op].task_type == "linear"})
+    assert len(ranges) == splits and all(k0 % block_k == 0 for k0 in ranges)
+    assert all(b - a >= MIN_SPLIT_BLOCKS * block_k for a, b in zip(ranges, ranges[1:]))
+    inputs = random_inputs(g, seed=m + 31)
+    out = run_checked(g, inputs, workers=3)["y"]
+    assert_close(out, inputs["x"].double() @ inputs["w"].double().T, tolerance(dtype), "auto split-K")
+
+
+def test_linear_tiling_follows_parallelism():
+    """Parallelism 1 keeps one tile per 32 rows and no split; more workers than output blocks split K
+    (an explicit split_k still wins); enough output blocks share rows out evenly, without a split."""
+    def build(parallelism, m=1, n=64, k=2048, split_k=None):
+        g = mk.Graph(parallelism=parallelism)
+        g.linear(g.input("x", (m, k), torch.bfloat16), g.input("w", (n, k), torch.bfloat16), split_k=split_k)
+        return _tasks_of(g, "linear"), _tasks_of(g, "sum_slices")
+
+    assert build(1) == (2, 0)
+    assert build(1, split_k=2) == (4, 1)
+    assert build(64, split_k=3) == (48, 1)      # 16 blocks of 4 rows x 3 ranges
+    assert build(64) == (32, 1)                 # 16 blocks x 2 ranges: K = 4 blocks, at least 2 per range
+    assert build(8, n=4096) == (8, 0)           # 1024 blocks of 4 rows over 8 workers: 8 tiles of 512 rows
+    assert build(33, n=640) == (32, 0)          # 160 blocks: 32 tiles of 5 beat 33 uneven ones and a second wave
+
+
 def test_linear_of_slices():
     g = mk.Graph()
     h = g.input("h", (2, 200), torch.float32)
@@ -101,3 +176,49 @@ def test_rms_norm_with_weight_of_another_dtype():
     inputs = random_inputs(g, seed=5)
     out = run_checked(g, inputs)["y"]
     assert_close(out, _rms(inputs["x"], inputs["w"], 1e-6), 1e-5, "mixed-dtype rms_norm")
+
+
+def _attention_reference(q, k_cache, v_cache, pos, batch, head_dim):
+    """Softmax attention in float64 of every query head over cache rows 0 ..= pos of its batch row."""
+    heads, kv_heads = q.shape[1] // head_dim, k_cache.shape[1] // head_dim
+    max_seq = k_cache.shape[0] // batch
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            cols = slice(h // (heads // kv_heads) * head_dim, (h // (heads // kv_heads) + 1) * head_dim)
+            keys = k_cache[b * max_seq:b * max_seq + pos + 1, cols].double()
+            values = v_cache[b * max_seq:b * max_seq + pos + 1, cols].double()
+            scores = keys @ q[b, h * head_dim:(h + 1) * head_dim].double() / head_dim ** 0.5
+            out[b, h * head_dim:(h + 1) * head_dim] = torch.softmax(scores, 0) @ values
+    return out
+
+
+@pytest.mark.parametrize("dtype,batch,heads,kv_heads,head_dim,max_seq,parallelism,positions", [
+    (torch.float32, 1, 4, 2, 64, 100, 1, (0, 63, 64, 99)),       # splits of 64 (parallelism 1)
+    (torch.bfloat16, 1, 8, 2, 64, 100, 16, (31, 32, 70)),        # splits as short as they go (BLOCK_S), 8 < 16 tiles
+    (torch.float32, 2, 2, 1, 18, 75, 6, (5, 40)),                # 2 rows x 3 splits of 32 = 6; 72-byte rows: no vectors
+])
+def test_decode_attention_splits(dtype, batch, heads, kv_heads, head_dim, max_seq, parallelism, positions):
+    """Split-KV attention with the splits parallelism asks for, at positions inside and at the edges of
+    splits; one kernel serves every position (the position is a device scalar)."""
+    g = mk.Graph(parallelism=parallelism)
+    q = g.input("q", (batch, heads * head_dim), dtype)
+    k_cache = g.input("k", (batch * max_seq, kv_heads * head_dim), dtype)
+    v_cache = g.input("v", (batch * max_seq, kv_heads * head_dim), dtype)
+    pos = g.input("pos", (1,), torch.int64)
+    g.output("y", g.decode_attention(q, k_cache, v_cache, pos, batch, head_dim))
+    split = split_size(batch * kv_heads, max_seq, parallelism)
+    assert split == (64 if parallelism == 1 else BLOCK_S)
+    partials = _tasks_of(g, "attention_partial")
+    assert partials == batch * kv_heads * -(-max_seq // split)
+    assert partials >= parallelism or split == BLOCK_S
+    assert _tasks_of(g, "attention_combine") == batch * heads
+    spec = next(dict(s.constexprs) for s in g.specs if s.task_type == "attention_partial")
+    assert spec["ALIGNED"] == (head_dim * dtype.itemsize % 16 == 0)
+    inputs = random_inputs(g, seed=max_seq + parallelism)
+    with mk.Megakernel(g, workers=2) as kernel:
+        for p in positions:
+            inputs["pos"] = torch.tensor([p])
+            out = run_checked(g, inputs, kernel=kernel)["y"]
+            expected = _attention_reference(inputs["q"], inputs["k"], inputs["v"], p, batch, head_dim)
+            assert_close(out, expected, tolerance(dtype), f"attention at position {p}")

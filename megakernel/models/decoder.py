@@ -84,9 +84,13 @@ def _row_parallel(g: Graph, s: Shard, partial: Tensor) -> Tensor:
     return g.all_reduce(partial) if s.world > 1 else partial
 
 
-def decode_step(c: DecoderConfig, g: Graph | None = None) -> Graph:
-    """Embedding -> layers -> final norm -> LM head: logits [batch, vocab] of one token per batch row."""
-    g = g or Graph()
+def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) -> Graph:
+    """Embedding -> layers -> final norm -> LM head: logits [batch, vocab] of one token per batch row.
+
+    Built into ``g``, or a new ``Graph(parallelism=parallelism)``: the number of workers the step is
+    meant for, which sizes its tiles (split-K linears, attention splits).
+    """
+    g = g or Graph(parallelism=parallelism)
     s = Shard.of(c, g.rank, g.world_size)
     tokens = g.input("tokens", (c.batch,), torch.int64)
     pos = g.input("pos", (1,), torch.int64)

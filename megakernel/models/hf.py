@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..bootstrap import current_world
 from ..errors import GraphError
 from ..graph import Graph
 from ..runtime import Megakernel
@@ -61,9 +62,10 @@ def shard_weights(model, c: DecoderConfig, s: Shard) -> dict[str, torch.Tensor]:
 class DecodeModel:
     """One rank's share of a model, compiled into one megakernel: one launch per decode step."""
 
-    def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor], **kernel_options):
+    def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor], parallelism: int = 1,
+                 **kernel_options):
         self.config = config
-        self.graph = decode_step(config, Graph())
+        self.graph = decode_step(config, Graph(parallelism=parallelism))
         self.kernel = Megakernel(self.graph, **kernel_options)
         self.kernel.bind(weights)
 
@@ -98,9 +100,13 @@ class DecodeModel:
         self.kernel.close()
 
 
-def from_hf(model, *, max_seq_len: int, max_batch: int = 1, **kernel_options) -> DecodeModel:
-    """Shard ``model`` (already in memory; nothing is downloaded) for this rank and compile its decode step."""
-    import torch.distributed as dist
-    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+def from_hf(model, *, max_seq_len: int, max_batch: int = 1, parallelism: int = 1, **kernel_options) -> DecodeModel:
+    """Shard ``model`` (already in memory; nothing is downloaded) for this rank and compile its decode step.
+
+    ``parallelism``: the number of workers the step's tiles are sized for (``Graph.parallelism``); usually
+    the kernel's worker count on a GPU.
+    """
+    world, rank = current_world()
     config = config_of(model, max_seq_len, max_batch)
-    return DecodeModel(config, shard_weights(model, config, Shard.of(config, rank, world)), **kernel_options)
+    return DecodeModel(config, shard_weights(model, config, Shard.of(config, rank, world)), parallelism,
+                       **kernel_options)
