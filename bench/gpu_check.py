@@ -11,22 +11,32 @@
 5. cross-rank signal latency and small all-reduces between two virtual ranks (two persistent
    kernels resident at once on one GPU).
 
-    python bench/gpu_check.py            # on a machine with an NVIDIA or AMD GPU
-    python bench/gpu_check.py --smoke    # small shapes on the cpu backend (the test suite runs this)
+    python bench/gpu_check.py                       # on a machine with an NVIDIA or AMD GPU
+    python bench/gpu_check.py --only layer,virtual  # some sections
+    python bench/gpu_check.py --smoke               # small shapes on the cpu backend (the tests run this)
+
+Each section runs in a process of its own under a time limit (a GPU fault poisons its process; a
+hang must not use up the machine's time), all within BUDGET seconds.
 
 Times are device times of the launch (CUDA events) unless a row says wall.
 """
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before CUDA starts: each stream its own hardware queue
+
 import argparse
 import functools
 import math
+import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +52,24 @@ LLAMA3_8B = DecoderConfig(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter
                           vocab=128256, eps=1e-5, qk_norm=False, max_seq_len=4096, dtype=torch.bfloat16)
 SMOKE_LAYER = DecoderConfig(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, layers=1, vocab=256,
                             eps=1e-5, qk_norm=False, max_seq_len=64, dtype=torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a run checks with: the GPU, or (``--smoke``) small shapes on the cpu backend."""
+
+    backend: str
+    device: str
+    layer: DecoderConfig
+    pos: int                 # the layer's decode position: the KV cache holds that many earlier rows
+    repeats: int
+    per_worker: int          # dispatch: empty tasks per worker (and 4x that)
+    sizes: tuple[int, ...]   # all-reduce bytes
+    timeout: float           # seconds any wait may take: a hang shows fast
+
+
+GPU = Setup("auto", "cuda", LLAMA3_8B, 1023, 20, 16, (4096, 65536), timeout=10.0)
+SMOKE = Setup("cpu", "cpu", SMOKE_LAYER, 9, 2, 2, (256,), timeout=60.0)
 
 
 @dataclass
@@ -92,7 +120,7 @@ def timed(fn, repeats: int, device: str) -> float:
 
 
 # -- 1. every task type ---------------------------------------------------------------------------------
-def check_task_types(backend: str) -> Row:
+def check_task_types(s: Setup) -> list[Row]:
     g = every_task_type()
     gen = torch.Generator().manual_seed(0)
     inputs = {name: torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype)
@@ -100,7 +128,7 @@ def check_task_types(backend: str) -> Row:
     inputs["tokens"] = torch.randint(0, g.inputs["embed"].shape[0], g.inputs["tokens"].shape, generator=gen)
     inputs["pos"] = torch.tensor([37])
     inputs["inv_freq"] = 1.0 / 10000 ** (torch.arange(0, 48, 2, dtype=torch.float32) / 48)
-    with mk.Megakernel(g, backend=backend) as kernel:
+    with mk.Megakernel(g, backend=s.backend, timeout=s.timeout) as kernel:
         kernel.bind(inputs)
         kernel.poison()
         cache = next(b for b in g.buffers if b.name == "kv_cache")  # the positions before pos: history
@@ -115,30 +143,30 @@ def check_task_types(backend: str) -> Row:
             worst[name] = relative_error(out[name].cpu(), ref)
         types = len({s.task_type for s in g.specs})
     name, error = max(worst.items(), key=lambda item: item[1])
-    return Row(f"{types} task types, {len(g.tasks)} tasks vs reference", f"max rel. error {error:.1e} ({name})",
-               "<= 1e-2 (bf16)", error <= 1e-2)
+    return [Row(f"{types} task types, {len(g.tasks)} tasks vs reference", f"max rel. error {error:.1e} ({name})",
+                "<= 1e-2 (bf16)", error <= 1e-2)]
 
 
 # -- 2. decode steps against transformers ----------------------------------------------------------------
-def check_decode(backend: str, device: str) -> Row:
+def check_decode(s: Setup) -> list[Row]:
     from megakernel.models import from_hf
     from megakernel.tools.demo import random_llama
 
-    hf = random_llama(seed=3).to(device)
+    hf = random_llama(seed=3).to(s.device)
     steps = 8
     ids = torch.randint(0, hf.config.vocab_size, (1, steps), generator=torch.Generator().manual_seed(4))
-    model = from_hf(hf, max_seq_len=steps, backend=backend)
+    model = from_hf(hf, max_seq_len=steps, backend=s.backend, timeout=s.timeout)
     try:
         worst = 0.0
         with torch.no_grad():
             for pos in range(steps):
                 ours = model.decode(ids[:, pos], pos)
-                theirs = hf(ids[:, :pos + 1].to(device)).logits[:, -1]
+                theirs = hf(ids[:, :pos + 1].to(s.device)).logits[:, -1]
                 worst = max(worst, relative_error(ours.float().cpu(), theirs.float().cpu()))
     finally:
         model.close()
-    return Row(f"decode, random Llama ({hf.config.num_hidden_layers} layers), {steps} steps vs transformers",
-               f"max rel. error {worst:.1e}", "<= 1e-3 (fp32)", worst <= 1e-3)
+    return [Row(f"decode, random Llama ({hf.config.num_hidden_layers} layers), {steps} steps vs transformers",
+                f"max rel. error {worst:.1e}", "<= 1e-3 (fp32)", worst <= 1e-3)]
 
 
 # -- 3. the Llama-3-8B-shaped layer ----------------------------------------------------------------------
@@ -204,7 +232,8 @@ def copy_bandwidth(device: str, mib: int) -> float:
     return 2 * src.numel() / timed(lambda: dst.copy_(src), 10, device)
 
 
-def check_layer(c: DecoderConfig, backend: str, device: str, pos: int, repeats: int) -> list[Row]:
+def check_layer(s: Setup) -> list[Row]:
+    c, pos, device, repeats = s.layer, s.pos, s.device, s.repeats
     gen = torch.Generator().manual_seed(5)
     weights = layer_weights(c, gen)
     x = (torch.randn(1, c.hidden, generator=gen)).to(c.dtype)
@@ -212,11 +241,11 @@ def check_layer(c: DecoderConfig, backend: str, device: str, pos: int, repeats: 
     history = [(torch.randn(pos, c.kv_heads * c.head_dim, generator=gen) * 0.5).to(c.dtype) for _ in range(2)]
     # Build for the workers this GPU can hold: the first kernel says how many that is.
     g = layer_graph(c, parallelism=1)
-    kernel = mk.Megakernel(g, backend=backend)
+    kernel = mk.Megakernel(g, backend=s.backend, timeout=s.timeout)
     if kernel.workers > 1:
         kernel.close()
         g = layer_graph(c, parallelism=kernel.workers)
-        kernel = mk.Megakernel(g, backend=backend)
+        kernel = mk.Megakernel(g, backend=s.backend, timeout=s.timeout)
     try:
         kernel.bind({**weights, "x": x, "pos": torch.tensor([pos]), "inv_freq": inv_freq})
         kernel.poison()  # the cache rows past the position stay poisoned: no tile may read them
@@ -280,21 +309,22 @@ def _touch_graph(workers: int, per_worker: int) -> mk.Graph:
     return g
 
 
-def check_dispatch(backend: str, per_worker: int, repeats: int) -> Row:
+def check_dispatch(s: Setup) -> list[Row]:
     """Seconds one worker spends per empty task: the slope between queues of ``per_worker`` and
     ``4 * per_worker`` tasks, so the launch itself does not count."""
-    probe = _touch_graph(1, 1)
-    with mk.Megakernel(probe, backend=backend) as kernel:
+    per_worker = s.per_worker
+    with mk.Megakernel(_touch_graph(1, 1), backend=s.backend, timeout=s.timeout) as kernel:
         workers = kernel.workers
     seconds = {}
     for n in (per_worker, 4 * per_worker):
-        with mk.Megakernel(_touch_graph(workers, n), backend=backend, policy="round_robin") as kernel:
+        with mk.Megakernel(_touch_graph(workers, n), backend=s.backend, policy="round_robin",
+                           timeout=s.timeout) as kernel:
             kernel.bind({"t": torch.zeros(workers, n)})
-            seconds[n], _ = median_launch(kernel, repeats)
+            seconds[n], _ = median_launch(kernel, s.repeats)
     per_task = (seconds[4 * per_worker] - seconds[per_worker]) / (3 * per_worker)
-    return Row(f"dispatch: empty tasks, {workers} workers x {per_worker} and x {4 * per_worker}",
-               f"{per_task * 1e6:.2f} us per task per worker ({workers / per_task / 1e6:.0f} M tasks/s in all)",
-               "<= 1 us", per_task <= 1e-6, timing=True)
+    return [Row(f"dispatch: empty tasks, {workers} workers x {per_worker} and x {4 * per_worker}",
+                f"{per_task * 1e6:.2f} us per task per worker ({workers / per_task:,.0f} tasks/s in all)",
+                "<= 1 us", per_task <= 1e-6, timing=True)]
 
 
 # -- 5. two virtual ranks --------------------------------------------------------------------------------
@@ -310,79 +340,107 @@ def _chain(steps: int) -> mk.Graph:
     return g
 
 
-def _virtual_job(backend: str, repeats: int, sizes: tuple[int, ...]) -> dict:
+def _virtual_job(s: Setup) -> dict:
     out = {}
     for steps in (SHORT, LONG):
-        with mk.Megakernel(_chain(steps), backend=backend) as kernel:
+        with mk.Megakernel(_chain(steps), backend=s.backend, timeout=s.timeout) as kernel:
             kernel.bind({"x": torch.randn(1, 8)})
-            out[steps], _ = median_launch(kernel, repeats)
+            out[steps], _ = median_launch(kernel, s.repeats)
             y = kernel.run()["y"]
             out[f"ok{steps}"] = bool(torch.isfinite(y).all())
-    for size in sizes:
+    for size in s.sizes:
         g = mk.Graph()
         g.output("y", g.all_reduce(g.input("x", (1, size // 4), torch.float32)))
-        with mk.Megakernel(g, backend=backend) as kernel:
+        with mk.Megakernel(g, backend=s.backend, timeout=s.timeout) as kernel:
             x = torch.randn(1, size // 4, generator=torch.Generator().manual_seed(g.rank))
             kernel.bind({"x": x})
-            out[size], _ = median_launch(kernel, repeats)
+            out[size], _ = median_launch(kernel, s.repeats)
             expected = sum(torch.randn(1, size // 4, generator=torch.Generator().manual_seed(r)).double()
                            for r in range(2))
             out[f"error{size}"] = relative_error(kernel.run()["y"].cpu(), expected)
     return out
 
 
-def check_virtual_ranks(backend: str, repeats: int, sizes: tuple[int, ...]) -> list[Row]:
-    ranks = mk.launch(functools.partial(_virtual_job, backend, repeats, sizes), world_size=2, virtual=True,
-                      backend=backend, timeout=600)
+def check_virtual_ranks(s: Setup) -> list[Row]:
+    ranks = mk.launch(functools.partial(_virtual_job, s), world_size=2, virtual=True, backend=s.backend, timeout=600)
     hop = max((r[LONG] - r[SHORT]) / (LONG - SHORT) for r in ranks)
     unit, scale = ("us", 1e6)
     written = all(r[f"ok{s}"] for r in ranks for s in (SHORT, LONG))
     rows = [Row("virtual ranks: put chains written", "yes" if written else "NO", "", written),
             Row("virtual ranks: signal round trip (2 puts + waits)", f"{2 * hop * scale:.2f} {unit}", "<= 5 us",
                 2 * hop <= 5e-6, timing=True)]
-    for size in sizes:
+    for size in s.sizes:
         error = max(r[f"error{size}"] for r in ranks)
         rows.append(Row(f"virtual ranks: all_reduce {size:,} B", f"{max(r[size] for r in ranks) * scale:.1f} {unit}, "
                         f"rel. error {error:.0e}", "<= 1e-6", error <= 1e-6))
     return rows
 
 
+SECTIONS = {"types": check_task_types, "decode": check_decode, "layer": check_layer, "dispatch": check_dispatch,
+            "virtual": check_virtual_ranks}
+# Seconds each section may take in its own process (a CUDA fault poisons the process that hit it, a
+# hang must not eat the GPU's time): all of them within BUDGET.
+LIMITS = {"types": 90, "decode": 90, "layer": 210, "dispatch": 90, "virtual": 120}
+BUDGET = 470
+
+
+def run_child(name: str, smoke: bool, limit: float) -> list[Row]:
+    """Run section ``name`` in a process of its own; its rows, or one FAILED row."""
+    command = [sys.executable, __file__, "--child", "--only", name, *(["--smoke"] if smoke else [])]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as expired:
+        tail = expired.stderr or ""  # bytes here even with text=True
+        sys.stderr.write((tail.decode(errors="replace") if isinstance(tail, bytes) else tail)[-4000:])
+        return [Row(name, f"FAILED: timed out after {limit:.0f} s", "", False)]
+    sys.stderr.write(done.stderr[-8000:])
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ROWS ")]
+    if not lines:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1][:160]
+        return [Row(name, f"FAILED (exit {done.returncode}): {last}", "", False)]
+    return [Row(**row) for row in json.loads(lines[-1][5:])]
+
+
+def run_here(name: str, setup: Setup) -> list[Row]:
+    try:
+        return SECTIONS[name](setup)
+    except Exception as error:  # reported as a row: the table shows every section's fate
+        traceback.print_exc()
+        last = str(error).strip().splitlines()[-1][:160] if str(error).strip() else ""
+        return [Row(name, f"FAILED: {type(error).__name__}: {last}", "", False)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="small shapes on the cpu backend")
-    parser.add_argument("--only", help="comma-separated sections to run (default: all): "
-                                       "types, decode, layer, dispatch, virtual")
+    parser.add_argument("--only", help=f"comma-separated sections to run (default: all): {', '.join(SECTIONS)}")
+    parser.add_argument("--child", action="store_true", help="run the sections in this process, print their rows")
     args = parser.parse_args(argv)
-    if args.smoke:
-        backend, device, layer, pos, repeats, per_worker, sizes = "cpu", "cpu", SMOKE_LAYER, 9, 2, 2, (256,)
-    else:
-        if not torch.cuda.is_available():
-            print("no GPU visible to torch: run with --smoke for the cpu backend", file=sys.stderr)
-            return 2
-        backend, device, layer, pos, repeats, per_worker, sizes = "auto", "cuda", LLAMA3_8B, 1023, 20, 16, (4096, 65536)
+    chosen = args.only.split(",") if args.only else list(SECTIONS)
+    unknown = set(chosen) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; known: {', '.join(SECTIONS)}")
+    setup = SMOKE if args.smoke else GPU
+    if args.child:
+        rows = [row for name in chosen for row in run_here(name, setup)]
+        print("ROWS " + json.dumps([asdict(row) for row in rows]))
+        return 0
+    if not args.smoke and not torch.cuda.is_available():
+        print("no GPU visible to torch: run with --smoke for the cpu backend", file=sys.stderr)
+        return 2
     import triton
-    gpu = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    gpu = torch.cuda.get_device_name() if setup.device == "cuda" else platform.processor() or "cpu"
     print(f"# gpu_check {time.strftime('%Y-%m-%d')}: {gpu}; torch {torch.__version__}, triton {triton.__version__}, "
           f"python {platform.python_version()}", flush=True)
     rows: list[Row] = []
-    sections = {"types": lambda: [check_task_types(backend)],
-                "decode": lambda: [check_decode(backend, device)],
-                "layer": lambda: check_layer(layer, backend, device, pos, repeats),
-                "dispatch": lambda: [check_dispatch(backend, per_worker, repeats)],
-                "virtual": lambda: check_virtual_ranks(backend, repeats, sizes)}
-    chosen = args.only.split(",") if args.only else list(sections)
-    unknown = set(chosen) - set(sections)
-    if unknown:
-        parser.error(f"unknown sections {sorted(unknown)}; known: {', '.join(sections)}")
+    deadline = time.monotonic() + BUDGET * (3 if args.smoke else 1)
     for name in chosen:
-        section = sections[name]
         start = time.perf_counter()
-        try:
-            rows += section()
-        except Exception as error:  # one broken section must not hide the others' results
-            traceback.print_exc()
-            last = str(error).strip().splitlines()[-1][:160] if str(error).strip() else ""
-            rows.append(Row(name, f"FAILED: {type(error).__name__}: {last}", "", False))
+        left = deadline - time.monotonic()
+        if left < 10:
+            rows.append(Row(name, "FAILED: not run, the time budget is spent", "", False))
+            continue
+        rows += run_child(name, args.smoke, min(LIMITS[name] * (3 if args.smoke else 1), left))
         print(f"# {name}: {time.perf_counter() - start:.1f} s", flush=True)
     if args.smoke:  # the interpreter is no GPU: time targets do not apply
         for row in rows:

@@ -21,7 +21,7 @@ from .scheduler import tables
 # Per-worker status record on the heap, after one word of abort flag; read by the host after a run.
 # constexpr so that kernels may use them; int() gives the host its value.
 STATUS_WORDS = tl.constexpr(8)
-STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE, EPOCH = (tl.constexpr(i) for i in range(7))
+STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE, EPOCH, CLOCK_SLOT = (tl.constexpr(i) for i in range(8))
 RUNNING, TIMED_OUT, STOPPED = (tl.constexpr(i) for i in range(3))
 
 
@@ -60,19 +60,32 @@ CLOCKS = {"interpreter": "interpreter_clock", "cuda": "cuda_clock", "hip": "hip_
 
 
 @triton.jit
-def wait_event(counter, target, abort, timeout_ns, CLOCK: tl.constexpr):
+def program_clock(slot, CLOCK: tl.constexpr):
+    """The clock as one thread of the program read it at its previous call, the same value for every
+    thread (a scalar atomic runs on one thread and broadcasts its result; ``slot`` keeps the reading).
+
+    Each thread reading the clock itself would let warps disagree on a timeout and leave a loop whose
+    body has barriers at different iterations.
+    """
+    return tl.atomic_xchg(slot, CLOCK(), sem="relaxed", scope="cta")
+
+
+@triton.jit
+def wait_event(counter, target, abort, timeout_ns, clock_slot, CLOCK: tl.constexpr):
     """Spin until ``*counter >= target``, another worker aborts the run, or ``timeout_ns`` passes.
 
-    Returns the last value observed; the caller compares it with ``target``.
+    Returns the last value observed; the caller compares it with ``target``. Every value the loop
+    condition depends on is uniform across the program's threads.
     """
     observed = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
     stop = tl.atomic_add(abort, 0, sem="relaxed", scope="sys")
-    deadline = CLOCK() + timeout_ns
-    now = CLOCK()
-    while (observed < target) & (stop == 0) & (now < deadline):
+    program_clock(clock_slot, CLOCK)
+    start = program_clock(clock_slot, CLOCK)
+    now = start
+    while (observed < target) & (stop == 0) & (now - start < timeout_ns):
         observed = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
         stop = tl.atomic_add(abort, 0, sem="relaxed", scope="sys")
-        now = CLOCK()
+        now = program_clock(clock_slot, CLOCK)
     return observed
 
 
@@ -138,7 +151,7 @@ def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, sign
             tl.store(stamp, CLOCK())
         if event >= 0:
             target = epoch * tl.load(row + ROW_FAN_IN)
-            observed = wait_event(events + event, target, abort, timeout_ns, CLOCK)
+            observed = wait_event(events + event, target, abort, timeout_ns, status + CLOCK_SLOT, CLOCK)
             if observed < target:
                 report_stall(status, abort, task, event, observed, target)
                 running = 0

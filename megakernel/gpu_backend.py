@@ -14,6 +14,8 @@ the grid is checked against the compiled kernel's registers and shared memory be
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -46,38 +48,69 @@ def ipc_open(handle) -> torch.Tensor:
     return rebuild(*args)
 
 
+def enable_peer_access(device: torch.device, peer: torch.device) -> None:
+    """Let kernels on ``device`` load and store ``peer``'s memory. Opening an IPC handle enables access
+    only for the exporting device's context; torch enables it for a pair on their first copy."""
+    if peer != device:
+        if not torch.cuda.can_device_access_peer(device.index, peer.index):
+            raise BackendError(f"{device} cannot access {peer}'s memory (no peer-to-peer path between them)")
+        torch.empty(1, device=peer).copy_(torch.empty(1, device=device))
+
+
+def driver_programs_per_unit(compiled) -> int | None:
+    """What the CUDA driver says fits per SM for this loaded kernel (its shared-memory carveout
+    included); None on ROCm."""
+    if torch.version.hip:
+        return None
+    import ctypes
+    blocks = ctypes.c_int()
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    result = libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(blocks), ctypes.c_void_p(compiled.function), NUM_WARPS * 32, ctypes.c_size_t(compiled.metadata.shared))
+    return blocks.value if result == 0 else None
+
+
 class GpuBackend:
     """One persistent launch per run on this process's current GPU; see the module docstring."""
 
     def __init__(self, name: str, group, kernel_path: Path, row_words: int, trace: bool, workers: int | None,
-                 timeout_ns: int):
+                 timeout: float):
         self.name, self.group, self.kernel_path = name, group, kernel_path
         self.device = torch.device("cuda", torch.cuda.current_device())
+        if not group.virtual and group.world_size > torch.cuda.device_count():
+            # kernels of different processes take turns on a GPU: ranks sharing one would wait forever
+            raise BackendError(f"{group.world_size} process ranks need a GPU each; this machine has "
+                               f"{torch.cuda.device_count()}: use launch(..., virtual=True) to share one")
+        # A launch that outlives this is stuck outside any wait (each wait ends within ``timeout``).
+        self.launch_limit = 10 * timeout + 60
         self.kernel = codegen.load_kernel(kernel_path)
-        # Triton types an int argument by its value (int32 or int64): compile with values of the types
-        # the launches will have, addresses and the timeout above 2**31, offsets and counters below.
-        typical = dict.fromkeys(codegen.KERNEL_ARGS, 0) | dict(bases_addr=1 << 40, epoch=1, timeout_ns=timeout_ns,
-                                                               ROW=row_words, TRACE=trace)
-        self.compiled = self._compile(typical, grid=1)
+        # The arguments are all int64 and unspecialised (codegen): any values compile the one kernel.
+        self.compiled = self._compile(dict.fromkeys(codegen.KERNEL_ARGS, 0) | dict(ROW=row_words, TRACE=trace))
         self.limits = occupancy.device_limits(self.device.index)
+        self.resources = occupancy.kernel_resources(self.compiled, NUM_WARPS)
+        per_unit = occupancy.programs_per_unit(self.limits, self.resources)
+        driver = driver_programs_per_unit(self.compiled)
+        if driver is not None and driver < per_unit:  # trust the stricter: a non-resident program deadlocks
+            self.limits = replace(self.limits, max_programs_per_unit=driver)
         self.share = group.world_size if group.virtual else 1  # virtual ranks: R kernels resident together
-        capacity = occupancy.max_grid(self.limits, occupancy.kernel_resources(self.compiled, NUM_WARPS))
-        self.workers = capacity // self.share if workers is None else workers
-        self._check(self.compiled)
+        self.workers = occupancy.max_grid(self.limits, self.resources) // self.share if workers is None else workers
+        self._check()
         self.stream = torch.cuda.Stream(self.device)
         self.heaps: list[torch.Tensor] = []
         self.bases: torch.Tensor | None = None
 
-    def _compile(self, args: dict[str, int], grid: int):
-        """The compiled kernel these arguments (ROW and TRACE included) launch: compiled now if new,
-        once for all virtual ranks."""
+    def _compile(self, args: dict[str, int]):
+        """The compiled kernel these arguments (ROW and TRACE included) launch, loaded: compiled now if
+        new, once for all virtual ranks."""
         with _compile_lock:
-            return self.kernel.warmup(**args, **launch_options(self.name), grid=(grid,))
+            compiled = self.kernel.warmup(**args, **launch_options(self.name), grid=(1,))
+            compiled._init_handles()
+            return compiled
 
-    def _check(self, compiled) -> None:
+    def _check(self) -> None:
         """Refuse a grid that the device cannot hold at once, with the numbers."""
         try:
-            occupancy.check_grid(self.workers * self.share, self.limits, occupancy.kernel_resources(compiled, NUM_WARPS))
+            occupancy.check_grid(self.workers * self.share, self.limits, self.resources)
         except BackendError as error:
             ranks = f" ({self.share} virtual ranks of {self.workers} workers)" if self.share > 1 else ""
             raise BackendError(f"rank {self.group.rank}{ranks}: {error}") from None
@@ -93,6 +126,8 @@ class GpuBackend:
             try:
                 handles = group.all_gather(ipc_export(own))
                 self.heaps = [own if r == rank else ipc_open(h) for r, h in enumerate(handles)]
+                for heap in self.heaps:
+                    enable_peer_access(self.device, heap.device)
             except RuntimeError as error:
                 raise BackendError(f"rank {rank}: could not share heaps by IPC on {self.device}: {error}") from None
         self.bases = torch.tensor([h.data_ptr() for h in self.heaps], dtype=torch.int64, device=self.device)
@@ -108,11 +143,6 @@ class GpuBackend:
         # ``abort`` is for workers the host must stop; a launch either runs every program or none,
         # and the device watchdog ends every wait, so there is nothing to stop from here.
         args = dict(bases_addr=self.bases.data_ptr(), rank=self.group.rank, worker=0, **args)
-        if args["epoch"] == 1:  # the arguments' types are fixed from now on: check what they compile to
-            compiled = self._compile(args, grid=self.workers)
-            if compiled is not self.compiled:
-                self._check(compiled)
-                self.compiled = compiled
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -121,12 +151,24 @@ class GpuBackend:
                 start.record()
                 self.kernel[(self.workers,)](**args, **launch_options(self.name))
                 end.record()
-            self.stream.synchronize()
+            self._wait(end)
         except Exception as error:  # a fault makes the CUDA/HIP context unusable: say where it happened
             raise BackendError(f"rank {self.group.rank}: the {self.name} launch of {self.workers} programs on "
                                f"{self.device} failed: {type(error).__name__}: {error}") from None
         current.wait_stream(self.stream)
         return start.elapsed_time(end) / 1e3
+
+    def _wait(self, end: torch.cuda.Event) -> None:
+        """Until the launch ends: spin briefly (a decode step takes microseconds), then poll with sleeps,
+        up to ``launch_limit`` seconds."""
+        started = time.monotonic()
+        while not end.query():
+            waited = time.monotonic() - started
+            if waited > self.launch_limit:
+                raise BackendError(f"still running after {self.launch_limit:.0f} s although every wait ends within "
+                                   f"the timeout: a program is stuck outside a wait (not resident, or a fault)")
+            if waited > 1e-3:
+                time.sleep(min(waited / 10, 0.01))
 
     def close(self) -> None:
         self.heaps, self.bases = [], None  # torch frees the memory and closes IPC mappings

@@ -300,5 +300,4 @@ def _make_backend(name: str, group: Group, graph: Graph, workers: int | None, tr
         return CpuBackend(group, codegen.kernel_path(graph.specs, "interpreter"), workers, pool)
     from .gpu_backend import GpuBackend
     row_words = ARG0 + max(map(len, graph.tasks.args))
-    return GpuBackend(name, group, codegen.kernel_path(graph.specs, name), row_words, trace, workers,
-                      timeout_ns=int(timeout * 1e9))
+    return GpuBackend(name, group, codegen.kernel_path(graph.specs, name), row_words, trace, workers, timeout)

@@ -55,7 +55,7 @@ def main(args) -> int:
           f"tensor parallel over {args.ranks} ranks x {args.workers} workers (cpu backend)")
     start = time.perf_counter()
     results = launch(functools.partial(_rank_job, prompt, args.tokens, args.workers, str(out)),
-                     world_size=args.ranks, timeout=1800)
+                     world_size=args.ranks, backend="cpu", timeout=1800)
     ids, times, tasks, summary = results[0]
     print(f"launched and generated in {time.perf_counter() - start:.1f} s")
     for step, seconds in enumerate(times):

@@ -93,7 +93,7 @@ class DecodeModel:
         for pos in range(ids.shape[1] + max_new_tokens - 1):
             logits = self.decode(ids[:, pos], pos)
             if pos + 1 >= ids.shape[1]:
-                ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+                ids = torch.cat([ids, logits.argmax(-1, keepdim=True).to(ids.device)], dim=1)
         return ids
 
     def close(self) -> None:
