@@ -3,8 +3,8 @@ and the heap is device memory.
 
 Process ranks (one GPU each) share their heaps by IPC: torch exports each rank's heap as an IPC
 handle (``cudaIpcGetMemHandle``; on ROCm torch's HIP build calls ``hipIpcGetMemHandle``), the ranks
-exchange handles over the host group, and each opens its peers' (peer access is enabled when a handle
-is opened), so a store through a peer's base lands in that GPU's memory. Virtual ranks (threads of one
+exchange handles over the host group, and each opens its peers' and enables peer access to their
+GPUs, so a store through a peer's base lands in that GPU's memory. Virtual ranks (threads of one
 process) carve their heaps from one allocation on one GPU and launch on streams of their own, each
 rank with its share of the programs that can be resident at once.
 
@@ -34,6 +34,8 @@ MAX_REGISTERS = 128
 def launch_options(vendor: str) -> dict[str, int]:
     """Compile options of every megakernel launch on ``vendor`` ("cuda" or "hip"); AOT checks use them too."""
     return dict(num_warps=NUM_WARPS, **({"maxnreg": MAX_REGISTERS} if vendor == "cuda" else {}))
+
+
 _compile_lock = threading.Lock()  # virtual ranks build the same kernel: compile it once, not racing
 
 
