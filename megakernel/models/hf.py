@@ -62,11 +62,21 @@ def shard_weights(model, c: DecoderConfig, s: Shard) -> dict[str, torch.Tensor]:
 class DecodeModel:
     """One rank's share of a model, compiled into one megakernel: one launch per decode step."""
 
-    def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor], parallelism: int = 1,
+    def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor], parallelism: int | str = "auto",
                  **kernel_options):
+        """``parallelism``: the workers the step's tiles are sized for (``Graph.parallelism``); "auto": on a
+        GPU, every worker the kernel holds (found by building once), on the cpu backend 1 (the
+        interpreter runs few large tiles best)."""
         self.config = config
+        auto = parallelism == "auto"
+        if auto:
+            parallelism = 1
         self.graph = decode_step(config, Graph(parallelism=parallelism))
         self.kernel = Megakernel(self.graph, **kernel_options)
+        if auto and self.kernel.backend.name != "cpu" and self.kernel.workers > 1:
+            self.kernel.close()
+            self.graph = decode_step(config, Graph(parallelism=self.kernel.workers))
+            self.kernel = Megakernel(self.graph, **kernel_options)
         self.kernel.bind(weights)
 
     def decode(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
@@ -100,11 +110,11 @@ class DecodeModel:
         self.kernel.close()
 
 
-def from_hf(model, *, max_seq_len: int, max_batch: int = 1, parallelism: int = 1, **kernel_options) -> DecodeModel:
+def from_hf(model, *, max_seq_len: int, max_batch: int = 1, parallelism: int | str = "auto",
+            **kernel_options) -> DecodeModel:
     """Shard ``model`` (already in memory; nothing is downloaded) for this rank and compile its decode step.
 
-    ``parallelism``: the number of workers the step's tiles are sized for (``Graph.parallelism``); usually
-    the kernel's worker count on a GPU.
+    ``parallelism``: the number of workers the step's tiles are sized for; "auto" (see ``DecodeModel``).
     """
     world, rank = current_world()
     config = config_of(model, max_seq_len, max_batch)
