@@ -118,6 +118,23 @@ TRACE_WORDS = tl.constexpr(3)  # per task: wait start, run start, end (ns on the
 
 
 @triton.jit
+def task_header(tasks, queue, i, last, ROW: tl.constexpr):
+    """Queue entry ``i``'s task and the words of its row the loop needs: (task, wait event, fan-in,
+    opcode, first signal, signal count); an empty header (no wait, no signal) past ``last``.
+
+    The tables do not change during a run, so the loop loads the next task's header before running
+    the current one: its latency hides behind the current task, and it is not re-fetched after the
+    next acquire (which invalidates the L1 cache).
+    """
+    more = i < last
+    task = tl.load(queue + i, mask=more, other=0)
+    row = tasks + task * ROW
+    return (task, tl.load(row + ROW_WAIT_EVENT, mask=more, other=-1), tl.load(row + ROW_FAN_IN, mask=more, other=0),
+            tl.load(row + ROW_OPCODE, mask=more, other=0), tl.load(row + ROW_SIGNAL_START, mask=more, other=0),
+            tl.load(row + ROW_SIGNAL_COUNT, mask=more, other=0))
+
+
+@triton.jit
 def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, signals_off, queue_off, index_off,
                     events_off, status_off, trace_off, ROW: tl.constexpr, RUN_TILE: tl.constexpr,
                     CLOCK: tl.constexpr, TRACE: tl.constexpr):
@@ -142,15 +159,15 @@ def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, sign
     tl.store(status + EPOCH, epoch)  # DONE counts tasks of this run; peers' reports read both
     i = first
     running = 1
+    task, event, fan_in, opcode, first_signal, signal_count = task_header(tasks, queue, i, last, ROW)
     while (i < last) & (running == 1):
-        task = tl.load(queue + i)
         row = tasks + task * ROW
-        event = tl.load(row + ROW_WAIT_EVENT)
+        next_header = task_header(tasks, queue, i + 1, last, ROW)
         if TRACE:
             stamp = heap_ptr(base, trace_off, tl.int64) + task * TRACE_WORDS
             tl.store(stamp, CLOCK())
         if event >= 0:
-            target = epoch * tl.load(row + ROW_FAN_IN)
+            target = epoch * fan_in
             observed = wait_event(events + event, target, abort, timeout_ns, status + CLOCK_SLOT, CLOCK)
             if observed < target:
                 report_stall(status, abort, task, event, observed, target)
@@ -159,13 +176,13 @@ def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, sign
             tl.debug_barrier()
             if TRACE:
                 tl.store(stamp + 1, CLOCK())
-            RUN_TILE(tl.load(row + ROW_OPCODE), base, bases, row + ROW_ARG0)
+            RUN_TILE(opcode, base, bases, row + ROW_ARG0)
             tl.debug_barrier()
             if TRACE:  # before the signals: a consumer may start as soon as they are sent
                 tl.store(stamp + 2, CLOCK())
-            first_signal = tl.load(row + ROW_SIGNAL_START)
-            for s in range(first_signal, first_signal + tl.load(row + ROW_SIGNAL_COUNT)):
+            for s in range(first_signal, first_signal + signal_count):
                 signal = signals + s * SIGNAL_WORDS
                 signal_event(bases, tl.load(signal), events_off, tl.load(signal + 1), tl.load(signal + 2))
             tl.store(status + DONE, i - first + 1)
+        task, event, fan_in, opcode, first_signal, signal_count = next_header
         i += 1
