@@ -159,8 +159,8 @@ def _collect(ranks, conns, timeout: float) -> list[Any]:
 
 
 def _launch_virtual(fn, world_size: int, backend: str, timeout: float) -> list[Any]:
-    """One thread per rank; the first rank to raise (in rank order among those that raised first-hand,
-    not because a peer failed) is reported, and the others' waits are released at once."""
+    """One thread per rank. The rank that failed first is reported (the others' errors follow from
+    it: their waits are released at once, with an error naming it)."""
     world = bootstrap.VirtualWorld(world_size, backend)
     results: list[Any] = [None] * world_size
     errors: dict[int, tuple[BaseException, str]] = {}
