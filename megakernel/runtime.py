@@ -122,7 +122,6 @@ class Megakernel:
                               (lay.index, t.queue_index)]:
             if array.size:
                 self.words(offset, array.size).copy_(torch.from_numpy(np.ascontiguousarray(array).reshape(-1)))
-        self.backend.settle()
         self._reset_events()
 
     def _reset_events(self) -> None:
