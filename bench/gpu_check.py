@@ -380,7 +380,7 @@ SECTIONS = {"types": check_task_types, "decode": check_decode, "layer": check_la
             "virtual": check_virtual_ranks}
 # Seconds each section may take in its own process (a CUDA fault poisons the process that hit it, a
 # hang must not eat the GPU's time): all of them within BUDGET.
-LIMITS = {"types": 90, "decode": 90, "layer": 210, "dispatch": 90, "virtual": 120}
+LIMITS = {"types": 90, "decode": 90, "layer": 240, "dispatch": 90, "virtual": 120}
 BUDGET = 470
 
 
