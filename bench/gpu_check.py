@@ -45,8 +45,8 @@ import megakernel as mk
 from megakernel.models.decoder import DecoderConfig, Shard, decoder_layer
 from megakernel.reference import execute
 from megakernel.scheduler import deserialize, serialize
-from megakernel.tasks import HeapView
-from megakernel.tools.examples import every_task_type
+from megakernel.heap import HeapView
+from megakernel.tools.examples import every_task_type, example_inputs
 
 LLAMA3_8B = DecoderConfig(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, layers=1,
                           vocab=128256, eps=1e-5, qk_norm=False, max_seq_len=4096, dtype=torch.bfloat16)
@@ -122,18 +122,9 @@ def timed(fn, repeats: int, device: str) -> float:
 # -- 1. every task type ---------------------------------------------------------------------------------
 def check_task_types(s: Setup) -> list[Row]:
     g = every_task_type()
-    gen = torch.Generator().manual_seed(0)
-    inputs = {name: torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype)
-              for name, t in g.inputs.items() if t.dtype.is_floating_point}
-    inputs["tokens"] = torch.randint(0, g.inputs["embed"].shape[0], g.inputs["tokens"].shape, generator=gen)
-    inputs["pos"] = torch.tensor([37])
-    inputs["inv_freq"] = 1.0 / 10000 ** (torch.arange(0, 48, 2, dtype=torch.float32) / 48)
     with mk.Megakernel(g, backend=s.backend, timeout=s.timeout) as kernel:
-        kernel.bind(inputs)
+        kernel.bind(example_inputs(g))
         kernel.poison()
-        cache = next(b for b in g.buffers if b.name == "kv_cache")  # the positions before pos: history
-        kernel.view.tensor(cache.offset, cache.dtype, cache.rows, cache.cols, cache.cols).copy_(
-            torch.randn(cache.rows, cache.cols, generator=gen).to(cache.dtype))
         heap = kernel.heap.cpu().clone()
         out = kernel.run()
         execute(deserialize(serialize(kernel.tables)), heap)

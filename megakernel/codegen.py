@@ -1,9 +1,10 @@
 """Code generation: the persistent kernel for the task types a graph uses, cached by content hash.
 
 The protocol loop is hand-written (``device.persistent_loop``); what a graph changes is only the
-dispatch from opcode to tile function and the tiles' compile-time constants. The generated module
-is written once to ``<cache>/<hash>.py`` (readable, importable by worker processes) and reused by
-every kernel with the same specs and target.
+dispatch from opcode to tile function: each branch loads the row's argument words the tile's
+signature declares and passes them, with the opcode's compile-time constants, by name. The generated
+module is written once to ``<cache>/mk_<hash>.py`` (readable, importable by worker processes) and
+reused by every kernel with the same specs and target.
 """
 from __future__ import annotations
 
@@ -45,10 +46,12 @@ def kernel_source(specs: list[Spec], target: str) -> str:
     branches = []
     for opcode, spec in enumerate(specs):
         task_type = TASK_TYPES[spec.task_type]
-        consts = ", ".join(f"{k}={_constexpr_source(k, v)}" for k, v in spec.constexprs)
+        heap = ["base", "bases"] if task_type.needs_peers else ["base"]
+        words = [f"{name}=tl.load(args + {i})" for i, name in enumerate(task_type.arg_names)]
+        consts = [f"{k}={_constexpr_source(k, v)}" for k, v in spec.constexprs]
         keyword = "if" if opcode == 0 else "elif"
-        pointers = "base, bases, args" if task_type.needs_peers else "base, args"
-        branches.append(f"    {keyword} opcode == {opcode}:\n        {task_type.tile.fn.__name__}({pointers}, {consts})")
+        call = f"{task_type.tile.fn.__name__}({', '.join(heap + words + consts)})"
+        branches.append(f"    {keyword} opcode == {opcode}:\n        {call}")
     dispatch = "\n".join(branches) or "    pass"
     opcodes = "\n".join(f"    {opcode}: {spec.label}" for opcode, spec in enumerate(specs))
     args = ", ".join(KERNEL_ARGS)

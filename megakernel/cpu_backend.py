@@ -110,7 +110,7 @@ def _worker_main(fd: int) -> None:
 
 
 class _Worker:
-    """A worker process started with ``python -m`` (no re-import of the user's main module, unlike
+    """A worker process started with ``python -c`` (no re-import of the user's main module, unlike
     multiprocessing's spawn), talking over a socket pair; it exits when its end of the socket closes."""
 
     def __init__(self):

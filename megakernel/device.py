@@ -16,13 +16,15 @@ import time
 import triton
 import triton.language as tl
 
+from . import layout
 from .scheduler import tables
 
-# Per-worker status record on the heap, after one word of abort flag; read by the host after a run.
-# constexpr so that kernels may use them; int() gives the host its value.
-STATUS_WORDS = tl.constexpr(8)
-STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE, EPOCH, CLOCK_SLOT = (tl.constexpr(i) for i in range(8))
-RUNNING, TIMED_OUT, STOPPED = (tl.constexpr(i) for i in range(3))
+# The status record and trace stamps (``layout``), as constexprs for the kernel.
+STATUS_WORDS, TRACE_WORDS = tl.constexpr(layout.STATUS_WORDS), tl.constexpr(layout.TRACE_WORDS)
+STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE, EPOCH, CLOCK_SLOT = (
+    tl.constexpr(i) for i in (layout.STATE, layout.TASK, layout.EVENT, layout.OBSERVED, layout.EXPECTED, layout.DONE,
+                              layout.EPOCH, layout.CLOCK_SLOT))
+TIMED_OUT, STOPPED = tl.constexpr(layout.TIMED_OUT), tl.constexpr(layout.STOPPED)
 
 
 @triton.jit
@@ -114,7 +116,6 @@ ROW_OPCODE, ROW_WAIT_EVENT, ROW_FAN_IN, ROW_SIGNAL_START, ROW_SIGNAL_COUNT, ROW_
     tl.constexpr(i) for i in (tables.OPCODE, tables.WAIT_EVENT, tables.FAN_IN, tables.SIGNAL_START,
                               tables.SIGNAL_COUNT, tables.ARG0))
 SIGNAL_WORDS = tl.constexpr(tables.SIGNAL_WORDS)
-TRACE_WORDS = tl.constexpr(3)  # per task: wait start, run start, end (ns on the backend's clock)
 
 
 @triton.jit

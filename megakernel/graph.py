@@ -16,10 +16,9 @@ from typing import Any
 import torch
 
 from .errors import GraphError
+from .layout import align
 from .scheduler import Region, Spec, Tasks, task_cost
 from .tasks import DTYPES, OPS, TaskType
-
-HEAP_ALIGN = 256
 
 
 @dataclass(frozen=True)
@@ -209,11 +208,18 @@ class Graph:
         rows, cols = (1, shape[0]) if len(shape) == 1 else shape
         index = len(self.buffers)
         buffer = Buffer(index, name or f"t{index}", rows, cols, dtype, self.heap_bytes)
-        self.heap_bytes += -(-buffer.nbytes // HEAP_ALIGN) * HEAP_ALIGN
+        self.heap_bytes += align(buffer.nbytes)
         self.buffers.append(buffer)
         return Tensor(self, buffer, 0, 0, rows, cols, len(shape))
 
     def opcode(self, task_type: TaskType, **constexprs) -> int:
+        """The opcode that runs ``task_type``'s tile with these compile-time constants (every one its
+        signature declares), made on first use."""
+        if set(constexprs) != set(task_type.constexpr_names):
+            missing = sorted(set(task_type.constexpr_names) - set(constexprs))
+            word = missing[0] if missing else sorted(set(constexprs) - set(task_type.constexpr_names))[0]
+            raise GraphError(f"task type {task_type.name}: {'missing' if missing else 'unknown'} constexpr {word!r}; "
+                             f"its tile takes {', '.join(task_type.constexpr_names) or 'none'}")
         consts = tuple((k, DTYPES[v] if isinstance(v, torch.dtype) else v) for k, v in constexprs.items())
         key = (task_type.name, consts)
         opcode = self._spec_index.get(key)
@@ -222,9 +228,19 @@ class Graph:
             self.specs.append(Spec(task_type.name, consts, task_type.arg_names))
         return opcode
 
-    def add_task(self, opcode: int, args: tuple[int, ...], *, reads: tuple[Region, ...],
-                 writes: tuple[Region, ...], bytes: int, flops: int,
-                 remote: tuple[tuple[int, Region], ...] = ()) -> None:
+    def add_task(self, opcode: int, *, reads: tuple[Region, ...], writes: tuple[Region, ...], bytes: int,
+                 flops: int, remote: tuple[tuple[int, Region], ...] = (), **words: int) -> None:
+        """One task of ``opcode``: its argument ``words`` by name (every one its tile declares), the
+        regions it reads and writes here, what it writes on other ranks, and its cost."""
+        names = self.specs[opcode].arg_names
+        try:
+            args = tuple([words[name] for name in names])
+        except KeyError as missing:
+            raise GraphError(f"task type {self.specs[opcode].task_type}: missing argument word {missing}") from None
+        if len(words) != len(names):
+            unknown = sorted(set(words) - set(names))[0]
+            raise GraphError(f"task type {self.specs[opcode].task_type}: unknown argument word {unknown!r}; "
+                             f"its tile takes {', '.join(names) or 'none'}")
         self.tasks.append(opcode, args, reads, writes, task_cost(bytes, flops), len(self.op_names) - 1, remote)
 
     def phase(self, name: str) -> None:

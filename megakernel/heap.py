@@ -1,7 +1,8 @@
-"""The cpu backend's heap: a POSIX shared-memory segment, mode 0600, with an unguessable name.
+"""Heaps on the host side: typed views of any heap, and the cpu backend's shared-memory segment.
 
-The creator unlinks the name as soon as every process that needs the segment has mapped it, so a
-crash afterwards cannot leak it: the memory lives exactly as long as its mappings.
+The cpu backend's heap is a POSIX shared-memory segment, mode 0600, with an unguessable name. The
+creator unlinks the name as soon as every process that needs the segment has mapped it, so a crash
+afterwards cannot leak it: the memory lives exactly as long as its mappings.
 """
 from __future__ import annotations
 
@@ -14,6 +15,27 @@ import torch
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "megakernel-"
 LAUNCH_ENV = "MEGAKERNEL_LAUNCH_ID"  # set by ``launch``: segments carry it so the launcher can sweep them
+
+
+class HeapView:
+    """Typed torch views of a heap (a flat uint8 tensor, host or device), for the runtime, images and
+    the reference tiles."""
+
+    def __init__(self, heap: torch.Tensor):
+        self.heap = heap
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def tensor(self, offset: int, dtype: torch.dtype | str, rows: int, cols: int, row_stride: int) -> torch.Tensor:
+        """The ``rows x cols`` view at byte ``offset`` with ``row_stride`` elements between rows;
+        ``dtype`` a torch dtype or its name ("bfloat16")."""
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = self.heap.view(dtype)
+        assert offset % dtype.itemsize == 0, f"misaligned {dtype} at heap offset {offset}"
+        # as_strided counts from the storage's start: a heap that is a slice of a larger one (virtual
+        # ranks) begins at its own storage offset
+        return torch.as_strided(typed, (rows, cols), (row_stride, 1), typed.storage_offset() + offset // dtype.itemsize)
 
 
 class SharedHeap:

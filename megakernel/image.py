@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .scheduler import QueueTables, deserialize
-from .tasks import HeapView
+from .heap import HeapView
 
 
 @dataclass

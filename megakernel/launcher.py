@@ -19,6 +19,8 @@ import tempfile
 import time
 import threading
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any, Callable
@@ -99,9 +101,7 @@ def launch(fn: Callable[[], Any], world_size: int, backend: str = "auto", timeou
     with tempfile.TemporaryDirectory(prefix="megakernel-launch-") as tmp:
         init_method = f"file://{os.path.join(tmp, 'store')}"
         ranks, conns = [], []
-        saved = os.environ.get(LAUNCH_ENV)
-        os.environ[LAUNCH_ENV] = launch_id  # inherited by the ranks: names their heap segments
-        try:
+        with _environment(LAUNCH_ENV, launch_id):  # inherited by the ranks: names their heap segments
             for rank in range(world_size):
                 parent, child = context.Pipe(duplex=False)
                 process = context.Process(target=_rank_main,
@@ -111,11 +111,6 @@ def launch(fn: Callable[[], Any], world_size: int, backend: str = "auto", timeou
                 child.close()
                 ranks.append(process)
                 conns.append(parent)
-        finally:
-            if saved is None:
-                del os.environ[LAUNCH_ENV]
-            else:
-                os.environ[LAUNCH_ENV] = saved
         try:
             return _collect(ranks, conns, timeout)
         finally:
@@ -124,6 +119,20 @@ def launch(fn: Callable[[], Any], world_size: int, backend: str = "auto", timeou
                     process.kill()
                 process.join()
             remove_segments(launch_id)
+
+
+@contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` inside (for the processes started meanwhile), as it was after."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
 
 
 def _collect(ranks, conns, timeout: float) -> list[Any]:
@@ -182,25 +191,20 @@ def _launch_virtual(fn, world_size: int, backend: str, timeout: float) -> list[A
             bootstrap.leave_virtual()
 
     launch_id = secrets.token_hex(6)
-    saved = os.environ.get(LAUNCH_ENV)
-    os.environ[LAUNCH_ENV] = launch_id
     threads = [threading.Thread(target=rank_main, args=(r,), name=f"megakernel-rank-{r}", daemon=True)
                for r in range(world_size)]
     try:
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + timeout
-        for thread in threads:
-            thread.join(max(deadline - time.monotonic(), 0))
+        with _environment(LAUNCH_ENV, launch_id):  # the ranks' heaps, made while they run, carry it
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + timeout
+            for thread in threads:
+                thread.join(max(deadline - time.monotonic(), 0))
         running = [r for r, thread in enumerate(threads) if thread.is_alive()]
         if running:
             world.fail(-1)
             raise BackendError(f"launch timed out after {timeout} s; virtual ranks still running: {running}")
     finally:
-        if saved is None:
-            del os.environ[LAUNCH_ENV]
-        else:
-            os.environ[LAUNCH_ENV] = saved
         remove_segments(launch_id)
     if errors:
         rank = next(r for r in world.failed if r in errors)  # the first to fail; the others followed it

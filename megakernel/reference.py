@@ -7,12 +7,15 @@ several ranks the global order is (op, rank, row): ranks advance op by op.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
 from .errors import GraphError
+from .heap import HeapView
 from .scheduler import ARG0, FAN_IN, NO_EVENT, OPCODE, SIGNAL_COUNT, SIGNAL_START, WAIT_EVENT, QueueTables
-from .tasks import TASK_TYPES, HeapView
+from .tasks import TASK_TYPES
 
 
 def execute(tables: QueueTables, heap: torch.Tensor) -> None:
@@ -23,23 +26,20 @@ def execute(tables: QueueTables, heap: torch.Tensor) -> None:
 def execute_ranks(tables: list[QueueTables], heaps: list[torch.Tensor]) -> None:
     """Run one epoch of every rank's tables (``tables[r]`` is rank r's, or a world of one) on its heap."""
     views = {t.rank: HeapView(h) for t, h in zip(tables, heaps)}
-    raised = {t.rank: np.zeros(max(t.events, 1), dtype=np.int64) for t in tables}
-    rows = [t.tasks.tolist() for t in tables]
+    raised = {t.rank: np.zeros(max(t.num_events, 1), dtype=np.int64) for t in tables}
+    rows = [t.rows.tolist() for t in tables]
     steps = sorted((int(op), t.rank, row) for t in tables for row, op in enumerate(t.task_op.tolist()))
     by_rank = {t.rank: t for t in tables}
-    for _, rank, task in steps:
-        t, row = by_rank[rank], rows[tables.index(by_rank[rank])][task]
+    for _, rank, tid in steps:
+        t, row = by_rank[rank], rows[tables.index(by_rank[rank])][tid]
         event = row[WAIT_EVENT]
         if event != NO_EVENT and raised[rank][event] < row[FAN_IN]:
-            raise GraphError(f"rank {rank} task {task} waits for event {event} to reach {row[FAN_IN]}, but the "
+            raise GraphError(f"rank {rank} task {tid} waits for event {event} to reach {row[FAN_IN]}, but the "
                              f"tasks before it in the global order raise it only to {raised[rank][event]}")
         spec = t.specs[row[OPCODE]]
         task_type = TASK_TYPES[spec.task_type]
-        args = dict(zip(spec.arg_names, row[ARG0:]))
-        if task_type.needs_peers:
-            task_type.reference(views[rank], args, dict(spec.constexprs), views)
-        else:
-            task_type.reference(views[rank], args, dict(spec.constexprs))
+        task = SimpleNamespace(**dict(zip(spec.arg_names, row[ARG0:])), **dict(spec.constexprs))
+        task_type.reference(views[rank], task, *([views] if task_type.needs_peers else []))
         start = row[SIGNAL_START]
         for dst, ev, increment in t.signals[start:start + row[SIGNAL_COUNT]].tolist():
             if dst in raised:

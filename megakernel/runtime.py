@@ -2,61 +2,22 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import weakref
-from pathlib import Path
-from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
 import torch
 
-from . import codegen, device
+from . import codegen, diagnosis
 from .backend import Backend, resolve
 from .bootstrap import Group, check_agreement
 from .cpu_backend import CpuBackend, WorkerPool
 from .errors import BackendError, DeadlockError, GraphError
-from .graph import HEAP_ALIGN, Graph, Tensor
-from .scheduler import ARG0, QueueTables, schedule, serialize
-from .tasks import HeapView
+from .graph import Graph, Tensor
+from .heap import HeapView
+from .layout import STATUS_WORDS, TRACE_WORDS, HeapLayout
+from .scheduler import ARG0, schedule, serialize
 from .trace import Trace, rank_trace
-
-
-def _align(n: int) -> int:
-    return -(-n // HEAP_ALIGN) * HEAP_ALIGN
-
-
-@dataclass(frozen=True)
-class HeapLayout:
-    """Byte offsets of the kernel's regions: graph buffers first, then events, status and tables.
-
-    Buffers, events and status are at the same offsets on every rank (peers write them); the region
-    sizes are the largest any rank needs, so the whole layout is symmetric.
-    """
-
-    events: int
-    status: int
-    tasks: int
-    signals: int
-    queue: int
-    index: int
-    trace: int
-    size: int
-
-    @staticmethod
-    def sizes(tables: QueueTables, trace: bool) -> list[int]:
-        return [8 * max(tables.events, 1), 8 * int(device.STATUS_WORDS) * (tables.workers + 1),
-                tables.tasks.nbytes, tables.signals.nbytes, tables.queue.nbytes, tables.queue_index.nbytes,
-                8 * int(device.TRACE_WORDS) * len(tables.tasks) if trace else 8]
-
-    @classmethod
-    def of(cls, buffers_bytes: int, sizes: list[int]) -> "HeapLayout":
-        offsets, at = [], _align(buffers_bytes)
-        for size in sizes:
-            offsets.append(at)
-            at = _align(at + max(size, 8))
-        return cls(*offsets, size=at)
 
 
 class Megakernel:
@@ -118,15 +79,15 @@ class Megakernel:
     def upload_tables(self) -> None:
         """Copy ``self.tables`` into the heap (again, if a test or tool edited them) and clear events."""
         t, lay = self.tables, self.layout
-        for offset, array in [(lay.tasks, t.tasks), (lay.signals, t.signals), (lay.queue, t.queue),
-                              (lay.index, t.queue_index)]:
+        for offset, array in [(lay.tasks_off, t.rows), (lay.signals_off, t.signals), (lay.queue_off, t.queue),
+                              (lay.index_off, t.queue_index)]:
             if array.size:
                 self.words(offset, array.size).copy_(torch.from_numpy(np.ascontiguousarray(array).reshape(-1)))
         self._reset_events()
 
     def _reset_events(self) -> None:
-        self.words(self.layout.events, max(self.tables.events, 1)).zero_()
-        self.words(self.layout.status, int(device.STATUS_WORDS) * (self.workers + 1)).zero_()
+        self.words(self.layout.events_off, max(self.tables.num_events, 1)).zero_()
+        self.words(self.layout.status_off, STATUS_WORDS * (self.workers + 1)).zero_()
         self.epoch = 0
 
     def tensor(self, t: Tensor) -> torch.Tensor:
@@ -178,23 +139,22 @@ class Megakernel:
         if missing:
             raise GraphError(f"input {missing[0]!r} was never bound: pass it to run(); "
                              f"unbound: {', '.join(missing)}")
-        lay = self.layout
         if self.tracing:
-            self.words(lay.trace, int(device.TRACE_WORDS) * len(self.tables.tasks)).zero_()
+            self.words(self.layout.trace_off, TRACE_WORDS * len(self.tables.rows)).zero_()
         self.backend.settle()
         self.group.barrier(timeout=self.timeout)
         self.epoch += 1
-        args = dict(epoch=self.epoch, timeout_ns=int(self.timeout * 1e9), tasks_off=lay.tasks,
-                    signals_off=lay.signals, queue_off=lay.queue, index_off=lay.index, events_off=lay.events,
-                    status_off=lay.status, trace_off=lay.trace, ROW=self.tables.row_words, TRACE=self.tracing)
+        args = dict(epoch=self.epoch, timeout_ns=int(self.timeout * 1e9), **self.layout.offsets(),
+                    ROW=self.tables.row_words, TRACE=self.tracing)
         failure = None
         try:
-            self.launch_seconds = self.backend.launch(args, self.words(lay.status, 1))
+            self.launch_seconds = self.backend.launch(args, self.words(self.layout.status_off, 1))
         except BackendError as error:
             failure = error
-        if failure is None and self._status()[:, int(device.STATE)].any():
+        if failure is None and diagnosis.stalled(self._status()):
             report = self.deadlock_report()
-            files = self._write_hang_files(report)
+            files = diagnosis.write_hang_files(report, self.tables, self.epoch,
+                                               self._stamps() if self.tracing else None)
             failure = DeadlockError(f"rank {self.graph.rank}: the watchdog stopped run {self.epoch}: a wait "
                                     f"exceeded {self.timeout} s (report: {', '.join(map(str, files))})", report)
         if failure is not None:
@@ -211,18 +171,8 @@ class Megakernel:
 
     def _stamps(self) -> np.ndarray:
         """This rank's trace buffer on the heap, [tasks, TRACE_WORDS] (a copy)."""
-        words = int(device.TRACE_WORDS)
-        return self.words(self.layout.trace, words * len(self.tables.tasks)).cpu().numpy().reshape(-1, words).copy()
-
-    def _write_hang_files(self, report: str) -> list[Path]:
-        """The report, and with tracing the partial trace of what finished, in the temp folder."""
-        stem = Path(tempfile.gettempdir()) / f"megakernel-hang-rank{self.graph.rank}-{os.getpid()}-run{self.epoch}"
-        files = [stem.with_suffix(".txt")]
-        files[0].write_text(report + "\n")
-        if self.tracing:
-            spans, edges = rank_trace(self.tables, self._stamps())
-            files.append(Trace(spans, edges).save(stem.with_suffix(".json")))
-        return files
+        words = self.words(self.layout.trace_off, TRACE_WORDS * len(self.tables.rows))
+        return words.cpu().numpy().reshape(-1, TRACE_WORDS).copy()
 
     def save_image(self, path) -> None:
         """Write the tables and the heap as it is now (inputs bound), for ``megakernel disasm --execute``."""
@@ -234,52 +184,13 @@ class Megakernel:
     # -- diagnosis --------------------------------------------------------------------------------
     def _status(self, heap: torch.Tensor | None = None) -> np.ndarray:
         """Per-worker status records [workers, STATUS_WORDS] of this rank's heap, or of a peer's (a copy)."""
-        words = int(device.STATUS_WORDS)
-        raw = self.words(self.layout.status, words * (self.workers + 1), heap)
-        return raw.cpu().numpy().reshape(-1, words)[1:].copy()
+        words = self.words(self.layout.status_off, STATUS_WORDS * (self.workers + 1), heap)
+        return diagnosis.status_records(words.cpu().numpy().copy())
 
     def deadlock_report(self) -> str:
         """What each worker was doing when the run stopped; for a stalled wait, who should have signalled."""
-        t = self.tables
-        status = self._status()
-        owner = t.worker_of()
-        position = np.empty(len(t.queue), dtype=np.int64)
-        for w in range(t.workers):
-            position[t.worker_queue(w)] = np.arange(len(t.worker_queue(w)))
-        done = status[:, int(device.DONE)]
-        lines = []
-        for w, record in enumerate(status):
-            state = int(record[int(device.STATE)])
-            if state == int(device.RUNNING):
-                lines.append(f"rank {t.rank} worker {w}: finished {int(done[w])} of {len(t.worker_queue(w))} tasks")
-                continue
-            task, event = int(record[int(device.TASK)]), int(record[int(device.EVENT)])
-            why = "timed out" if state == int(device.TIMED_OUT) else "stopped (another worker timed out)"
-            lines.append(f"rank {t.rank} worker {w}: {why} at task {task} ({self._label(task)}), queue position "
-                         f"{int(position[task])}: event {event} observed {int(record[int(device.OBSERVED)])}, "
-                         f"expected {int(record[int(device.EXPECTED)])}")
-            local = t.producers_of(event)
-            for p in local:
-                ran = position[p] < done[owner[p]]
-                lines.append(f"    producer task {p} ({self._label(p)}) on rank {t.rank} worker {int(owner[p])} "
-                             f"queue position {int(position[p])}: {'ran' if ran else 'did not run'}")
-            for rank, task_id, worker, pos in t.remote_producers.get(event, []):
-                peer = self._status(self.peers[rank])[worker]
-                if int(peer[int(device.EPOCH)]) < self.epoch:
-                    ran, progress = False, f"rank {rank} worker {worker} has not started run {self.epoch}"
-                else:
-                    peer_done = int(peer[int(device.DONE)])
-                    ran, progress = pos < peer_done, f"rank {rank} worker {worker} finished {peer_done} tasks"
-                lines.append(f"    producer task {task_id} ({t.op_names[int(t.task_op[task_id])]}) on rank {rank} "
-                             f"worker {worker} queue position {pos}: {'ran' if ran else 'did not run'} ({progress})")
-            if not local and event not in t.remote_producers:
-                lines.append("    no task signals this event")
-        return "\n".join(lines)
-
-    def _label(self, task: int) -> str:
-        t = self.tables
-        spec = t.specs[int(t.tasks[task, 0])]
-        return f"{t.op_names[int(t.task_op[task])]} op {int(t.task_op[task])}, {spec.task_type}"
+        peers = {rank: self._status(heap) for rank, heap in self.peers.items()}
+        return diagnosis.deadlock_report(self.tables, self._status(), self.epoch, peers)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

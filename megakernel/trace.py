@@ -1,11 +1,12 @@
 """Task-graph traces: who ran what, where and when, and what waited on what.
 
 The kernel records, per task, when its worker started waiting for it, started running it and
-finished it (signals sent), on the backend's clock: host ``CLOCK_MONOTONIC`` nanoseconds on the cpu
-backend, shared by every process of the machine, so every rank and worker is on one time base with
-no correction. (The GPU clocks, ``%globaltimer`` and ``s_memrealtime``, are in ``device.py`` and compile;
-aligning GPU ranks, by a host/device timestamp pair taken at launch, comes with the GPU backends.) Edges come from the task tables: a consumer's wait
-event and the tasks, local or remote, that raise it.
+finished it (just before its signals), on the backend's clock (``device.CLOCKS``): host
+``CLOCK_MONOTONIC`` nanoseconds on the cpu backend, shared by every process of the machine;
+``%globaltimer`` on CUDA and ``s_memrealtime`` on AMD, each shared by the whole GPU, so the virtual
+ranks of one GPU are on one time base. Process ranks on different GPUs are not aligned to each other
+(no host/device timestamp pair is taken at launch yet). Edges come from the task tables: a
+consumer's wait event and the tasks, local or remote, that raise it.
 
 ``Trace.save`` writes Chrome trace JSON that Perfetto and chrome://tracing open: one process per rank,
 one thread per worker, a span per task and per wait, flow arrows from producer to consumer. The
@@ -21,8 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .scheduler import NO_EVENT, OPCODE, SIGNAL_START, WAIT_EVENT, QueueTables
-
-COMM_TASK_TYPES = {"put"}
+from .tasks import TASK_TYPES
 
 
 @dataclass(frozen=True)
@@ -44,14 +44,16 @@ class Span:
 
     @property
     def comm(self) -> bool:
-        return self.task_type in COMM_TASK_TYPES
+        """A communication tile (one that writes a peer's heap)."""
+        task_type = TASK_TYPES.get(self.task_type)  # a trace file may name a type this library lacks
+        return task_type is not None and task_type.needs_peers
 
 
 def producer_map(t: QueueTables) -> dict[int, list[tuple[int, int]]]:
     """event -> the (rank, task) pairs that raise it, local and remote."""
     raisers: dict[int, list[tuple[int, int]]] = defaultdict(list)
     if len(t.signals):
-        owner = np.searchsorted(t.tasks[:, SIGNAL_START], np.arange(len(t.signals)), side="right") - 1
+        owner = np.searchsorted(t.rows[:, SIGNAL_START], np.arange(len(t.signals)), side="right") - 1
         for (dst, event, _), task in zip(t.signals.tolist(), owner.tolist()):
             if dst == t.rank:
                 raisers[event].append((t.rank, task))
@@ -67,7 +69,7 @@ def rank_trace(t: QueueTables, stamps: np.ndarray) -> tuple[list[Span], list]:
     first_of_op: dict[int, int] = {}
     spans, edges = [], []
     raisers = producer_map(t)
-    for task, (row, op_index) in enumerate(zip(t.tasks.tolist(), t.task_op.tolist())):
+    for task, (row, op_index) in enumerate(zip(t.rows.tolist(), t.task_op.tolist())):
         first_of_op.setdefault(op_index, task)
         wait_start, start, end = (int(v) for v in stamps[task])
         if end == 0:

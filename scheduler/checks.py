@@ -54,26 +54,26 @@ class Capacity:
 
 def check_tables(t: QueueTables, capacity: Capacity = Capacity()) -> None:
     """Tables within capacity and self-consistent: every wait can be met by the signals that exist."""
-    n = len(t.tasks)
-    for what, have, limit in [("tasks", n, capacity.max_tasks), ("events", t.events, capacity.max_events),
+    n = len(t.rows)
+    for what, have, limit in [("tasks", n, capacity.max_tasks), ("events", t.num_events, capacity.max_events),
                               ("signals", len(t.signals), capacity.max_signals),
                               ("argument words per task", t.row_words - ARG0, capacity.max_args)]:
         if have > limit:
             raise GraphError(f"the graph needs {have} {what}; one kernel holds at most {limit}")
-    if n and (t.tasks[:, OPCODE].min() < 0 or t.tasks[:, OPCODE].max() >= len(t.specs)):
+    if n and (t.rows[:, OPCODE].min() < 0 or t.rows[:, OPCODE].max() >= len(t.specs)):
         raise GraphError("a task has an opcode with no spec")
     if not np.array_equal(np.sort(t.queue), np.arange(n)):
         raise GraphError("the worker queues do not hold every task exactly once")
     for w in range(t.workers):
         if np.any(np.diff(t.worker_queue(w)) <= 0):
             raise GraphError(f"worker {w}'s queue is not in global order: the progress guarantee is lost")
-    ends = t.tasks[:, SIGNAL_START] + t.tasks[:, SIGNAL_COUNT]
-    if n and (t.tasks[:, SIGNAL_START].min() < 0 or ends.max() > len(t.signals)):
+    ends = t.rows[:, SIGNAL_START] + t.rows[:, SIGNAL_COUNT]
+    if n and (t.rows[:, SIGNAL_START].min() < 0 or ends.max() > len(t.signals)):
         raise GraphError("a task's signal list lies outside the signal table")
     local = t.signals[t.signals[:, 0] == t.rank]
-    raised = np.zeros(t.events, dtype=np.int64)
+    raised = np.zeros(t.num_events, dtype=np.int64)
     np.add.at(raised, local[:, 1], local[:, 2])
-    waits = t.tasks[t.tasks[:, WAIT_EVENT] != NO_EVENT]
+    waits = t.rows[t.rows[:, WAIT_EVENT] != NO_EVENT]
     if t.world_size == 1 and len(waits):
         short = waits[raised[waits[:, WAIT_EVENT]] < waits[:, FAN_IN]]
         if len(short):

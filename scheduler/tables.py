@@ -3,7 +3,7 @@
 Version 1 layout of a serialized table (all integers little-endian int64):
 
     header   HEADER_WORDS words: MAGIC, VERSION, rank, world_size, workers, events,
-             tasks, row_words, signals, metadata_bytes
+             tasks, row_words, signals, metadata_bytes (each a count)
     tasks    tasks x row_words: opcode, wait_event, fan_in, signal_start, signal_count, args...
     signals  signals x 3: rank, event, increment
     queue    tasks: task ids, worker 0's queue, then worker 1's, ...
@@ -59,8 +59,8 @@ class QueueTables:
     rank: int
     world_size: int
     workers: int
-    events: int
-    tasks: np.ndarray        # int64 [tasks, row_words]
+    num_events: int
+    rows: np.ndarray         # int64 [tasks, row_words]: task i's row, in the global order
     signals: np.ndarray      # int64 [signals, 3]
     queue: np.ndarray        # int64 [tasks]
     queue_index: np.ndarray  # int64 [workers + 1]
@@ -72,21 +72,29 @@ class QueueTables:
 
     @property
     def row_words(self) -> int:
-        return self.tasks.shape[1]
+        return self.rows.shape[1]
 
     def worker_queue(self, worker: int) -> np.ndarray:
         return self.queue[self.queue_index[worker]:self.queue_index[worker + 1]]
 
     def producers_of(self, event: int) -> list[int]:
         """Task ids that signal ``event`` on this rank's tables."""
-        rows = np.nonzero(self.signals[:, 1] == event)[0]
-        return sorted({int(t) for t in np.searchsorted(self.tasks[:, SIGNAL_START], rows, side="right") - 1})
+        signals = np.nonzero(self.signals[:, 1] == event)[0]
+        return sorted({int(t) for t in np.searchsorted(self.rows[:, SIGNAL_START], signals, side="right") - 1})
 
     def worker_of(self) -> np.ndarray:
+        """task -> the worker that runs it."""
         owner = np.empty(len(self.queue), dtype=np.int64)
         for w in range(self.workers):
             owner[self.worker_queue(w)] = w
         return owner
+
+    def queue_position(self) -> np.ndarray:
+        """task -> its position in its worker's queue."""
+        position = np.empty(len(self.queue), dtype=np.int64)
+        for w in range(self.workers):
+            position[self.worker_queue(w)] = np.arange(len(self.worker_queue(w)))
+        return position
 
 
 def build_tables(tasks: Tasks, placement: Placement, events: Events, *, specs: list[Spec],
@@ -131,9 +139,9 @@ def serialize(t: QueueTables) -> bytes:
         "ops": t.op_names,
         "remote_producers": [[event, [list(p) for p in ps]] for event, ps in sorted(t.remote_producers.items())],
     }).encode()
-    header = np.array([MAGIC, VERSION, t.rank, t.world_size, t.workers, t.events, len(t.tasks),
+    header = np.array([MAGIC, VERSION, t.rank, t.world_size, t.workers, t.num_events, len(t.rows),
                        t.row_words, len(t.signals), len(meta)], dtype="<i8")
-    parts = [header, t.tasks, t.signals, t.queue, t.queue_index, t.task_op]
+    parts = [header, t.rows, t.signals, t.queue, t.queue_index, t.task_op]
     # join() reads the arrays' buffers directly: one copy of a table that may be hundreds of MiB.
     return b"".join([*(np.ascontiguousarray(p, dtype="<i8") for p in parts), meta])
 
@@ -163,14 +171,14 @@ def deserialize(blob: bytes) -> QueueTables:
 def disassemble(t: QueueTables) -> str:
     """A readable listing: the header, then every worker's queue in execution order."""
     lines = [f"megakernel task table v{VERSION}: rank {t.rank}/{t.world_size}, {t.workers} workers, "
-             f"{len(t.tasks)} tasks, {t.events} events, {len(t.signals)} signals, {t.row_words} words/row"]
+             f"{len(t.rows)} tasks, {t.num_events} events, {len(t.signals)} signals, {t.row_words} words/row"]
     for opcode, spec in enumerate(t.specs):
         lines.append(f"  opcode {opcode}: {spec.label}")
     for w in range(t.workers):
         q = t.worker_queue(w)
         lines.append(f"worker {w}: {len(q)} tasks")
         for pos, tid in enumerate(q):
-            row = t.tasks[tid]
+            row = t.rows[tid]
             spec = t.specs[row[OPCODE]]
             wait = "-" if row[WAIT_EVENT] == NO_EVENT else f"ev{row[WAIT_EVENT]}>=e*{row[FAN_IN]}"
             start, count = row[SIGNAL_START], row[SIGNAL_COUNT]

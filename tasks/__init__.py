@@ -1,32 +1,46 @@
 """The task library: one module per family, each exporting ``TASK_TYPES`` and ``OPS``.
 
-Every module of this package is imported here and its task types and graph ops collected, so a new
-task type is one new module and needs no edit elsewhere.
+Every module of this package is imported here, then the modules named in ``MEGAKERNEL_TASK_MODULES``
+(comma-separated, importable: task types of your own, kept outside this package), and their task
+types and graph ops collected. A task type is declared by its module alone: its tile's signature
+gives its argument words and whether it is a communication tile, its registration its reference and
+example (``common.TaskType``); code generation, the reference executor, the disassembler, traces and
+the kernel with every task type read it from here.
 """
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 
-from .common import DTYPES, TORCH_DTYPES, HeapView, TaskType
+from .common import DTYPES, TORCH_DTYPES, TaskType
+
+EXTRA_MODULES_ENV = "MEGAKERNEL_TASK_MODULES"  # inherited by worker processes, so they see the same library
+
+
+def _modules() -> list[str]:
+    own = [f"{__name__}.{m.name}" for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name)
+           if m.name != "common"]
+    extra = [name.strip() for name in os.environ.get(EXTRA_MODULES_ENV, "").split(",") if name.strip()]
+    return own + extra
 
 
 def _collect():
     task_types: dict[str, TaskType] = {}
     ops: dict = {}
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name == "common":
-            continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
+    for name in _modules():
+        module = importlib.import_module(name)
         for task_type in module.TASK_TYPES:
-            assert task_type.name not in task_types, f"task type {task_type.name} defined twice"
+            if task_type.name in task_types:
+                raise ImportError(f"task type {task_type.name!r} of {name} is defined twice")
             task_types[task_type.name] = task_type
-        for name, build in module.OPS.items():
-            assert name not in ops, f"graph op {name} defined twice"
-            ops[name] = build
+        for op, build in module.OPS.items():
+            if op in ops:
+                raise ImportError(f"graph op {op!r} of {name} is defined twice")
+            ops[op] = build
     return task_types, ops
 
 
 TASK_TYPES, OPS = _collect()
 
-__all__ = ["DTYPES", "OPS", "TASK_TYPES", "TORCH_DTYPES", "HeapView", "TaskType"]
+__all__ = ["DTYPES", "OPS", "TASK_TYPES", "TORCH_DTYPES", "TaskType"]

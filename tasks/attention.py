@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import HeapView, TaskType, copy_row, next_power_of_2, rounded
+from .common import TaskType, copy_row, rounded
 
 SPLIT = 64           # positions per partial tile: at most, and at parallelism 1 (``split_size``)
 BLOCK_S = 32         # positions per step of a partial tile (K and V: 2 x 32 x head_dim elements, 16 KiB at
@@ -32,28 +32,35 @@ COMBINE_SPLITS = 32  # partials a combine tile reads per step (16 KiB of float32
 
 
 @triton.jit
-def kv_append_tile(base, args, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Copy one row of ``cols`` elements into cache row ``first_row + *pos``."""
-    cache, x, pos = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2)
-    cols, cache_stride = tl.load(args + 3), tl.load(args + 4)
+def kv_append_tile(base,
+                   cache,          # heap offset of the batch row's first cache row
+                   x,              # heap offset of the row to append
+                   pos,            # heap offset of the int64 position
+                   cols,           # elements per row
+                   cache_stride,   # the cache's row stride, in elements
+                   DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Copy the row into cache row ``*pos`` of the batch row."""
     row = tl.load(heap_ptr(base, pos, tl.int64))
     copy_row(base, cache + row * cache_stride * DTYPE.primitive_bitwidth // 8, x, cols, DTYPE, BLOCK_N)
 
 
-APPEND_ARGS = ("cache", "x", "pos", "cols", "cache_stride")
-
-
-def _append_reference(heap: HeapView, args: dict[str, int], consts: dict) -> None:
-    row = int(heap.tensor(args["pos"], torch.int64, 1, 1, 1))
-    x = heap.tensor(args["x"], consts["DTYPE"], 1, args["cols"], args["cols"])
-    stride = args["cache_stride"]
-    heap.tensor(args["cache"] + row * stride * x.element_size(), consts["DTYPE"], 1, args["cols"], stride).copy_(x)
+def _append_reference(heap, task) -> None:
+    row = int(heap.tensor(task.pos, torch.int64, 1, 1, 1))
+    x = heap.tensor(task.x, task.DTYPE, 1, task.cols, task.cols)
+    stride = task.cache_stride
+    heap.tensor(task.cache + row * stride * x.element_size(), task.DTYPE, 1, task.cols, stride).copy_(x)
 
 
 @triton.jit
-def attention_partial_tile(base, args, DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           SCALE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                           ALIGNED: tl.constexpr):
+def attention_partial_tile(base,
+                           o, ml,          # heap offsets of the float32 partials: o [GROUP, HEAD_DIM], m and l [GROUP] each
+                           q,              # heap offset of the group's GROUP query heads
+                           k, v,           # heap offsets of the KV head's column in the batch row's first cache row
+                           pos,            # heap offset of the int64 position
+                           start, length,  # the split: cache positions [start, start + length)
+                           cache_stride,   # the caches' row stride, in elements
+                           DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE: tl.constexpr,
+                           BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ALIGNED: tl.constexpr):
     """Online softmax of ``GROUP`` query heads against cache positions [start, min(start + length, pos + 1)).
 
     One query head at a time: BLOCK_S cache rows of K and of V per step, each row a contiguous run of
@@ -63,9 +70,6 @@ def attention_partial_tile(base, args, DTYPE: tl.constexpr, GROUP: tl.constexpr,
     group find K and V in cache. A split wholly past the current position runs no step: it writes the
     empty partial (m = -inf, l = 0, o = 0) and is done.
     """
-    o, ml, q = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2)
-    k, v, pos = tl.load(args + 3), tl.load(args + 4), tl.load(args + 5)
-    start, length, cache_stride = tl.load(args + 6), tl.load(args + 7), tl.load(args + 8)
     end = tl.minimum(start + length, tl.load(heap_ptr(base, pos, tl.int64)) + 1)
     q_ptr = (base + q).to(tl.pointer_type(DTYPE))
     k_ptr = (base + k).to(tl.pointer_type(DTYPE))
@@ -103,24 +107,20 @@ def attention_partial_tile(base, args, DTYPE: tl.constexpr, GROUP: tl.constexpr,
         tl.store(ml_ptr + GROUP + g, l)
 
 
-PARTIAL_ARGS = ("o", "ml", "q", "k", "v", "pos", "start", "length", "cache_stride")
-
-
-def _partial_reference(heap: HeapView, args: dict[str, int], consts: dict) -> None:
-    group, hd, dtype = consts["GROUP"], consts["HEAD_DIM"], consts["DTYPE"]
-    stride = args["cache_stride"]
-    end = min(args["start"] + args["length"], int(heap.tensor(args["pos"], torch.int64, 1, 1, 1)) + 1)
-    q = heap.tensor(args["q"], dtype, group, hd, hd).float() * consts["SCALE"]
-    o = heap.tensor(args["o"], torch.float32, group, hd, hd)
-    ml = heap.tensor(args["ml"], torch.float32, 2, group, group)
-    if end <= args["start"]:
+def _partial_reference(heap, task) -> None:
+    group, hd, dtype, start, stride = task.GROUP, task.HEAD_DIM, task.DTYPE, task.start, task.cache_stride
+    end = min(start + task.length, int(heap.tensor(task.pos, torch.int64, 1, 1, 1)) + 1)
+    q = heap.tensor(task.q, dtype, group, hd, hd).float() * task.SCALE
+    o = heap.tensor(task.o, torch.float32, group, hd, hd)
+    ml = heap.tensor(task.ml, torch.float32, 2, group, group)
+    if end <= start:
         o.zero_()
         ml[0].fill_(float("-inf"))
         ml[1].zero_()
         return
-    size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    k = heap.tensor(args["k"] + args["start"] * stride * size, dtype, end - args["start"], hd, stride).float()
-    v = heap.tensor(args["v"] + args["start"] * stride * size, dtype, end - args["start"], hd, stride).float()
+    size = getattr(torch, dtype).itemsize
+    k = heap.tensor(task.k + start * stride * size, dtype, end - start, hd, stride).float()
+    v = heap.tensor(task.v + start * stride * size, dtype, end - start, hd, stride).float()
     scores = q @ k.T
     m = scores.max(-1).values
     p = (scores - m[:, None]).exp()
@@ -130,16 +130,20 @@ def _partial_reference(heap: HeapView, args: dict[str, int], consts: dict) -> No
 
 
 @triton.jit
-def attention_combine_tile(base, args, DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, ALIGNED: tl.constexpr):
+def attention_combine_tile(base,
+                           out,           # heap offset of the query head's output
+                           o, ml,         # heap offsets of the head's o and m in split 0's partials
+                           splits,        # partials per (batch row, KV head)
+                           pos,           # heap offset of the int64 position
+                           split,         # cache positions per split
+                           DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_P: tl.constexpr, ALIGNED: tl.constexpr):
     """One query head: ``out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s``, M = max_s m_s, over the
     splits that reach the current position (``*pos // split + 1`` of them; the others are empty).
 
     The head's partials are ``o_s`` at ``o + s * GROUP * HEAD_DIM`` floats, ``m_s`` at ``ml + s * 2 * GROUP``
     and ``l_s`` GROUP floats after it; BLOCK_P splits are read per step.
     """
-    out, o, ml, splits = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2), tl.load(args + 3)
-    pos, split = tl.load(args + 4), tl.load(args + 5)
     active = tl.minimum(splits, tl.load(heap_ptr(base, pos, tl.int64)) // split + 1)
     o_ptr = (base + o).to(tl.pointer_type(tl.float32))
     if ALIGNED:
@@ -164,23 +168,15 @@ def attention_combine_tile(base, args, DTYPE: tl.constexpr, GROUP: tl.constexpr,
     tl.store(heap_ptr(base, out, DTYPE) + dd, rounded(acc / total, DTYPE), mask=dd < HEAD_DIM)
 
 
-COMBINE_ARGS = ("out", "o", "ml", "splits", "pos", "split")
-
-
-def _combine_reference(heap: HeapView, args: dict[str, int], consts: dict) -> None:
-    group, hd = consts["GROUP"], consts["HEAD_DIM"]
-    pos = int(heap.tensor(args["pos"], torch.int64, 1, 1, 1))
-    splits = min(args["splits"], pos // args["split"] + 1)
-    o = heap.tensor(args["o"], torch.float32, splits, hd, group * hd)                   # [splits, hd]
-    m = heap.tensor(args["ml"], torch.float32, splits, 1, 2 * group)[:, 0]             # [splits]
-    l = heap.tensor(args["ml"] + group * 4, torch.float32, splits, 1, 2 * group)[:, 0]
+def _combine_reference(heap, task) -> None:
+    group, hd = task.GROUP, task.HEAD_DIM
+    pos = int(heap.tensor(task.pos, torch.int64, 1, 1, 1))
+    splits = min(task.splits, pos // task.split + 1)
+    o = heap.tensor(task.o, torch.float32, splits, hd, group * hd)                   # [splits, hd]
+    m = heap.tensor(task.ml, torch.float32, splits, 1, 2 * group)[:, 0]             # [splits]
+    l = heap.tensor(task.ml + group * 4, torch.float32, splits, 1, 2 * group)[:, 0]
     weight = (m - m.max()).exp()
-    heap.tensor(args["out"], consts["DTYPE"], 1, hd, hd).copy_((weight[:, None] * o).sum(0) / (weight * l).sum())
-
-
-KV_APPEND = TaskType("kv_append", kv_append_tile, APPEND_ARGS, _append_reference)
-PARTIAL = TaskType("attention_partial", attention_partial_tile, PARTIAL_ARGS, _partial_reference)
-COMBINE = TaskType("attention_combine", attention_combine_tile, COMBINE_ARGS, _combine_reference)
+    heap.tensor(task.out, task.DTYPE, 1, hd, hd).copy_((weight[:, None] * o).sum(0) / (weight * l).sum())
 
 
 def kv_append(g, cache, x, pos, batch: int):
@@ -189,9 +185,10 @@ def kv_append(g, cache, x, pos, batch: int):
             and cache.dtype == x.dtype,
             f"kv_append: cache {cache.shape} {cache.dtype} and x {x.shape} {x.dtype} do not match for batch {batch}")
     max_seq = cache.rows // batch
-    opcode = g.opcode(KV_APPEND, DTYPE=x.dtype, BLOCK_N=min(next_power_of_2(x.cols), 1024))
+    opcode = g.opcode(KV_APPEND, DTYPE=x.dtype, BLOCK_N=min(triton.next_power_of_2(x.cols), 1024))
     for b in range(batch):
-        g.add_task(opcode, (cache.addr(b * max_seq, 0), x.addr(b, 0), pos.addr(0, 0), x.cols, cache.row_stride),
+        g.add_task(opcode, cache=cache.addr(b * max_seq, 0), x=x.addr(b, 0), pos=pos.addr(0, 0), cols=x.cols,
+                   cache_stride=cache.row_stride,
                    reads=(x.region(b, 1, 0, x.cols), pos.region(0, 1, 0, 1)),
                    writes=(cache.region(b * max_seq, max_seq, 0, cache.cols),),
                    bytes=2 * x.cols * x.element_size, flops=0)
@@ -205,7 +202,7 @@ def split_size(rows: int, max_seq: int, parallelism: int) -> int:
     otherwise halved, down to BLOCK_S, until it does, so that every worker gets a split at long contexts.
     """
     size = SPLIT
-    while size > BLOCK_S and rows * -(-max_seq // size) < parallelism:
+    while size > BLOCK_S and rows * triton.cdiv(max_seq, size) < parallelism:
         size //= 2
     return size
 
@@ -226,7 +223,7 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int):
     group = heads // kv_heads
     max_seq = k_cache.rows // batch
     split = split_size(batch * kv_heads, max_seq, g.parallelism)
-    splits = -(-max_seq // split)
+    splits = triton.cdiv(max_seq, split)
     partial_o = g.new_tensor((batch * kv_heads * splits * group, head_dim), torch.float32)
     partial_ml = g.new_tensor((batch * kv_heads * splits * 2, group), torch.float32)
     out = g.new_tensor(q.shape, q.dtype)
@@ -234,7 +231,7 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int):
     # 16-byte vectors along head_dim: every row of q and of the caches must start 16-byte aligned
     aligned = all(a % 16 == 0 for a in (q.addr(0, 0), q.row_stride * size, head_dim * size, k_cache.addr(0, 0),
                                         v_cache.addr(0, 0), k_cache.row_stride * size, v_cache.row_stride * size))
-    block_d = next_power_of_2(head_dim)
+    block_d = triton.next_power_of_2(head_dim)
     partial = g.opcode(PARTIAL, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, SCALE=1.0 / math.sqrt(head_dim),
                        BLOCK_D=block_d, BLOCK_S=BLOCK_S, ALIGNED=aligned)
     for b in range(batch):
@@ -243,10 +240,10 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int):
             for s in range(splits):
                 slot = (b * kv_heads + h) * splits + s
                 cols = h * head_dim
-                g.add_task(partial, (partial_o.addr(slot * group, 0), partial_ml.addr(slot * 2, 0),
-                                     q.addr(b, h * group * head_dim), k_cache.addr(b * max_seq, cols),
-                                     v_cache.addr(b * max_seq, cols), pos.addr(0, 0), s * split, split,
-                                     k_cache.row_stride),
+                g.add_task(partial, o=partial_o.addr(slot * group, 0), ml=partial_ml.addr(slot * 2, 0),
+                           q=q.addr(b, h * group * head_dim), k=k_cache.addr(b * max_seq, cols),
+                           v=v_cache.addr(b * max_seq, cols), pos=pos.addr(0, 0), start=s * split, length=split,
+                           cache_stride=k_cache.row_stride,
                            reads=(q_rows, pos.region(0, 1, 0, 1), k_cache.region(b * max_seq, max_seq, cols, head_dim),
                                   v_cache.region(b * max_seq, max_seq, cols, head_dim)),
                            writes=(partial_o.region(slot * group, group, 0, head_dim),
@@ -255,7 +252,7 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int):
                            flops=4 * group * min(split, max_seq) * head_dim)
     g.phase("decode_attention.combine")
     combine = g.opcode(COMBINE, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                       BLOCK_P=min(COMBINE_SPLITS, next_power_of_2(splits)), ALIGNED=head_dim % 4 == 0)
+                       BLOCK_P=min(COMBINE_SPLITS, triton.next_power_of_2(splits)), ALIGNED=head_dim % 4 == 0)
     for b in range(batch):
         for h in range(kv_heads):
             slot = (b * kv_heads + h) * splits
@@ -263,12 +260,23 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int):
                      partial_ml.region(slot * 2, splits * 2, 0, group), pos.region(0, 1, 0, 1))
             for j in range(group):
                 head = h * group + j
-                g.add_task(combine, (out.addr(b, head * head_dim), partial_o.addr(slot * group + j, 0),
-                                     partial_ml.addr(slot * 2, j), splits, pos.addr(0, 0), split),
+                g.add_task(combine, out=out.addr(b, head * head_dim), o=partial_o.addr(slot * group + j, 0),
+                           ml=partial_ml.addr(slot * 2, j), splits=splits, pos=pos.addr(0, 0), split=split,
                            reads=reads, writes=(out.region(b, 1, head * head_dim, head_dim),),
                            bytes=splits * (head_dim + 2) * 4, flops=2 * splits * head_dim)
     return out
 
 
+def _example(g):
+    """A KV append and an attention over the cache it writes: two batch rows, two query heads per KV head."""
+    q, pos = g.input("attention.q", (2, 96), torch.bfloat16), g.input("attention.pos", (1,), torch.int64)
+    cache = g.input("attention.cache", (2 * 80, 48), torch.bfloat16)
+    k_cache = g.kv_append(cache, q[:, :48], pos, batch=2)
+    return (g.decode_attention(q, k_cache, k_cache, pos, batch=2, head_dim=48),)
+
+
+KV_APPEND = TaskType("kv_append", kv_append_tile, _append_reference, _example)
+PARTIAL = TaskType("attention_partial", attention_partial_tile, _partial_reference, _example)
+COMBINE = TaskType("attention_combine", attention_combine_tile, _combine_reference, _example)
 TASK_TYPES = (KV_APPEND, PARTIAL, COMBINE)
 OPS = {"kv_append": kv_append, "decode_attention": decode_attention}

@@ -8,55 +8,45 @@ in rank order 0, 1, ..., so every rank gets a bitwise identical result.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from .common import HeapView, TaskType, load_block, next_power_of_2, store_block
+from .common import TaskType, Tiling, load_block, store_block
 from .reduction import sum_slices
 
-BLOCK_ELEMENTS = 1024
 ONE_SHOT_MAX_BYTES = 64 * 1024  # above this, all_reduce is a reduce-scatter then an all-gather
 
 
 @triton.jit
-def put_tile(base, bases, args, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Copy a local ``rows x cols`` block to the same-shaped block at ``dst`` on rank ``peer``."""
-    dst, src, peer = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2)
-    rows, cols = tl.load(args + 3), tl.load(args + 4)
-    dst_stride, src_stride = tl.load(args + 5), tl.load(args + 6)
+def put_tile(base, bases,
+             dst, src,                # heap offsets: dst on rank peer, src here
+             peer,                    # the rank that receives the block
+             rows, cols,              # the block: rows x cols <= BLOCK_M x BLOCK_N
+             dst_stride, src_stride,  # row strides, in elements
+             DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Copy a local block to the same-shaped block at ``dst`` on rank ``peer``."""
     block = load_block(base, src, src_stride, rows, cols, DTYPE, BLOCK_M, BLOCK_N)
     peer_base = tl.load(bases + peer)
     store_block(peer_base, dst, dst_stride, rows, cols, block, DTYPE, BLOCK_M, BLOCK_N)
 
 
-ARGS = ("dst", "src", "peer", "rows", "cols", "dst_stride", "src_stride")
-
-
-def _reference(heap: HeapView, args: dict[str, int], consts: dict, peers: dict[int, HeapView]) -> None:
-    rows, cols = args["rows"], args["cols"]
-    block = heap.tensor(args["src"], consts["DTYPE"], rows, cols, args["src_stride"])
-    peers[args["peer"]].tensor(args["dst"], consts["DTYPE"], rows, cols, args["dst_stride"]).copy_(block)
-
-
-PUT = TaskType("put", put_tile, ARGS, _reference, needs_peers=True)
+def _reference(heap, task, peers) -> None:
+    block = heap.tensor(task.src, task.DTYPE, task.rows, task.cols, task.src_stride)
+    peers[task.peer].tensor(task.dst, task.DTYPE, task.rows, task.cols, task.dst_stride).copy_(block)
 
 
 def put_tiles(g, src, dst_rank: int, dst) -> None:
     """Tiles copying ``src`` (this rank) into ``dst`` (a same-shaped view) on ``dst_rank``."""
-    rows, cols = src.rows, src.cols
-    block_m = min(next_power_of_2(rows), 8)
-    block_n = min(next_power_of_2(cols), BLOCK_ELEMENTS // block_m)
-    opcode = g.opcode(PUT, DTYPE=src.dtype, BLOCK_M=block_m, BLOCK_N=block_n)
+    tiling = Tiling(src.rows, src.cols)
+    opcode = g.opcode(PUT, DTYPE=src.dtype, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n)
     local = dst_rank == g.rank
-    for r0 in range(0, rows, block_m):
-        m = min(block_m, rows - r0)
-        for c0 in range(0, cols, block_n):
-            n = min(block_n, cols - c0)
-            target = dst.region(r0, m, c0, n)
-            g.add_task(opcode, (dst.addr(r0, c0), src.addr(r0, c0), dst_rank, m, n, dst.row_stride, src.row_stride),
-                       reads=(src.region(r0, m, c0, n),), writes=(target,) if local else (),
-                       remote=() if local else ((dst_rank, target),),
-                       bytes=2 * m * n * src.element_size, flops=0)
+    for r0, m, c0, n in tiling:
+        target = dst.region(r0, m, c0, n)
+        g.add_task(opcode, dst=dst.addr(r0, c0), src=src.addr(r0, c0), peer=dst_rank, rows=m, cols=n,
+                   dst_stride=dst.row_stride, src_stride=src.row_stride,
+                   reads=(src.region(r0, m, c0, n),), writes=(target,) if local else (),
+                   remote=() if local else ((dst_rank, target),), bytes=2 * m * n * src.element_size, flops=0)
 
 
 def _check_rank(g, op: str, rank: int) -> None:
@@ -147,5 +137,11 @@ def reduce_scatter(g, x, dim: int = 0):
     return out
 
 
+def _example(g):
+    """An all-reduce (put tiles into this rank itself, in a world of one, then the sum)."""
+    return (g.all_reduce(g.input("put.x", (20, 40), torch.float32)),)
+
+
+PUT = TaskType("put", put_tile, _reference, _example)
 TASK_TYPES = (PUT,)
 OPS = {"put": put, "all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter}

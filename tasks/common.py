@@ -1,18 +1,27 @@
-"""What every task type shares: its description, tile-shaped loads and stores, the torch heap view.
+"""What every task type shares: its declaration, the tiling of 2-D ops, tile-shaped loads and stores.
 
-A task type is an opcode's meaning: a ``@triton.jit`` tile function ``tile(base, args, **constexprs)``
-that reads its argument words from ``args`` (an int64 pointer into the task table) and addresses the
-heap from ``base``; the names of those words; a torch reference that runs the same tile on a heap
-tensor; and a host-side builder, registered as a graph op, that splits an op into tiles. A task type
-that ``needs_peers`` (a remote store) gets the table of every rank's heap base too:
-``tile(base, bases, args, ...)``, and its reference gets every rank's heap view.
+A task type is an opcode's meaning, declared once by its tile's signature::
 
-Constexpr names ending in ``DTYPE`` hold a dtype name ("float32", "bfloat16", "float16").
+    @triton.jit
+    def rms_norm_tile(base, out, x, w, rows, cols, out_stride, x_stride, segments,
+                      EPS: tl.constexpr, X_DTYPE: tl.constexpr, ...):
+
+``base`` is this rank's heap (int64 address); a tile that also takes ``bases`` (the table of every
+rank's heap base, for a remote store) is a communication tile. The plain parameters after them are
+the argument words of the task's table row, in order: code generation loads them, builders pass them
+by name (``g.add_task(opcode, out=..., x=..., ...)``), the disassembler prints them by name. The
+``tl.constexpr`` parameters are the compile-time constants of an opcode; names ending in ``DTYPE``
+hold a dtype name ("float32", "bfloat16", "float16", "int64").
+
+The registration adds the torch ``reference`` of the same tile, which reads every word and constant
+as an attribute of its ``task`` argument, and an ``example``: ops that use every variant of the tile,
+from which the kernel with every task type is built (``tools.examples.every_task_type``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 import triton
@@ -22,38 +31,66 @@ from ..device import heap_ptr
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int64: "int64"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
+HEAP_PARAMS = ("base", "bases")                                 # what a tile takes before its words
+BUILDER_KEYWORDS = ("reads", "writes", "bytes", "flops", "remote")  # Graph.add_task's own keywords
 
 
 @dataclass(frozen=True)
 class TaskType:
+    """A task type: its name, its tile (whose signature declares the row, see the module docstring),
+    the torch ``reference(heap, task[, peers])`` of the tile, and an ``example(g)`` that builds ops using
+    every variant of the tile and returns the tensors to output (integer inputs it makes are indices,
+    valid for any value below ``tools.examples.INDEX_BOUND``)."""
+
     name: str
-    tile: Any                       # triton.JITFunction
-    arg_names: tuple[str, ...]
-    reference: Callable[..., None]  # (heap, args, constexprs[, peers: rank -> HeapView]) -> None
-    needs_peers: bool = False
+    tile: Any                                     # triton.JITFunction
+    reference: Callable[..., None]
+    example: Callable[[Any], tuple]
+    arg_names: tuple[str, ...] = field(init=False)        # the row's argument words, in order
+    constexpr_names: tuple[str, ...] = field(init=False)  # an opcode's compile-time constants
+    needs_peers: bool = field(init=False)                 # the tile takes ``bases``: a communication tile
+
+    def __post_init__(self):
+        params = list(inspect.signature(self.tile.fn).parameters.values())
+        heap = [p.name for p in params[:2] if p.name in HEAP_PARAMS]
+        if heap not in (["base"], ["base", "bases"]):
+            raise TypeError(f"task type {self.name}: its tile must start with (base) or (base, bases), "
+                            f"got ({', '.join(p.name for p in params[:2])})")
+        rest = params[len(heap):]
+        is_constexpr = [p for p in rest if "constexpr" in str(p.annotation)]  # as Triton reads it
+        words = tuple(p.name for p in rest if p not in is_constexpr)
+        clash = sorted(set(words) & set(BUILDER_KEYWORDS))
+        if clash:
+            raise TypeError(f"task type {self.name}: argument word {clash[0]!r} is a keyword of Graph.add_task")
+        object.__setattr__(self, "arg_names", words)
+        object.__setattr__(self, "constexpr_names", tuple(p.name for p in is_constexpr))
+        object.__setattr__(self, "needs_peers", heap == ["base", "bases"])
 
 
-class HeapView:
-    """Typed torch views of a heap (a flat uint8 tensor, host or device), for reference tiles and the runtime."""
+@dataclass(frozen=True)
+class Tiling:
+    """Blocks of at most ``elements`` (at most MAX_BLOCK_ROWS rows high) covering ``rows x cols``: the
+    tiling of elementwise, reduction and copy ops. Iterating gives each tile's (row, rows, col, cols)."""
 
-    def __init__(self, heap: torch.Tensor):
-        self.heap = heap
-        self._typed: dict[torch.dtype, torch.Tensor] = {}
+    rows: int
+    cols: int
+    elements: int = 1024
 
-    def tensor(self, offset: int, dtype: torch.dtype | str, rows: int, cols: int, row_stride: int) -> torch.Tensor:
-        dtype = TORCH_DTYPES.get(dtype, dtype)
-        typed = self._typed.get(dtype)
-        if typed is None:
-            typed = self._typed[dtype] = self.heap.view(dtype)
-        size = torch.empty((), dtype=dtype).element_size()
-        assert offset % size == 0, f"misaligned {dtype} at heap offset {offset}"
-        # as_strided counts from the storage's start: a heap that is a slice of a larger one (virtual
-        # ranks) begins at its own storage offset
-        return torch.as_strided(typed, (rows, cols), (row_stride, 1), typed.storage_offset() + offset // size)
+    MAX_BLOCK_ROWS = 8
 
+    @property
+    def block_m(self) -> int:
+        return min(triton.next_power_of_2(self.rows), self.MAX_BLOCK_ROWS)
 
-def next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+    @property
+    def block_n(self) -> int:
+        return min(triton.next_power_of_2(self.cols), self.elements // self.block_m)
+
+    def __iter__(self) -> Iterator[tuple[int, int, int, int]]:
+        block_m, block_n = self.block_m, self.block_n
+        for r0 in range(0, self.rows, block_m):
+            for c0 in range(0, self.cols, block_n):
+                yield r0, min(block_m, self.rows - r0), c0, min(block_n, self.cols - c0)
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import HeapView, TaskType, next_power_of_2, rounded, store_block
+from .common import TaskType, rounded, store_block
 from .reduction import sum_slices
 
 DOT_MIN_M = 16
@@ -61,10 +61,6 @@ MIN_SPLIT_BLOCKS = 2         # automatic split-K: every K-range is at least this
 MAX_SPLIT_K = 16             # ... and at most this many partials per output (the sum tile reads them all)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def gemv_blocks(m: int, w_dtype: torch.dtype, k: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) of the GEMV tile for ``m < DOT_MIN_M`` rows of x and w of ``w_dtype``.
 
@@ -75,9 +71,9 @@ def gemv_blocks(m: int, w_dtype: torch.dtype, k: int) -> tuple[int, int, int]:
     size = w_dtype.itemsize
     segment, unroll, rows = ((ONE_ROW_SEGMENT_BYTES, ONE_ROW_UNROLL.value, ONE_ROW_BLOCK_N) if m == 1
                              else (ROWS_SEGMENT_BYTES, ROWS_UNROLL.value, ROWS_BLOCK_N))
-    block_k = min(segment // size, max(MIN_BLOCK_K, next_power_of_2(_cdiv(k, unroll))))
+    block_k = min(segment // size, max(MIN_BLOCK_K, triton.next_power_of_2(triton.cdiv(k, unroll))))
     block_n = min(TILE_ROWS, max(rows, segment * rows // (block_k * size)))
-    return next_power_of_2(m), block_n, block_k
+    return triton.next_power_of_2(m), block_n, block_k
 
 
 @triton.jit
@@ -101,8 +97,9 @@ def _x_block(x_cols, kk, k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_one_row(base, args, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr):
+def _gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
+                  Y_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  ALIGNED: tl.constexpr):
     """``y[0, :n] = x[0, :k] @ w[:n, :k].T`` for any n, BLOCK_N rows at a time.
 
     One flat loop over (row block, step) pairs. A step loads ONE_ROW_UNROLL blocks of w and x, then
@@ -110,8 +107,6 @@ def _gemv_one_row(base, args, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DT
     start of the next row block's first step, after that step's loads are issued, so the reduction and
     the store overlap them instead of draining the program's loads.
     """
-    y, x, w = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2)
-    n, k, w_stride = tl.load(args + 4), tl.load(args + 5), tl.load(args + 8)
     x_ptr = (base + x).to(tl.pointer_type(X_DTYPE))
     w_ptr = (base + w).to(tl.pointer_type(W_DTYPE))
     if ALIGNED:  # hints on values made in this function (the compiler drops a hint on a callee's argument)
@@ -156,14 +151,11 @@ def _store_one_row(base, y, r0, n, acc, Y_DTYPE: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
-def _gemv_rows(base, args, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               ALIGNED: tl.constexpr):
+def _gemv_rows(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl.constexpr,
+               W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr):
     """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` for 1 < m <= BLOCK_M, any n: the same walk over w, with
     each step's products reduced across K per row of x (a warp-wide reduction: shuffles only)."""
-    y, x, w = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2)
-    m, n, k = tl.load(args + 3), tl.load(args + 4), tl.load(args + 5)
-    y_stride, x_stride, w_stride = tl.load(args + 6), tl.load(args + 7), tl.load(args + 8)
     x_ptr = (base + x).to(tl.pointer_type(X_DTYPE))
     w_ptr = (base + w).to(tl.pointer_type(W_DTYPE))
     if ALIGNED:
@@ -207,12 +199,9 @@ def _store_rows(base, y, y_stride, m, r0, n, acc, Y_DTYPE: tl.constexpr, BLOCK_M
 
 
 @triton.jit
-def _dot_tile(base, args, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dot_tile(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
+              Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` for m <= BLOCK_M, n <= BLOCK_N with ``tl.dot``."""
-    y, x, w = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2)
-    m, n, k = tl.load(args + 3), tl.load(args + 4), tl.load(args + 5)
-    y_stride, x_stride, w_stride = tl.load(args + 6), tl.load(args + 7), tl.load(args + 8)
     rm = tl.arange(0, BLOCK_M)[:, None]
     rn = tl.arange(0, BLOCK_N)[:, None]
     rk = tl.arange(0, BLOCK_K)[None, :]
@@ -227,9 +216,13 @@ def _dot_tile(base, args, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYPE:
 
 
 @triton.jit
-def linear_tile(base, args, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                EVEN_K: tl.constexpr, ALIGNED: tl.constexpr):
+def linear_tile(base,
+                y, x, w,                         # heap offsets of the tiles' first elements
+                m, n, k,                         # y is m x n, x m x k, w n x k
+                y_stride, x_stride, w_stride,    # row strides, in elements
+                X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
+                ALIGNED: tl.constexpr):
     """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` for ``m <= BLOCK_M``, any k; float32 accumulation.
 
     GEMV tiles take any n (BLOCK_N rows at a time), ``tl.dot`` tiles ``n <= BLOCK_N``. ``EVEN_K``: k is
@@ -237,24 +230,19 @@ def linear_tile(base, args, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYP
     by the host and let the GEMV loads be unmasked 16-byte vectors.
     """
     if USE_DOT:
-        _dot_tile(base, args, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K)
+        _dot_tile(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M,
+                  BLOCK_N, BLOCK_K)
     elif BLOCK_M == 1:
-        _gemv_one_row(base, args, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_N, BLOCK_K, EVEN_K, ALIGNED)
+        _gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_N, BLOCK_K, EVEN_K, ALIGNED)
     else:
-        _gemv_rows(base, args, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, ALIGNED)
+        _gemv_rows(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M,
+                   BLOCK_N, BLOCK_K, EVEN_K, ALIGNED)
 
 
-LINEAR_ARGS = ("y", "x", "w", "m", "n", "k", "y_stride", "x_stride", "w_stride")
-
-
-def _linear_reference(heap: HeapView, args: dict[str, int], consts: dict) -> None:
-    m, n, k = args["m"], args["n"], args["k"]
-    x = heap.tensor(args["x"], consts["X_DTYPE"], m, k, args["x_stride"]).float()
-    w = heap.tensor(args["w"], consts["W_DTYPE"], n, k, args["w_stride"]).float()
-    heap.tensor(args["y"], consts["Y_DTYPE"], m, n, args["y_stride"]).copy_(x @ w.T)
-
-
-LINEAR = TaskType("linear", linear_tile, LINEAR_ARGS, _linear_reference)
+def _reference(heap, task) -> None:
+    x = heap.tensor(task.x, task.X_DTYPE, task.m, task.k, task.x_stride).float()
+    w = heap.tensor(task.w, task.W_DTYPE, task.n, task.k, task.w_stride).float()
+    heap.tensor(task.y, task.Y_DTYPE, task.m, task.n, task.y_stride).copy_(x @ w.T)
 
 
 @dataclass(frozen=True)
@@ -267,7 +255,7 @@ class Plan:
 
 def whole_block_ranges(k_total: int, splits: int, block_k: int) -> tuple[tuple[int, int], ...]:
     """``splits`` K-ranges of whole ``block_k`` blocks (the last takes any partial block), as even as possible."""
-    blocks = _cdiv(k_total, block_k)
+    blocks = triton.cdiv(k_total, block_k)
     splits = min(splits, blocks)
     bounds = [min(k_total, blocks * s // splits * block_k) for s in range(splits + 1)]
     return tuple((k0, k1 - k0) for k0, k1 in zip(bounds, bounds[1:]))
@@ -290,13 +278,13 @@ def plan(m: int, n: int, k: int, blocks: tuple[int, int, int], w_size: int, para
     """
     block_m, block_n, block_k = blocks
     gemv = block_m < DOT_MIN_M
-    row_blocks, m_tiles, k_blocks = _cdiv(n, block_n), _cdiv(m, block_m), _cdiv(k, block_k)
+    row_blocks, m_tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(m, block_m), triton.cdiv(k, block_k)
     default_rows = max(block_n, TILE_ROWS // block_n * block_n) if gemv else block_n
     if split_k is not None:
         if k_blocks >= split_k:
             k_ranges = whole_block_ranges(k, split_k, block_k)
         else:
-            step = _cdiv(k, split_k)
+            step = triton.cdiv(k, split_k)
             k_ranges = tuple((k0, min(step, k - k0)) for k0 in range(0, k, step))
         candidates = [k_ranges]
     elif parallelism == 1:
@@ -304,7 +292,7 @@ def plan(m: int, n: int, k: int, blocks: tuple[int, int, int], w_size: int, para
     else:
         output_blocks = row_blocks * m_tiles
         max_splits = max(1, min(MAX_SPLIT_K, k_blocks // MIN_SPLIT_BLOCKS))
-        fewest = 1 if output_blocks >= parallelism else min(max_splits, _cdiv(parallelism, output_blocks))
+        fewest = 1 if output_blocks >= parallelism else min(max_splits, triton.cdiv(parallelism, output_blocks))
         last = fewest if output_blocks >= parallelism or not gemv else max_splits
         candidates = [whole_block_ranges(k, s, block_k) for s in range(fewest, last + 1)]
     if parallelism == 1 or not gemv:
@@ -313,11 +301,11 @@ def plan(m: int, n: int, k: int, blocks: tuple[int, int, int], w_size: int, para
     for k_ranges in candidates:
         splits = len(k_ranges) * m_tiles
         range_bytes = max(kk for _, kk in k_ranges) * w_size
-        groups = {1} | {_cdiv(row_blocks, waves * parallelism // splits) for waves in range(1, MAX_WAVES + 1)
+        groups = {1} | {triton.cdiv(row_blocks, waves * parallelism // splits) for waves in range(1, MAX_WAVES + 1)
                         if waves * parallelism >= splits}
         for g in groups:
-            tiles = _cdiv(row_blocks, g) * splits
-            cost = (_cdiv(tiles, parallelism) * (g * block_n * range_bytes + TASK_OVERHEAD_BYTES)
+            tiles = triton.cdiv(row_blocks, g) * splits
+            cost = (triton.cdiv(tiles, parallelism) * (g * block_n * range_bytes + TASK_OVERHEAD_BYTES)
                     + (len(k_ranges) > 1) * TASK_OVERHEAD_BYTES)
             key = (cost, len(k_ranges), tiles)
             if best is None or key < best[0]:
@@ -355,7 +343,7 @@ def linear(g, x, w, split_k: int | None = None):
     # A big graph has hundreds of thousands of these tiles: what does not change along a row of tiles
     # is computed once per row (the x tile and its Region, shared by the row's tasks), and the y and w
     # addresses advance by a fixed step per tile, instead of going through Tensor.addr each time.
-    strides = (target.row_stride, x.row_stride, w.row_stride)
+    y_stride, x_stride, w_stride = target.row_stride, x.row_stride, w.row_stride
     w_step = tile_rows * w.row_stride * w_size  # bytes from one tile's w rows to the next tile's
     add_task = g.add_task
     for s, (k0, k) in enumerate(k_ranges):
@@ -366,7 +354,8 @@ def linear(g, x, w, split_k: int | None = None):
             x_tile = x.region(r0, m, k0, k)
             for c0 in range(0, n_total, tile_rows):
                 n = min(tile_rows, n_total - c0)
-                add_task(opcode, (y_addr + c0 * y_size, x_addr, w_addr, m, n, k, *strides),
+                add_task(opcode, y=y_addr + c0 * y_size, x=x_addr, w=w_addr, m=m, n=n, k=k, y_stride=y_stride,
+                         x_stride=x_stride, w_stride=w_stride,
                          reads=(x_tile, w.region(c0, n, k0, k)), writes=(target.region(row, m, c0, n),),
                          bytes=m * k * x_size + n * k * w_size + m * n * y_size, flops=2 * m * n * k)
                 w_addr += w_step
@@ -376,5 +365,14 @@ def linear(g, x, w, split_k: int | None = None):
     return y
 
 
+def _example(g):
+    """GEMV tiles for one and for two rows of x (bfloat16 w), ``tl.dot`` tiles for 20 (float32)."""
+    w = g.input("linear.w", (40, 96), torch.bfloat16)
+    return (g.linear(g.input("linear.x1", (1, 96), torch.bfloat16), w),
+            g.linear(g.input("linear.x2", (2, 96), torch.bfloat16), w),
+            g.linear(g.input("linear.x20", (20, 96), torch.float32), g.input("linear.wf", (40, 96), torch.float32)))
+
+
+LINEAR = TaskType("linear", linear_tile, _reference, _example)
 TASK_TYPES = (LINEAR,)
 OPS = {"linear": linear}

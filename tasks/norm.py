@@ -11,19 +11,21 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import HeapView, TaskType, next_power_of_2, rounded
+from .common import TaskType, rounded
 
 ROWS_PER_TILE = 4
 MAX_BLOCK_N = 1024
 
 
 @triton.jit
-def rms_norm_tile(base, args, EPS: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Normalise ``rows <= BLOCK_M`` segments of ``cols`` elements, BLOCK_N columns at a time (two passes)."""
-    out, x, w = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2)
-    rows, cols = tl.load(args + 3), tl.load(args + 4)
-    out_stride, x_stride, segments = tl.load(args + 5), tl.load(args + 6), tl.load(args + 7)
+def rms_norm_tile(base,
+                  out, x, w,              # heap offsets: output and input rows, the weight
+                  rows, cols,             # rows <= BLOCK_M segments of cols elements each
+                  out_stride, x_stride,   # row strides, in elements
+                  segments,               # segments per row (head_dim norms), else 1
+                  EPS: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Normalise each segment, BLOCK_N columns at a time (two passes)."""
     r = tl.arange(0, BLOCK_M)[:, None]
     c = tl.arange(0, BLOCK_N)[None, :]
     x_ptr = heap_ptr(base, x, X_DTYPE) + (r // segments) * x_stride + (r % segments) * cols
@@ -43,20 +45,14 @@ def rms_norm_tile(base, args, EPS: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE:
         tl.store(out_ptr + c0 + c, rounded(g * normed, X_DTYPE), mask=mask)
 
 
-ARGS = ("out", "x", "w", "rows", "cols", "out_stride", "x_stride", "segments")
-
-
-def _reference(heap: HeapView, args: dict[str, int], consts: dict) -> None:
-    rows, cols, segments = args["rows"], args["cols"], args["segments"]
-    x = heap.tensor(args["x"], consts["X_DTYPE"], rows // segments, cols * segments, args["x_stride"])
-    w = heap.tensor(args["w"], consts["W_DTYPE"], 1, cols, cols).float()
+def _reference(heap, task) -> None:
+    rows, cols, segments = task.rows, task.cols, task.segments
+    x = heap.tensor(task.x, task.X_DTYPE, rows // segments, cols * segments, task.x_stride)
+    w = heap.tensor(task.w, task.W_DTYPE, 1, cols, cols).float()
     v = x.float().reshape(rows, cols)
-    normed = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + consts["EPS"])).to(x.dtype).float()
-    out = heap.tensor(args["out"], consts["X_DTYPE"], rows // segments, cols * segments, args["out_stride"])
+    normed = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + task.EPS)).to(x.dtype).float()
+    out = heap.tensor(task.out, task.X_DTYPE, rows // segments, cols * segments, task.out_stride)
     out.copy_((w * normed).reshape(out.shape))
-
-
-RMS_NORM = TaskType("rms_norm", rms_norm_tile, ARGS, _reference)
 
 
 def rms_norm(g, x, weight, eps: float = 1e-6, head_dim: int | None = None):
@@ -70,20 +66,28 @@ def rms_norm(g, x, weight, eps: float = 1e-6, head_dim: int | None = None):
     out = g.new_tensor(x.shape, x.dtype)
     segments = x.cols // size
     rows_per_tile = min(x.rows, max(1, ROWS_PER_TILE // segments))  # a tile holds whole rows
-    block_m = next_power_of_2(rows_per_tile * segments)
-    block_n = min(next_power_of_2(size), MAX_BLOCK_N)
+    block_m = triton.next_power_of_2(rows_per_tile * segments)
+    block_n = min(triton.next_power_of_2(size), MAX_BLOCK_N)
     opcode = g.opcode(RMS_NORM, EPS=float(eps), X_DTYPE=x.dtype, W_DTYPE=weight.dtype, BLOCK_M=block_m,
                       BLOCK_N=block_n)
     src, dst = x.block(), out.block()
     for r0 in range(0, x.rows, rows_per_tile):
         m = min(rows_per_tile, x.rows - r0)
-        g.add_task(opcode, (dst.addr(r0, 0), src.addr(r0, 0), weight.addr(0, 0), m * segments, size,
-                            dst.row_stride, src.row_stride, segments),
+        g.add_task(opcode, out=dst.addr(r0, 0), x=src.addr(r0, 0), w=weight.addr(0, 0), rows=m * segments, cols=size,
+                   out_stride=dst.row_stride, x_stride=src.row_stride, segments=segments,
                    reads=(src.region(r0, m, 0, x.cols), weight.region(0, 1, 0, size)),
                    writes=(dst.region(r0, m, 0, x.cols),),
                    bytes=3 * m * x.cols * x.element_size, flops=4 * m * x.cols)
     return out
 
 
+def _example(g):
+    """Whole rows (bfloat16 x, float32 weight) and per-head segments (Qwen3's q/k norm)."""
+    x = g.input("rms_norm.x", (2, 96), torch.bfloat16)
+    return (g.rms_norm(x, g.input("rms_norm.w", (96,), torch.float32), 1e-6),
+            g.rms_norm(x, g.input("rms_norm.head_w", (48,), torch.bfloat16), 1e-6, head_dim=48))
+
+
+RMS_NORM = TaskType("rms_norm", rms_norm_tile, _reference, _example)
 TASK_TYPES = (RMS_NORM,)
 OPS = {"rms_norm": rms_norm}

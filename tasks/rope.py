@@ -10,15 +10,17 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import HeapView, TaskType, next_power_of_2, rounded
+from .common import TaskType, rounded
 
 
 @triton.jit
-def rope_tile(base, args, DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-              BLOCK_D: tl.constexpr):
-    """One row of ``heads`` heads: ``out = x * cos(p f) + rotate_half(x) * sin(p f)``, p = *pos, f = inv_freq."""
-    out, x, inv_freq, pos = tl.load(args + 0), tl.load(args + 1), tl.load(args + 2), tl.load(args + 3)
-    heads = tl.load(args + 4)
+def rope_tile(base,
+              out, x,      # heap offsets of one row of heads * HEAD_DIM elements
+              inv_freq,    # heap offset of HEAD_DIM / 2 float32 inverse frequencies
+              pos,         # heap offset of the int64 position
+              heads,       # heads in the row, <= BLOCK_H
+              DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``out = x * cos(p f) + rotate_half(x) * sin(p f)`` for every head, p = *pos, f = inv_freq."""
     half: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -34,22 +36,15 @@ def rope_tile(base, args, DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: 
     tl.store(out_ptr + half, rounded(x2 * cos + x1 * sin, DTYPE), mask=mask)
 
 
-ARGS = ("out", "x", "inv_freq", "pos", "heads")
-
-
-def _reference(heap: HeapView, args: dict[str, int], consts: dict) -> None:
-    hd = consts["HEAD_DIM"]
-    heads = args["heads"]
-    x = heap.tensor(args["x"], consts["DTYPE"], heads, hd, hd).float()
-    inv_freq = heap.tensor(args["inv_freq"], torch.float32, 1, hd // 2, hd // 2)
-    position = heap.tensor(args["pos"], torch.int64, 1, 1, 1).float()
+def _reference(heap, task) -> None:
+    hd, heads = task.HEAD_DIM, task.heads
+    x = heap.tensor(task.x, task.DTYPE, heads, hd, hd).float()
+    inv_freq = heap.tensor(task.inv_freq, torch.float32, 1, hd // 2, hd // 2)
+    position = heap.tensor(task.pos, torch.int64, 1, 1, 1).float()
     angle = position * inv_freq
     cos, sin = torch.cat([angle.cos(), angle.cos()], -1), torch.cat([angle.sin(), angle.sin()], -1)
     rotated = torch.cat([-x[:, hd // 2:], x[:, : hd // 2]], -1)
-    heap.tensor(args["out"], consts["DTYPE"], heads, hd, hd).copy_(x * cos + rotated * sin)
-
-
-ROPE = TaskType("rope", rope_tile, ARGS, _reference)
+    heap.tensor(task.out, task.DTYPE, heads, hd, hd).copy_(x * cos + rotated * sin)
 
 
 def rope(g, x, inv_freq, pos, head_dim: int):
@@ -65,11 +60,12 @@ def rope(g, x, inv_freq, pos, head_dim: int):
             f"rope: pos must be one int64 element, got {pos.shape} {pos.dtype}")
     heads = x.cols // head_dim
     out = g.new_tensor(x.shape, x.dtype)
-    opcode = g.opcode(ROPE, DTYPE=x.dtype, HEAD_DIM=head_dim, BLOCK_H=next_power_of_2(heads),
-                      BLOCK_D=next_power_of_2(head_dim // 2))
+    opcode = g.opcode(ROPE, DTYPE=x.dtype, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(heads),
+                      BLOCK_D=triton.next_power_of_2(head_dim // 2))
     rows = x.block()
     for r in range(rows.rows):
-        g.add_task(opcode, (out.block().addr(r, 0), rows.addr(r, 0), inv_freq.addr(0, 0), pos.addr(0, 0), heads),
+        g.add_task(opcode, out=out.block().addr(r, 0), x=rows.addr(r, 0), inv_freq=inv_freq.addr(0, 0),
+                   pos=pos.addr(0, 0), heads=heads,
                    reads=(rows.region(r, 1, 0, rows.cols), inv_freq.region(0, 1, 0, head_dim // 2),
                           pos.region(0, 1, 0, 1)),
                    writes=(out.block().region(r, 1, 0, rows.cols),),
@@ -77,5 +73,12 @@ def rope(g, x, inv_freq, pos, head_dim: int):
     return out
 
 
+def _example(g):
+    x = g.input("rope.x", (2, 96), torch.bfloat16)
+    inv_freq, pos = g.input("rope.inv_freq", (24,), torch.float32), g.input("rope.pos", (1,), torch.int64)
+    return (g.rope(x, inv_freq, pos, 48),)
+
+
+ROPE = TaskType("rope", rope_tile, _reference, _example)
 TASK_TYPES = (ROPE,)
 OPS = {"rope": rope}

@@ -50,8 +50,8 @@ def test_disasm_round_trips_a_bare_table(tmp_path):
     path = tmp_path / "tables.mkt"
     path.write_bytes(serialize(image.tables))
     listing = megakernel("disasm", str(path))
-    assert f"{len(image.tables.tasks)} tasks" in listing
-    assert np.array_equal(load(path).tables.tasks, image.tables.tasks)
+    assert f"{len(image.tables.rows)} tasks" in listing
+    assert np.array_equal(load(path).tables.rows, image.tables.rows)
 
 
 def _mlp_image(tmp_path):

@@ -9,7 +9,7 @@ import megakernel as mk
 from megakernel.aot import compile_kernel
 from megakernel.models import DecoderConfig, decode_step, from_hf
 
-from conftest import assert_close
+from helpers import assert_close
 
 # Not powers of two on purpose: head dim 48, intermediate 200, one KV head (Llama) or two (Qwen3).
 SHAPES = dict(hidden_size=96, head_dim=48, intermediate_size=200, num_hidden_layers=2, vocab_size=128,

@@ -16,9 +16,9 @@ from megakernel import RankError
 
 from megakernel.reference import execute_ranks
 from megakernel.scheduler import deserialize, serialize
-from megakernel.tasks import HeapView
+from megakernel.heap import HeapView
 
-from conftest import assert_close
+from helpers import assert_close
 
 ROWS, COLS = 3, 100
 

@@ -6,7 +6,7 @@ import megakernel as mk
 from megakernel.tasks.attention import BLOCK_S, split_size
 from megakernel.tasks.linear import MIN_SPLIT_BLOCKS
 
-from conftest import assert_close, random_inputs, run_checked, tolerance
+from helpers import assert_close, random_inputs, run_checked, tolerance
 
 
 def _rms(x, w, eps):

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 import megakernel as mk
 
-from conftest import assert_close, run_checked
+from helpers import assert_close, run_checked
 
 
 @st.composite

@@ -11,7 +11,7 @@ from megakernel.cpu_backend import WorkerPool
 from megakernel.scheduler import WAIT_EVENT, Tasks
 from megakernel.tools.examples import mlp_block
 
-from conftest import assert_close, random_inputs
+from helpers import assert_close, random_inputs
 
 
 def _mlp_reference(i):
@@ -103,9 +103,9 @@ def _injected_deadlock_kernel(pool, timeout=1.5):
     g = mlp_block(hidden=64, intermediate=96)
     kernel = mk.Megakernel(g, workers=2, timeout=timeout, pool=pool)
     t = kernel.tables
-    waits = np.nonzero(t.tasks[:, WAIT_EVENT] >= 0)[0]
+    waits = np.nonzero(t.rows[:, WAIT_EVENT] >= 0)[0]
     consumer = int(waits[0])
-    event = int(t.tasks[consumer, WAIT_EVENT])
+    event = int(t.rows[consumer, WAIT_EVENT])
     producer = t.producers_of(event)[0]
     saved = t.signals.copy()
     t.signals[t.signals[:, 1] == event, 2] = 0  # the producer signals, but adds nothing

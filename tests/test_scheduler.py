@@ -90,9 +90,9 @@ def test_implied_waits_are_dropped():
 def test_every_wait_is_met_by_exactly_its_producers_signals():
     g = _chain_graph()
     t = schedule(g.tasks, g.buffer_shapes(), specs=g.specs, op_names=g.op_names, workers=3)
-    raised = np.zeros(t.events, dtype=np.int64)
+    raised = np.zeros(t.num_events, dtype=np.int64)
     np.add.at(raised, t.signals[:, 1], t.signals[:, 2])
-    waits = t.tasks[t.tasks[:, WAIT_EVENT] != NO_EVENT]
+    waits = t.rows[t.rows[:, WAIT_EVENT] != NO_EVENT]
     assert np.array_equal(raised[waits[:, WAIT_EVENT]], waits[:, FAN_IN])
 
 
@@ -100,11 +100,11 @@ def test_serialize_round_trip_and_disassembly():
     g = _chain_graph(2)
     t = schedule(g.tasks, g.buffer_shapes(), specs=g.specs, op_names=g.op_names, workers=2)
     back = deserialize(serialize(t))
-    for name in ("tasks", "signals", "queue", "queue_index", "task_op"):
+    for name in ("rows", "signals", "queue", "queue_index", "task_op"):
         assert np.array_equal(getattr(back, name), getattr(t, name)), name
-    assert back.specs == t.specs and back.op_names == t.op_names and back.events == t.events
+    assert back.specs == t.specs and back.op_names == t.op_names and back.num_events == t.num_events
     text = disassemble(back)
-    assert f"{len(t.tasks)} tasks" in text and "rms_norm" in text and "worker 1:" in text
+    assert f"{len(t.rows)} tasks" in text and "rms_norm" in text and "worker 1:" in text
     assert serialize(back) == serialize(t)
 
 
@@ -133,5 +133,5 @@ def test_capacity_is_checked():
     from megakernel.scheduler import Capacity, check_tables
     g = _chain_graph(1)
     t = schedule(g.tasks, g.buffer_shapes(), specs=g.specs, op_names=g.op_names, workers=2)
-    with pytest.raises(mk.GraphError, match=f"needs {len(t.tasks)} tasks; one kernel holds at most 3"):
+    with pytest.raises(mk.GraphError, match=f"needs {len(t.rows)} tasks; one kernel holds at most 3"):
         check_tables(t, Capacity(max_tasks=3))

@@ -21,7 +21,7 @@ from megakernel.tools.dot import select, task_dag, to_dot
 from megakernel.tools.examples import mlp_block
 from megakernel.trace import Trace
 
-from conftest import random_inputs
+from helpers import random_inputs
 
 HANG_TIMEOUT = 2.0
 TP_HIDDEN, TP_INTER = 64, 96
@@ -131,7 +131,7 @@ def test_graph_dot_parses_with_a_node_per_task_and_the_waits(single, capsys):
     assert nodes == {f"r0t{t}" for t in range(len(g.tasks))}
     edges = {(e.get_source(), e.get_destination()) for e in graph.get_edges()}
     assert edges and all(p in nodes and c in nodes for p, c in edges)
-    waits = {(f"r0t{p}", f"r0t{c}") for c, event in enumerate(tables.tasks[:, WAIT_EVENT].tolist()) if event >= 0
+    waits = {(f"r0t{p}", f"r0t{c}") for c, event in enumerate(tables.rows[:, WAIT_EVENT].tolist()) if event >= 0
              for p in tables.producers_of(event)}
     assert waits <= edges
     critical = [n for n in graph.get_nodes() if n.get("peripheries") == "2"]
@@ -232,7 +232,7 @@ def _hang(inputs: dict) -> dict:
         except mk.DeadlockError as error:
             event = events[g.rank]
             return dict(elapsed=time.monotonic() - start, message=str(error), report=error.report,
-                        consumers=np.nonzero(t.tasks[:, WAIT_EVENT] == event)[0].tolist(),
+                        consumers=np.nonzero(t.rows[:, WAIT_EVENT] == event)[0].tolist(),
                         producers=[(rank, task) for rank, task, _, _ in t.remote_producers[event]])
     return {}
 
@@ -266,11 +266,11 @@ def test_two_rank_trace_has_every_task_once_and_respects_cross_rank_edges(two_ra
     trace = two_ranks[0][0]
     tables = [deserialize(blob) for _, blob, _ in two_ranks]
     assert trace.spans == two_ranks[1][0].spans  # every rank gathers every rank's spans
-    _check_spans(trace, {t.rank: len(t.tasks) for t in tables})
+    _check_spans(trace, {t.rank: len(t.rows) for t in tables})
     cross = [(p, c) for p, c in trace.edges if p[0] != c[0]]
     assert cross, "an all_reduce has cross-rank edges"
     expected = {((r, task), (t.rank, consumer)) for t in tables for event, remote in t.remote_producers.items()
-                for consumer in np.nonzero(t.tasks[:, WAIT_EVENT] == event)[0].tolist() for r, task, _, _ in remote}
+                for consumer in np.nonzero(t.rows[:, WAIT_EVENT] == event)[0].tolist() for r, task, _, _ in remote}
     assert set(cross) == expected
     _check_order(trace, trace.edges)
     spans = {s.key: s for s in trace.spans}
@@ -285,7 +285,7 @@ def test_two_rank_graph_joins_the_ranks(two_ranks, tmp_path, capsys):
         files[-1].write_bytes(blob)
     tables = [deserialize(blob) for _, blob, _ in two_ranks]
     graph = _graph_command(capsys, *map(str, files))
-    assert _nodes(graph) == {f"r{t.rank}t{task}" for t in tables for task in range(len(t.tasks))}
+    assert _nodes(graph) == {f"r{t.rank}t{task}" for t in tables for task in range(len(t.rows))}
     assert any(e.get_source().startswith("r1") and e.get_destination().startswith("r0") for e in graph.get_edges())
     alone = _graph_command(capsys, str(files[0]))
     stubs = {n.get_name() for n in alone.get_nodes() if "dashed" in (n.get("style") or "")}
@@ -307,6 +307,6 @@ def test_injected_hang_names_consumer_and_producer_and_leaves_a_partial_trace(tw
         partial = Trace.load(files[1])
         finished = {s.task for s in partial.spans}
         assert {s.rank for s in partial.spans} == {rank}
-        assert not finished & set(hang["consumers"]) and len(finished) < len(deserialize(blob).tasks)
+        assert not finished & set(hang["consumers"]) and len(finished) < len(deserialize(blob).rows)
         assert cli(["trace", "summary", str(files[1])]) == 0
         assert f"{len(partial.spans)} tasks on 1 rank(s)" in capsys.readouterr().out

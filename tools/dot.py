@@ -79,14 +79,14 @@ def task_dag(images: list[QueueTables]) -> TaskDag:
     for t in images:
         owner = t.worker_of().tolist()
         first_of_op: dict[int, int] = {}
-        for task, (row, op) in enumerate(zip(t.tasks.tolist(), t.task_op.tolist())):
+        for task, (row, op) in enumerate(zip(t.rows.tolist(), t.task_op.tolist())):
             first_of_op.setdefault(op, task)
             dag.tasks[(t.rank, task)] = TaskInfo(t.op_names[op], task - first_of_op[op], t.specs[row[OPCODE]].task_type,
                                                  owner[task])
         for w in range(t.workers):
             dag.queues[(t.rank, w)] = [(t.rank, task) for task in t.worker_queue(w).tolist()]
         raisers = producer_map(t)
-        for task, event in enumerate(t.tasks[:, WAIT_EVENT].tolist()):
+        for task, event in enumerate(t.rows[:, WAIT_EVENT].tolist()):
             if event != NO_EVENT:
                 dag.waits.extend((producer, (t.rank, task)) for producer in raisers[event])
     for producer, _ in dag.waits:

@@ -4,29 +4,32 @@ from __future__ import annotations
 import torch
 
 from .. import Graph
+from ..tasks import TASK_TYPES
+
+INDEX_BOUND = 40  # the examples' integer inputs are indices (tokens, positions): any value below it is valid
 
 
 def every_task_type() -> Graph:
-    """A small graph whose kernel has every task type and tile variant of the library in it."""
+    """A small graph whose kernel has every task type of the library and every variant of its tile in
+    it: the examples the task types registered (each once; a family's types may share one), each
+    in a scope named after its first type, their results the graph's outputs."""
     g = Graph(world_size=1, rank=0)
-    x = g.input("x", (20, 96), torch.float32)
-    xb = g.input("xb", (2, 96), torch.bfloat16)
-    w = g.input("w", (40, 96), torch.bfloat16)
-    wf = g.input("wf", (40, 96), torch.float32)
-    norm = g.input("norm", (96,), torch.float32)
-    h = g.rms_norm(xb, norm, 1e-6)
-    y = g.touch(g.linear(h, w, split_k=2))     # GEMV tiles, split-K partials, the reduction tile; an empty task
-    g.output("y", g.silu_mul(g.add(y, y), g.mul(y, y)))
-    g.output("z", g.all_reduce(g.linear(x, wf)))  # tl.dot tiles; put tiles (to itself, in a world of one)
-    # decode: embedding, per-head norm, RoPE, KV cache append, split-KV attention and its combine tile
-    tokens, pos = g.input("tokens", (2,), torch.int64), g.input("pos", (1,), torch.int64)
-    inv_freq = g.input("inv_freq", (24,), torch.float32)
-    q = g.embedding(tokens, g.input("embed", (50, 96), torch.bfloat16))
-    q = g.rope(g.rms_norm(q, g.input("q_norm", (48,), torch.bfloat16), 1e-6, head_dim=48), inv_freq, pos, 48)
-    cache = g.new_tensor((2 * 80, 48), torch.bfloat16, name="kv_cache")
-    k_cache = g.kv_append(cache, q[:, :48], pos, batch=2)
-    g.output("attention", g.decode_attention(q, k_cache, k_cache, pos, batch=2, head_dim=48))
+    examples = {}
+    for task_type in TASK_TYPES.values():
+        examples.setdefault(task_type.example, task_type.name)
+    for example, name in examples.items():
+        with g.scope(name):
+            for i, result in enumerate(example(g)):
+                g.output(f"{name}.{i}", result)
     return g
+
+
+def example_inputs(g: Graph, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random values for every input of ``every_task_type()``: normal floats, integers below INDEX_BOUND."""
+    gen = torch.Generator().manual_seed(seed)
+    return {name: (torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype) if t.dtype.is_floating_point
+                   else torch.randint(0, INDEX_BOUND, t.shape, generator=gen, dtype=t.dtype))
+            for name, t in g.inputs.items()}
 
 
 def mlp_block(hidden: int = 128, intermediate: int = 320, batch: int = 1, dtype=torch.float32) -> Graph:

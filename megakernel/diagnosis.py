@@ -1,0 +1,76 @@
+"""Hang diagnosis: what each worker was doing when a run stopped, and who should have signalled.
+
+Pure functions over a rank's tables and the status records the kernel wrote (``layout``), like
+``trace.rank_trace``; the runtime reads the records off the heaps and writes the files.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from .layout import DONE, EPOCH, EVENT, EXPECTED, OBSERVED, RUNNING, STATE, STATUS_WORDS, TASK, TIMED_OUT
+from .scheduler import OPCODE, QueueTables
+from .trace import Trace, rank_trace
+
+
+def status_records(words: np.ndarray) -> np.ndarray:
+    """The status region's words -> one record per worker, [workers, STATUS_WORDS] (the abort word dropped)."""
+    return words.reshape(-1, STATUS_WORDS)[1:]
+
+
+def stalled(status: np.ndarray) -> bool:
+    """Whether any worker of these records timed out or was stopped."""
+    return bool((status[:, STATE] != RUNNING).any())
+
+
+def task_label(t: QueueTables, task: int) -> str:
+    op = int(t.task_op[task])
+    return f"{t.op_names[op]} op {op}, {t.specs[int(t.rows[task, OPCODE])].task_type}"
+
+
+def deadlock_report(t: QueueTables, status: np.ndarray, epoch: int, peer_status: Mapping[int, np.ndarray]) -> str:
+    """The report of run ``epoch`` from this rank's records ``status`` and the records of the peers
+    (``peer_status[rank]``) whose tasks raise this rank's events."""
+    owner, position = t.worker_of(), t.queue_position()
+    done = status[:, DONE]
+    lines = []
+    for w, record in enumerate(status):
+        if record[STATE] == RUNNING:
+            lines.append(f"rank {t.rank} worker {w}: finished {int(done[w])} of {len(t.worker_queue(w))} tasks")
+            continue
+        task, event = int(record[TASK]), int(record[EVENT])
+        why = "timed out" if record[STATE] == TIMED_OUT else "stopped (another worker timed out)"
+        lines.append(f"rank {t.rank} worker {w}: {why} at task {task} ({task_label(t, task)}), queue position "
+                     f"{int(position[task])}: event {event} observed {int(record[OBSERVED])}, "
+                     f"expected {int(record[EXPECTED])}")
+        local = t.producers_of(event)
+        for p in local:
+            ran = position[p] < done[owner[p]]
+            lines.append(f"    producer task {p} ({task_label(t, p)}) on rank {t.rank} worker {int(owner[p])} "
+                         f"queue position {int(position[p])}: {'ran' if ran else 'did not run'}")
+        for rank, task_id, worker, pos in t.remote_producers.get(event, []):
+            peer = peer_status[rank][worker]
+            if peer[EPOCH] < epoch:
+                ran, progress = False, f"rank {rank} worker {worker} has not started run {epoch}"
+            else:
+                ran, progress = pos < peer[DONE], f"rank {rank} worker {worker} finished {int(peer[DONE])} tasks"
+            lines.append(f"    producer task {task_id} ({t.op_names[int(t.task_op[task_id])]}) on rank {rank} "
+                         f"worker {worker} queue position {pos}: {'ran' if ran else 'did not run'} ({progress})")
+        if not local and event not in t.remote_producers:
+            lines.append("    no task signals this event")
+    return "\n".join(lines)
+
+
+def write_hang_files(report: str, t: QueueTables, epoch: int, stamps: np.ndarray | None) -> list[Path]:
+    """The report, and with tracing (``stamps``) the partial trace of what finished, in the temp folder."""
+    stem = Path(tempfile.gettempdir()) / f"megakernel-hang-rank{t.rank}-{os.getpid()}-run{epoch}"
+    files = [stem.with_suffix(".txt")]
+    files[0].write_text(report + "\n")
+    if stamps is not None:
+        spans, edges = rank_trace(t, stamps)
+        files.append(Trace(spans, edges).save(stem.with_suffix(".json")))
+    return files

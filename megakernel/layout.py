@@ -1,0 +1,66 @@
+"""Where everything lives on a kernel's heap, declared for the host first.
+
+The heap holds the graph's buffers, then the kernel's regions: event counters, the status records,
+the task tables and, with tracing, the timestamps. ``device.py`` wraps the record layouts below as
+constexprs for the kernel; the runtime and the hang diagnosis read the same numbers.
+
+Status region: word 0 is the rank's abort flag (a whole record wide), then one record of
+STATUS_WORDS per worker. A worker writes DONE (tasks finished this run) and EPOCH (the run it is in)
+as it goes, and on a stall the rest: STATE, the TASK it waited for, that task's EVENT, the count it
+OBSERVED and the count it EXPECTED. CLOCK_SLOT is the kernel's own scratch word.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .scheduler import QueueTables
+
+HEAP_ALIGN = 256  # bytes: every buffer and region starts at a multiple
+
+STATUS_WORDS = 8
+STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE, EPOCH, CLOCK_SLOT = range(STATUS_WORDS)
+RUNNING, TIMED_OUT, STOPPED = range(3)  # values of STATE
+
+TRACE_WORDS = 3  # per task: wait start, run start, end (ns on the backend's clock)
+
+
+def align(size: int) -> int:
+    """``size`` rounded up to a multiple of HEAP_ALIGN."""
+    return -(-size // HEAP_ALIGN) * HEAP_ALIGN
+
+
+@dataclass(frozen=True)
+class HeapLayout:
+    """Byte offsets of the kernel's regions, named as the kernel arguments they become, and the heap size.
+
+    Buffers, events and status are at the same offsets on every rank (peers write them); the region
+    sizes are the largest any rank needs, so the whole layout is symmetric.
+    """
+
+    events_off: int
+    status_off: int
+    tasks_off: int
+    signals_off: int
+    queue_off: int
+    index_off: int
+    trace_off: int
+    size: int
+
+    @staticmethod
+    def sizes(tables: QueueTables, trace: bool) -> list[int]:
+        """This rank's bytes per region, in field order (the ranks agree on the largest of each)."""
+        return [8 * max(tables.num_events, 1), 8 * STATUS_WORDS * (tables.workers + 1), tables.rows.nbytes,
+                tables.signals.nbytes, tables.queue.nbytes, tables.queue_index.nbytes,
+                8 * TRACE_WORDS * len(tables.rows) if trace else 8]
+
+    @classmethod
+    def of(cls, buffers_bytes: int, sizes: list[int]) -> "HeapLayout":
+        offsets, at = [], align(buffers_bytes)
+        for size in sizes:
+            offsets.append(at)
+            at = align(at + max(size, 8))
+        return cls(*offsets, size=at)
+
+    def offsets(self) -> dict[str, int]:
+        """The kernel arguments: every region's offset."""
+        return {name: value for name, value in asdict(self).items() if name != "size"}

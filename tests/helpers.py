@@ -1,0 +1,48 @@
+"""What the tests share: tolerances, the poison-aware comparison, random inputs, the checked run."""
+import torch
+
+import megakernel as mk
+from megakernel.heap import HeapView
+from megakernel.reference import execute
+from megakernel.scheduler import deserialize, serialize
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}[dtype]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "") -> None:
+    """Every element written (no poison left) and within ``rtol`` of the largest reference magnitude."""
+    assert not torch.isnan(actual).any(), f"{what}: an element was never written (poison left)"
+    scale = expected.abs().max().clamp_min(1e-12)
+    error = ((actual.double() - expected.double()).abs().max() / scale).item()
+    assert error <= rtol, f"{what}: relative error {error:.3g} > {rtol}"
+
+
+def random_inputs(graph: mk.Graph, seed: int = 0, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: (torch.randn(t.shape, generator=generator, dtype=torch.float64) * scale).to(t.dtype)
+            for name, t in graph.inputs.items()}
+
+
+def run_checked(graph: mk.Graph, inputs: dict, workers: int = 2, policy: str = "critical_path",
+                kernel: mk.Megakernel | None = None) -> dict[str, torch.Tensor]:
+    """Run on the kernel with poisoned outputs, run the reference executor on the same heap, and check
+    that the two agree; returns the kernel's outputs."""
+    own = kernel is None
+    kernel = kernel or mk.Megakernel(graph, workers=workers, policy=policy)
+    try:
+        kernel.bind(inputs)
+        kernel.poison()
+        heap = kernel.heap.cpu().clone()
+        out = kernel.run()
+        execute(deserialize(serialize(kernel.tables)), heap)
+        view = HeapView(heap)
+        for name, t in graph.outputs.items():
+            ref = view.tensor(t.addr(0, 0), t.dtype, t.rows, t.cols, t.row_stride).reshape(t.shape)
+            assert_close(out[name], ref, tolerance(t.dtype) / 10 if t.dtype == torch.float32 else tolerance(t.dtype),
+                         f"kernel vs reference executor, output {name}")
+        return out
+    finally:
+        if own:
+            kernel.close()
