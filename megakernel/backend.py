@@ -35,6 +35,10 @@ class Heaps:
 class Backend(Protocol):
     name: str
     workers: int          # persistent programs of this rank
+    lost_workers: bool    # an interrupted launch had to kill workers: the heap is no longer theirs
+
+    def free_memory(self) -> int:
+        """Bytes a heap can take on this backend now."""
 
     def allocate(self, size: int) -> Heaps:
         """Collective over the ranks: every rank's heap of ``size`` bytes, mapped where workers see it."""
@@ -45,7 +49,8 @@ class Backend(Protocol):
     def launch(self, args: dict[str, int], abort: torch.Tensor) -> float:
         """Run every worker once with the kernel arguments ``args``; return the seconds the launch took
         (GPU: device time). On a failure, set ``abort`` (the rank's abort word) so the other workers
-        stop, and raise ``BackendError``."""
+        stop, and raise ``BackendError``. Interrupted (KeyboardInterrupt), return only when no worker
+        runs any more (or set ``lost_workers``), then re-raise."""
 
     def close(self) -> None:
         """Release the heap and the workers' mappings of it."""

@@ -6,7 +6,10 @@ its worker id as an argument, and all workers share the heap through shared memo
 
 Starting a process that imports torch and triton costs seconds, so workers live in a pool that
 outlives kernels: a kernel maps its heap into the pool's first ``workers`` processes once, and every
-run sends each of them one message.
+run sends each of them one message. Every message carries a number that its reply repeats, so a
+reply can never be taken for another's; a pool serves one kernel at a time (its lock), so kernels
+may run from several threads; and a run interrupted in the host (Ctrl-C) stops its workers before
+the interrupt goes on: no worker is left running on a heap that the next run will use.
 """
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -27,7 +32,7 @@ from pathlib import Path
 import torch
 
 from .errors import BackendError
-from .heap import SharedHeap
+from .heap import SHM_DIR, SharedHeap
 
 PR_SET_PDEATHSIG = 1
 _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megakernel-spawner")
@@ -57,8 +62,8 @@ class Part:
         return f"{self.name}@{self.offset}"
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this worker when the process that started it dies, even mid-kernel."""
+def die_with_parent() -> None:
+    """Ask Linux to kill this process (a worker, a rank) when the process that started it dies, even mid-kernel."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
@@ -71,17 +76,17 @@ def _worker_main(fd: int) -> None:
     """A worker's life: map heaps, run kernels, until the pool closes the connection."""
     from .codegen import load_kernel
 
-    _die_with_parent()
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the process that runs the kernel: it stops us
     conn = Connection(fd)
     heaps: dict[str, list[SharedHeap]] = {}   # by the kernel's own heap key: the segments it maps
     bases: dict[str, torch.Tensor] = {}       # by the same key: every rank's heap address here, in rank order
-    conn.send(("ready", os.getpid()))
+    conn.send((0, "ok", os.getpid()))
     while True:
         try:
-            message = conn.recv()
+            number, command, payload = conn.recv()
         except (EOFError, OSError):
             return
-        command, payload = message
         try:
             if command == "map":
                 parts, rank = payload
@@ -89,12 +94,12 @@ def _worker_main(fd: int) -> None:
                 heaps[parts[rank].key] = list(mapped.values())
                 bases[parts[rank].key] = torch.tensor([mapped[p.name].address + p.offset for p in parts],
                                                       dtype=torch.int64)
-                conn.send(("ok", None))
+                conn.send((number, "ok", None))
             elif command == "unmap":
                 bases.pop(payload, None)
                 for heap in heaps.pop(payload, []):
                     heap.close()
-                conn.send(("ok", None))
+                conn.send((number, "ok", None))
             elif command == "run":
                 launch: Launch = payload
                 kernel = load_kernel(launch.kernel)
@@ -102,11 +107,11 @@ def _worker_main(fd: int) -> None:
                 constexprs = {name: args.pop(name) for name in ("ROW", "TRACE")}
                 start = time.perf_counter()
                 kernel[(1,)](bases[launch.heap].data_ptr(), launch.rank, launch.worker, **args, **constexprs)
-                conn.send(("ok", time.perf_counter() - start))
+                conn.send((number, "ok", time.perf_counter() - start))
             else:
-                conn.send(("error", f"unknown command {command!r}"))
+                conn.send((number, "error", f"unknown command {command!r}"))
         except Exception:
-            conn.send(("error", traceback.format_exc()))
+            conn.send((number, "error", traceback.format_exc()))
 
 
 class _Worker:
@@ -124,30 +129,36 @@ class _Worker:
                                        stdin=subprocess.DEVNULL).result()
         child.close()
         self.conn = Connection(parent.detach())
+        self.sent = 0  # messages sent; the worker's first message (ready) answers number 0
 
     def send(self, command: str, payload) -> None:
         try:
-            self.conn.send((command, payload))
+            self.conn.send((self.sent + 1, command, payload))
         except OSError:
             raise BackendError(f"worker process {self.process.pid} died "
                                f"(exit code {self.process.poll()})") from None
+        self.sent += 1
 
     def request(self, command: str, payload, timeout: float | None = None):
         self.send(command, payload)
         return self.reply(timeout)
 
     def reply(self, timeout: float | None = None):
+        """The reply to the last message sent; replies to earlier ones (abandoned by an interrupt) are dropped."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.conn.poll(0.05):
-            if self.process.poll() is not None:
-                raise BackendError(f"worker process {self.process.pid} died (exit code {self.process.returncode})")
-            if deadline is not None and time.monotonic() > deadline:
-                raise BackendError(f"worker process {self.process.pid} did not answer within {timeout} s")
-        try:
-            status, value = self.conn.recv()
-        except (EOFError, OSError):
-            raise BackendError(f"worker process {self.process.pid} closed its pipe "
-                               f"(exit code {self.process.poll()})") from None
+        while True:
+            while not self.conn.poll(0.05):
+                if self.process.poll() is not None:
+                    raise BackendError(f"worker process {self.process.pid} died (exit code {self.process.returncode})")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise BackendError(f"worker process {self.process.pid} did not answer within {timeout} s")
+            try:
+                number, status, value = self.conn.recv()
+            except (EOFError, OSError):
+                raise BackendError(f"worker process {self.process.pid} closed its pipe "
+                                   f"(exit code {self.process.poll()})") from None
+            if number == self.sent:
+                break
         if status == "error":
             raise BackendError(f"worker process {self.process.pid} failed:\n{value}")
         return value
@@ -160,8 +171,11 @@ class _Worker:
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            self.kill()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
 
 class WorkerPool:
@@ -171,6 +185,7 @@ class WorkerPool:
 
     def __init__(self):
         self.workers: list[_Worker] = []
+        self.lock = threading.RLock()  # one kernel's requests at a time: kernels of several threads share a pool
 
     def ensure(self, count: int) -> list[_Worker]:
         """The first ``count`` workers, started now if the pool has fewer (all at once: they import in parallel)."""
@@ -191,14 +206,14 @@ class WorkerPool:
 
 
 _default_pools: dict[int, WorkerPool] = {}
+_default_pools_lock = threading.Lock()
 
 
 def default_pool(slot: int = 0) -> WorkerPool:
     """The pool kernels share unless given one, one per virtual rank (``slot``: a rank's workers must
     not be another rank's); ``shutdown()`` stops them (a later kernel starts new ones)."""
-    if slot not in _default_pools:
-        _default_pools[slot] = WorkerPool()
-    return _default_pools[slot]
+    with _default_pools_lock:
+        return _default_pools.setdefault(slot, WorkerPool())
 
 
 def default_pool_pids() -> set[int]:
@@ -207,8 +222,12 @@ def default_pool_pids() -> set[int]:
 
 
 def shutdown() -> None:
-    while _default_pools:
-        _default_pools.popitem()[1].close()
+    with _default_pools_lock:
+        pools = list(_default_pools.values())
+        _default_pools.clear()
+    for pool in pools:
+        with pool.lock:
+            pool.close()
 
 
 class CpuBackend:
@@ -216,14 +235,25 @@ class CpuBackend:
 
     name = "cpu"
     DEFAULT_WORKERS = 2
+    STOP_SECONDS = 10.0  # how long an interrupted run's workers get to stop at their next wait
 
     def __init__(self, group, kernel_path: Path, workers: int | None, pool: WorkerPool | None):
         self.group, self.kernel_path = group, kernel_path
         self.workers = self.DEFAULT_WORKERS if workers is None else workers
+        cores = os.cpu_count() or 1
+        if self.workers > 2 * cores:
+            warnings.warn(f"{self.workers} cpu workers on {cores} cores: each is a process that spins while it waits, "
+                          f"so they take turns and a run slows down; each also takes ~2 s and ~300 MB to start",
+                          stacklevel=4)  # the caller of Megakernel
         self.pool = pool or default_pool(group.slot)
         self.processes: list[_Worker] = []
         self.segments: list[SharedHeap] = []  # mapped here: this rank's and the peers' (or the one shared)
         self.key = ""
+        self.lost_workers = False  # an interrupted run had to kill some: the heap is mapped in no others
+
+    def free_memory(self) -> int:
+        shm = os.statvfs(SHM_DIR)
+        return shm.f_bavail * shm.f_frsize
 
     def allocate(self, size: int):
         from .backend import Heaps
@@ -242,9 +272,10 @@ class CpuBackend:
             tensors = {r: heap.tensor for r, heap in enumerate(self.segments)}
         self.key = parts[rank].key
         try:
-            self.processes = self.pool.ensure(self.workers)
-            for worker in self.processes:
-                worker.request("map", (parts, rank), timeout=60)
+            with self.pool.lock:
+                self.processes = self.pool.ensure(self.workers)
+                for worker in self.processes:
+                    worker.request("map", (parts, rank), timeout=60)
             group.barrier(timeout=120, why="map every heap")
         finally:
             if created is not None:
@@ -255,31 +286,51 @@ class CpuBackend:
         pass  # host writes to shared memory are visible at once
 
     def launch(self, args: dict[str, int], abort: torch.Tensor) -> float:
-        start = time.perf_counter()
-        failure, running = None, []
-        for w, worker in enumerate(self.processes):
+        with self.pool.lock:
+            start = time.perf_counter()
+            failure, running = None, []
             try:
-                worker.send("run", Launch(self.key, str(self.kernel_path), w, self.group.rank, args))
-                running.append((w, worker))
-            except BackendError as error:
-                failure = failure or BackendError(f"worker {w}: {error}")
-        for w, worker in running:
+                for w, worker in enumerate(self.processes):
+                    try:
+                        worker.send("run", Launch(self.key, str(self.kernel_path), w, self.group.rank, args))
+                        running.append((w, worker))
+                    except BackendError as error:
+                        failure = failure or BackendError(f"worker {w}: {error}")
+                while running:
+                    w, worker = running[0]
+                    if failure is not None:
+                        abort.fill_(1)  # the other workers stop at their next wait
+                    try:
+                        worker.reply()
+                    except BackendError as error:
+                        failure = failure or BackendError(f"worker {w}: {error}")
+                    running.pop(0)
+            except BaseException:  # an interrupt: stop the run before it goes on
+                abort.fill_(1)
+                self._stop(worker for _, worker in running)
+                raise
             if failure is not None:
-                abort.fill_(1)  # the other workers stop at their next wait
+                raise failure
+            return time.perf_counter() - start
+
+    def _stop(self, workers) -> None:
+        """Wait a little for ``workers`` (told to abort) to finish their run; kill those that do not
+        (the pool replaces them, and this kernel then refuses to run)."""
+        deadline = time.monotonic() + self.STOP_SECONDS
+        for worker in workers:
             try:
-                worker.reply()
-            except BackendError as error:
-                failure = failure or BackendError(f"worker {w}: {error}")
-        if failure is not None:
-            raise failure
-        return time.perf_counter() - start
+                worker.reply(max(deadline - time.monotonic(), 0.0))
+            except BaseException:  # no answer in time, a second interrupt, a dead worker
+                worker.kill()
+                self.lost_workers = True
 
     def close(self) -> None:
-        for worker in self.processes:
-            try:
-                worker.request("unmap", self.key, timeout=30)
-            except Exception:
-                pass  # a dead worker holds no mapping
+        with self.pool.lock:
+            for worker in self.processes:
+                try:
+                    worker.request("unmap", self.key, timeout=30)
+                except Exception:
+                    pass  # a dead worker holds no mapping
         if not self.group.virtual:  # a virtual segment is shared: it goes with its last user
             self.segments[self.group.rank].unlink()
             for segment in self.segments:

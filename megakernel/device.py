@@ -21,9 +21,10 @@ from .scheduler import tables
 
 # The status record and trace stamps (``layout``), as constexprs for the kernel.
 STATUS_WORDS, TRACE_WORDS = tl.constexpr(layout.STATUS_WORDS), tl.constexpr(layout.TRACE_WORDS)
-STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE, EPOCH, CLOCK_SLOT = (
+STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE, EPOCH, CLOCK_SLOT, FAULT, FAULT_AT, FAULT_VALUE, FAULT_BOUND = (
     tl.constexpr(i) for i in (layout.STATE, layout.TASK, layout.EVENT, layout.OBSERVED, layout.EXPECTED, layout.DONE,
-                              layout.EPOCH, layout.CLOCK_SLOT))
+                              layout.EPOCH, layout.CLOCK_SLOT, layout.FAULT, layout.FAULT_AT, layout.FAULT_VALUE,
+                              layout.FAULT_BOUND))
 TIMED_OUT, STOPPED = tl.constexpr(layout.TIMED_OUT), tl.constexpr(layout.STOPPED)
 
 
@@ -105,6 +106,21 @@ def report_stall(status, abort, task, event, observed, target):
 
 
 @triton.jit
+def checked_index(status, index, bound):
+    """``index`` clamped into [0, bound): a data-dependent index (a token id, a position) never leaves
+    its buffer. The first one out of range in a run takes note in the worker's status record: the
+    value, the bound and the task (its queue position: the tasks the worker finished before it); the
+    host raises after the run."""
+    if (index < 0) | (index >= bound):
+        if tl.load(status + FAULT) == 0:
+            tl.store(status + FAULT_VALUE, index)
+            tl.store(status + FAULT_BOUND, bound)
+            tl.store(status + FAULT_AT, tl.load(status + DONE))
+            tl.store(status + FAULT, 1)
+    return tl.minimum(tl.maximum(index, 0), bound - 1)
+
+
+@triton.jit
 def signal_event(bases, rank, events_off, event, increment):
     """Release-add ``increment`` to ``event`` on ``rank`` (this rank or a peer)."""
     counter = peer_ptr(bases, rank, events_off + event * 8, tl.int64)
@@ -141,7 +157,7 @@ def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, sign
                     CLOCK: tl.constexpr, TRACE: tl.constexpr):
     """One worker's whole run: for each task of its queue, wait, run the tile, signal.
 
-    ``RUN_TILE(opcode, base, bases, args)`` dispatches to the tile functions (generated per graph). A wait
+    ``RUN_TILE(opcode, base, bases, status, args)`` dispatches to the tile functions (generated per graph). A wait
     that times out writes this worker's status record and stops every worker of the rank. With
     ``TRACE``, each task records when it started waiting, started running and finished (its stores
     done, just before its signals) at ``trace[task * TRACE_WORDS]``; without it no clock is read and nothing is stored.
@@ -157,6 +173,7 @@ def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, sign
     first = tl.load(heap_ptr(base, index_off, tl.int64) + worker)
     last = tl.load(heap_ptr(base, index_off, tl.int64) + worker + 1)
     tl.store(status + DONE, 0)
+    tl.store(status + FAULT, 0)
     tl.store(status + EPOCH, epoch)  # DONE counts tasks of this run; peers' reports read both
     i = first
     running = 1
@@ -177,7 +194,7 @@ def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, sign
             tl.debug_barrier()
             if TRACE:
                 tl.store(stamp + 1, CLOCK())
-            RUN_TILE(opcode, base, bases, row + ROW_ARG0)
+            RUN_TILE(opcode, base, bases, status, row + ROW_ARG0)
             tl.debug_barrier()
             if TRACE:  # before the signals: a consumer may start as soon as they are sent
                 tl.store(stamp + 2, CLOCK())

@@ -1,18 +1,20 @@
 """Hang diagnosis: what each worker was doing when a run stopped, and who should have signalled.
 
 Pure functions over a rank's tables and the status records the kernel wrote (``layout``), like
-``trace.rank_trace``; the runtime reads the records off the heaps and writes the files.
+``trace.rank_trace`` (the runtime reads the records off the heaps), and the writing of a hang's files.
 """
 from __future__ import annotations
 
+import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
 
-from .layout import DONE, EPOCH, EVENT, EXPECTED, OBSERVED, RUNNING, STATE, STATUS_WORDS, TASK, TIMED_OUT
+from .files import reports_dir, write_new
+from .layout import (DONE, EPOCH, EVENT, EXPECTED, FAULT, FAULT_AT, FAULT_BOUND, FAULT_VALUE, OBSERVED, RUNNING, STATE,
+                     STATUS_WORDS, TASK, TIMED_OUT)
 from .scheduler import OPCODE, QueueTables
 from .trace import Trace, rank_trace
 
@@ -30,6 +32,17 @@ def stalled(status: np.ndarray) -> bool:
 def task_label(t: QueueTables, task: int) -> str:
     op = int(t.task_op[task])
     return f"{t.op_names[op]} op {op}, {t.specs[int(t.rows[task, OPCODE])].task_type}"
+
+
+def index_faults(t: QueueTables, status: np.ndarray) -> list[str]:
+    """One line per worker whose tile met a data-dependent index out of range (``device.checked_index``)."""
+    lines = []
+    for w in np.flatnonzero(status[:, FAULT]).tolist():
+        record = status[w]
+        task = int(t.worker_queue(w)[record[FAULT_AT]])
+        lines.append(f"rank {t.rank} worker {w} task {task} ({task_label(t, task)}): index {int(record[FAULT_VALUE])} "
+                     f"is outside [0, {int(record[FAULT_BOUND])})")
+    return lines
 
 
 def deadlock_report(t: QueueTables, status: np.ndarray, epoch: int, peer_status: Mapping[int, np.ndarray]) -> str:
@@ -66,11 +79,10 @@ def deadlock_report(t: QueueTables, status: np.ndarray, epoch: int, peer_status:
 
 
 def write_hang_files(report: str, t: QueueTables, epoch: int, stamps: np.ndarray | None) -> list[Path]:
-    """The report, and with tracing (``stamps``) the partial trace of what finished, in the temp folder."""
-    stem = Path(tempfile.gettempdir()) / f"megakernel-hang-rank{t.rank}-{os.getpid()}-run{epoch}"
-    files = [stem.with_suffix(".txt")]
-    files[0].write_text(report + "\n")
+    """The report, and with tracing (``stamps``) the partial trace of what finished, as new files of this
+    user's reports folder (``files.reports_dir``)."""
+    folder, prefix = reports_dir(), f"hang-rank{t.rank}-pid{os.getpid()}-run{epoch}-"
+    files = [write_new(folder, prefix, ".txt", report + "\n")]
     if stamps is not None:
-        spans, edges = rank_trace(t, stamps)
-        files.append(Trace(spans, edges).save(stem.with_suffix(".json")))
+        files.append(write_new(folder, prefix, ".json", json.dumps(Trace(*rank_trace(t, stamps)).chrome())))
     return files

@@ -1,4 +1,5 @@
-"""The error types of the public API."""
+"""The error types of the public API, and the checks of the arguments every entry point shares."""
+import math
 
 
 class MegakernelError(Exception):
@@ -22,3 +23,19 @@ class DeadlockError(MegakernelError, RuntimeError):
 
 class BackendError(MegakernelError, RuntimeError):
     """No such device, a worker process died, an IPC failure, a peer gone."""
+
+
+MAX_TIMEOUT = 1e6  # seconds (11.6 days): past it a wait's deadline in nanoseconds no longer fits an int64
+
+
+def is_count(value) -> bool:
+    """A positive int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_timeout(value, what: str = "timeout") -> float:
+    """``value`` as seconds in (0, MAX_TIMEOUT]; anything else is a ``GraphError``."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= MAX_TIMEOUT
+    if not ok or math.isnan(value):
+        raise GraphError(f"{what} must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {value!r}")
+    return float(value)

@@ -100,6 +100,7 @@ class GpuBackend:
         self.stream = torch.cuda.Stream(self.device)
         self.heaps: list[torch.Tensor] = []
         self.bases: torch.Tensor | None = None
+        self.lost_workers = False  # an interrupted launch is waited for: it ends by the device watchdog
 
     def _compile(self, args: dict[str, int]):
         """The compiled kernel these arguments (ROW and TRACE included) launch, loaded: compiled now if
@@ -137,6 +138,9 @@ class GpuBackend:
         group.barrier(timeout=120, why="map every heap")
         return Heaps(self.heaps[rank], {r: h for r, h in enumerate(self.heaps) if r != rank})
 
+    def free_memory(self) -> int:
+        return torch.cuda.mem_get_info(self.device)[0]
+
     def settle(self) -> None:
         # This thread's stream only: a virtual peer's kernel may be running on the same device.
         torch.cuda.current_stream(self.device).synchronize()
@@ -154,6 +158,9 @@ class GpuBackend:
                 self.kernel[(self.workers,)](**args, **launch_options(self.name))
                 end.record()
             self._wait(end)
+        except KeyboardInterrupt:  # the programs' waits time out by themselves: let them end before going on
+            end.synchronize()
+            raise
         except Exception as error:  # a fault makes the CUDA/HIP context unusable: say where it happened
             raise BackendError(f"rank {self.group.rank}: the {self.name} launch of {self.workers} programs on "
                                f"{self.device} failed: {type(error).__name__}: {error}") from None

@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from operator import itemgetter
+from typing import Any, Callable
 
 import torch
 
-from .errors import GraphError
+from .errors import GraphError, is_count
 from .layout import align
 from .scheduler import Region, Spec, Tasks, task_cost
 from .tasks import DTYPES, OPS, TaskType
@@ -132,7 +133,7 @@ class Graph:
     def __init__(self, world_size: int | None = None, rank: int | None = None, parallelism: int = 1):
         """``parallelism``: the number of workers the graph is meant for; ops whose natural tiling gives
         fewer tiles split finer (split-K linears, more attention splits) to keep that many busy."""
-        if not (isinstance(parallelism, int) and parallelism >= 1):
+        if not is_count(parallelism):
             raise GraphError(f"parallelism must be a positive integer, got {parallelism!r}")
         self.parallelism = parallelism
         group_size, group_rank = _process_group()
@@ -150,6 +151,7 @@ class Graph:
         self.op_calls: list[str] = []  # one line per op call, what ranks compare before a launch
         self.heap_bytes = 0
         self._spec_index: dict[tuple, int] = {}
+        self._words: list[Callable[[dict], tuple]] = []  # per opcode: a task's keywords -> its argument words
 
     # -- user API ---------------------------------------------------------------------------------
     def input(self, name: str, shape, dtype: torch.dtype) -> Tensor:
@@ -199,8 +201,8 @@ class Graph:
             raise GraphError(message)
 
     def new_tensor(self, shape, dtype: torch.dtype, name: str | None = None) -> Tensor:
-        shape = tuple(shape)
-        if len(shape) not in (1, 2) or not all(isinstance(s, int) and s > 0 for s in shape):
+        shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
+        if len(shape) not in (1, 2) or not all(map(is_count, shape)):
             raise GraphError(f"{name or 'tensor'}: shape must be 1-D or 2-D of positive ints, got {shape}")
         if dtype not in DTYPES:
             raise GraphError(f"{name or 'tensor'}: dtype {dtype} is not supported; use one of "
@@ -217,8 +219,8 @@ class Graph:
         signature declares), made on first use."""
         if set(constexprs) != set(task_type.constexpr_names):
             missing = sorted(set(task_type.constexpr_names) - set(constexprs))
-            word = missing[0] if missing else sorted(set(constexprs) - set(task_type.constexpr_names))[0]
-            raise GraphError(f"task type {task_type.name}: {'missing' if missing else 'unknown'} constexpr {word!r}; "
+            name = missing[0] if missing else sorted(set(constexprs) - set(task_type.constexpr_names))[0]
+            raise GraphError(f"task type {task_type.name}: {'missing' if missing else 'unknown'} constexpr {name!r}; "
                              f"its tile takes {', '.join(task_type.constexpr_names) or 'none'}")
         consts = tuple((k, DTYPES[v] if isinstance(v, torch.dtype) else v) for k, v in constexprs.items())
         key = (task_type.name, consts)
@@ -226,15 +228,17 @@ class Graph:
         if opcode is None:
             opcode = self._spec_index[key] = len(self.specs)
             self.specs.append(Spec(task_type.name, consts, task_type.arg_names))
+            names = task_type.arg_names  # itemgetter gives a tuple only for two names or more
+            self._words.append(itemgetter(*names) if len(names) > 1 else lambda words: tuple(words[n] for n in names))
         return opcode
 
-    def add_task(self, opcode: int, *, reads: tuple[Region, ...], writes: tuple[Region, ...], bytes: int,
+    def add_task(self, opcode: int, /, *, reads: tuple[Region, ...], writes: tuple[Region, ...], bytes: int,
                  flops: int, remote: tuple[tuple[int, Region], ...] = (), **words: int) -> None:
         """One task of ``opcode``: its argument ``words`` by name (every one its tile declares), the
         regions it reads and writes here, what it writes on other ranks, and its cost."""
         names = self.specs[opcode].arg_names
         try:
-            args = tuple([words[name] for name in names])
+            args = self._words[opcode](words)
         except KeyError as missing:
             raise GraphError(f"task type {self.specs[opcode].task_type}: missing argument word {missing}") from None
         if len(words) != len(names):
@@ -279,7 +283,7 @@ class Graph:
         self.tasks.truncate(tasks)
         for spec in self.specs[specs:]:
             del self._spec_index[(spec.task_type, spec.constexprs)]
-        del self.specs[specs:]
+        del self.specs[specs:], self._words[specs:]
         self.heap_bytes = heap_bytes
 
     def _own(self, tensor: Tensor, what: str) -> None:

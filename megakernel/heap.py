@@ -1,14 +1,18 @@
 """Heaps on the host side: typed views of any heap, and the cpu backend's shared-memory segment.
 
-The cpu backend's heap is a POSIX shared-memory segment, mode 0600, with an unguessable name. The
-creator unlinks the name as soon as every process that needs the segment has mapped it, so a crash
-afterwards cannot leak it: the memory lives exactly as long as its mappings.
+The cpu backend's heap is a POSIX shared-memory segment, mode 0600, with an unguessable name that
+carries its creator's pid (and the launch's id, under ``launch``). The creator unlinks the name as
+soon as every process that needs the segment has mapped it, so a crash afterwards cannot leak it:
+the memory lives exactly as long as its mappings, and a view of it keeps its mapping alive. A
+process killed before that point leaves the name behind; the next segment made by the same user
+sweeps the names whose creator is gone.
 """
 from __future__ import annotations
 
 import mmap
 import os
 import secrets
+import shutil
 
 import torch
 
@@ -57,9 +61,9 @@ class SharedHeap:
 
     @classmethod
     def create(cls, size: int) -> "SharedHeap":
-        launch = os.environ.get(LAUNCH_ENV)
-        prefix = f"{SEGMENT_PREFIX}{launch}-" if launch else SEGMENT_PREFIX
-        return cls(f"{prefix}{secrets.token_hex(16)}", max(size, 1), create=True)
+        sweep_orphans(SHM_DIR, SEGMENT_PREFIX)
+        launch = os.environ.get(LAUNCH_ENV, "none")
+        return cls(f"{SEGMENT_PREFIX}{os.getpid()}-{launch}-{secrets.token_hex(16)}", max(size, 1), create=True)
 
     def unlink(self) -> None:
         try:
@@ -68,18 +72,52 @@ class SharedHeap:
             pass
 
     def close(self) -> None:
-        self.tensor = None
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+        """Drop this mapping: it is unmapped when the last tensor viewing it goes, not before (a view
+        handed out earlier stays valid)."""
+        self.tensor = self._map = None
 
 
 def remove_segments(launch_id: str) -> None:
     """Unlink every segment a launch's ranks created and did not unlink (a rank died in between)."""
-    prefix = f"{SEGMENT_PREFIX}{launch_id}-"
     for name in os.listdir(SHM_DIR):
-        if name.startswith(prefix):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except FileNotFoundError:
-                pass
+        fields = name.split("-")
+        if name.startswith(SEGMENT_PREFIX) and len(fields) == 4 and fields[2] == launch_id:
+            _remove(os.path.join(SHM_DIR, name))
+
+
+def sweep_orphans(folder: str, prefix: str) -> None:
+    """Remove this user's entries ``<prefix><pid>-...`` of ``folder`` whose creating process is gone."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return
+    for name in names:
+        pid = name[len(prefix):].split("-")[0]
+        if not (name.startswith(prefix) and pid.isdigit()) or _alive(int(pid)):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            if os.lstat(path).st_uid == os.getuid():
+                _remove(path)
+        except FileNotFoundError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    return True
+
+
+def _remove(path: str) -> None:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,14 +1,19 @@
-"""Kernel images: a kernel's tables and heap saved to one file, readable without the graph."""
+"""Kernel images: a kernel's tables and heap saved to one file, readable without the graph.
+
+An image is a file from anyone: every part is checked before it is used, and the heap (the large
+part) is read only when asked for, after its declared size is checked against the bytes the file
+holds for it."""
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .scheduler import QueueTables, deserialize
+from .scheduler import FormatError, QueueTables, deserialize
 from .heap import HeapView
 
 
@@ -23,13 +28,35 @@ class Image:
         return HeapView(self.heap).tensor(offset, dtype, rows, cols, stride)
 
 
-def load(path: str | Path) -> Image:
-    """Read a ``Megakernel.save_image`` file (.npz) or a bare serialized table."""
+def load(path: str | Path, heap: bool = True) -> Image:
+    """Read a ``Megakernel.save_image`` file (.npz; the heap too unless ``heap=False``) or a bare
+    serialized table."""
     path = Path(path)
-    if path.suffix == ".npz":
-        with np.load(path) as data:
-            tables = deserialize(data["tables"].tobytes())
-            heap = torch.from_numpy(data["heap"].copy())
-            outputs = json.loads(data["outputs"].tobytes().decode())
-        return Image(tables, heap, {k: tuple(v) for k, v in outputs.items()})
-    return Image(deserialize(path.read_bytes()), None, {})
+    if path.suffix != ".npz":
+        return Image(deserialize(path.read_bytes()), None, {})
+    with zipfile.ZipFile(path) as archive:
+        tables = deserialize(_member(archive, "tables", np.uint8).tobytes())
+        outputs = json.loads(_member(archive, "outputs", np.uint8).tobytes().decode())
+        memory = torch.from_numpy(_member(archive, "heap", np.uint8)) if heap else None
+    if not isinstance(outputs, dict) or not all(isinstance(v, list) and len(v) == 5 for v in outputs.values()):
+        raise FormatError(f"{path}: the outputs record is not a kernel image's")
+    return Image(tables, memory, {k: tuple(v) for k, v in outputs.items()})
+
+
+def _member(archive: zipfile.ZipFile, name: str, dtype) -> np.ndarray:
+    """The 1-D array ``name`` of an .npz archive, its header checked against the bytes stored for it
+    before any of them is read (a header may claim gigabytes that a small compressed file lacks)."""
+    try:
+        info = archive.getinfo(f"{name}.npy")
+    except KeyError:
+        raise FormatError(f"not a kernel image: no {name!r} array") from None
+    with archive.open(info) as file:
+        readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+        reader = readers.get(np.lib.format.read_magic(file))
+        if reader is None:
+            raise FormatError(f"not a kernel image: its {name!r} array has an unknown .npy version")
+        shape, _, stored = reader(file)
+        if stored != np.dtype(dtype) or len(shape) != 1 or shape[0] != info.file_size - file.tell():
+            raise FormatError(f"not a kernel image: its {name!r} array claims {stored} {shape}, and the file holds "
+                              f"{info.file_size - file.tell()} bytes for it")
+        return np.frombuffer(file.read(shape[0]), dtype=dtype).copy()

@@ -27,10 +27,11 @@ from typing import Any, Callable
 
 from . import bootstrap
 from .backend import resolve
-from .errors import BackendError, MegakernelError
-from .heap import LAUNCH_ENV, remove_segments
+from .errors import BackendError, MegakernelError, check_timeout, is_count
+from .heap import LAUNCH_ENV, remove_segments, sweep_orphans
 
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+STORE_PREFIX = "megakernel-launch-"  # a launch's rendezvous folder: <prefix><launcher pid>-<random>
 
 
 class RankError(MegakernelError):
@@ -60,8 +61,9 @@ def _init_group(rank: int, world_size: int, init_method: str, timeout: float, ba
 
 
 def _rank_main(fn, rank: int, world_size: int, init_method: str, timeout: float, backend: str, conn) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     from . import cpu_backend
+    cpu_backend.die_with_parent()  # a launcher killed outright takes its ranks (and their workers) along
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch.distributed as dist
     try:
         _init_group(rank, world_size, init_method, timeout, backend)
@@ -90,15 +92,17 @@ def launch(fn: Callable[[], Any], world_size: int, backend: str = "auto", timeou
     this process sharing its device (any callable will do).
     """
     backend = resolve(backend)
-    if world_size < 1:
-        raise BackendError(f"world_size must be at least 1, got {world_size}")
+    if not is_count(world_size):
+        raise BackendError(f"world_size must be a positive integer, got {world_size!r}")
+    timeout = check_timeout(timeout)
     if virtual:
         return _launch_virtual(fn, world_size, backend, timeout)
     if _under_torchrun():
         return _launch_in_torchrun(fn, world_size, timeout, backend)
     context = mp.get_context("spawn")
     launch_id = secrets.token_hex(6)
-    with tempfile.TemporaryDirectory(prefix="megakernel-launch-") as tmp:
+    sweep_orphans(tempfile.gettempdir(), STORE_PREFIX)  # the stores of launchers that were killed outright
+    with tempfile.TemporaryDirectory(prefix=f"{STORE_PREFIX}{os.getpid()}-") as tmp:
         init_method = f"file://{os.path.join(tmp, 'store')}"
         ranks, conns = [], []
         with _environment(LAUNCH_ENV, launch_id):  # inherited by the ranks: names their heap segments
@@ -123,7 +127,7 @@ def launch(fn: Callable[[], Any], world_size: int, backend: str = "auto", timeou
 
 @contextmanager
 def _environment(name: str, value: str) -> Iterator[None]:
-    """``os.environ[name] = value`` inside (for the processes started meanwhile), as it was after."""
+    """``os.environ[name] = value`` inside (for the ranks started meanwhile, processes or threads), as it was after."""
     saved = os.environ.get(name)
     os.environ[name] = value
     try:

@@ -7,18 +7,22 @@ constexprs for the kernel; the runtime and the hang diagnosis read the same numb
 Status region: word 0 is the rank's abort flag (a whole record wide), then one record of
 STATUS_WORDS per worker. A worker writes DONE (tasks finished this run) and EPOCH (the run it is in)
 as it goes, and on a stall the rest: STATE, the TASK it waited for, that task's EVENT, the count it
-OBSERVED and the count it EXPECTED. CLOCK_SLOT is the kernel's own scratch word.
+OBSERVED and the count it EXPECTED. CLOCK_SLOT is the kernel's own scratch word. A tile that met a
+data-dependent index out of range (a token id, a position) sets FAULT and records the VALUE, the
+BOUND it had to stay below, and FAULT_AT: the worker's DONE count then, i.e. the queue position of
+the task that met it.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from .scheduler import QueueTables
 
 HEAP_ALIGN = 256  # bytes: every buffer and region starts at a multiple
 
-STATUS_WORDS = 8
-STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE, EPOCH, CLOCK_SLOT = range(STATUS_WORDS)
+STATUS_WORDS = 12
+(STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE, EPOCH, CLOCK_SLOT,
+ FAULT, FAULT_AT, FAULT_VALUE, FAULT_BOUND) = range(STATUS_WORDS)
 RUNNING, TIMED_OUT, STOPPED = range(3)  # values of STATE
 
 TRACE_WORDS = 3  # per task: wait start, run start, end (ns on the backend's clock)
@@ -64,3 +68,7 @@ class HeapLayout:
     def offsets(self) -> dict[str, int]:
         """The kernel arguments: every region's offset."""
         return {name: value for name, value in asdict(self).items() if name != "size"}
+
+    @classmethod
+    def offset_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls) if f.name != "size")

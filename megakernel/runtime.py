@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 from typing import Mapping
 
@@ -12,7 +13,7 @@ from . import codegen, diagnosis
 from .backend import Backend, resolve
 from .bootstrap import Group, check_agreement
 from .cpu_backend import CpuBackend, WorkerPool
-from .errors import BackendError, DeadlockError, GraphError
+from .errors import BackendError, DeadlockError, GraphError, check_timeout, is_count
 from .graph import Graph, Tensor
 from .heap import HeapView
 from .layout import STATUS_WORDS, TRACE_WORDS, HeapLayout
@@ -41,20 +42,24 @@ class Megakernel:
             raise GraphError("the graph has no tasks: add ops before building a kernel")
         if not graph.outputs:
             raise GraphError("the graph has no outputs: mark results with graph.output(name, tensor)")
-        if workers is not None and not (isinstance(workers, int) and workers >= 1):
+        if workers is not None and not is_count(workers):
             raise GraphError(f"workers must be a positive integer, got {workers!r}")
         self.graph = graph
-        self.timeout = float(timeout)
+        self.timeout = check_timeout(timeout)
         self.tracing = bool(trace)
         self.trace: Trace | None = None  # of the last run, every rank's tasks
         self.launch_seconds = 0.0          # of the last run: the launch alone (GPU: device time)
         self.group = Group(graph.world_size, graph.rank)
+        self.group.barrier(timeout=self.timeout, why="build the kernel")  # names a rank that never comes
         check_agreement(self.group, "op", graph.op_calls)
         check_agreement(self.group, "buffer", graph.buffer_layout())
         self.backend: Backend = _make_backend(resolve(backend), self.group, graph, workers, trace, self.timeout,
                                               pool)
         self.workers = self.backend.workers
         self.kernel_path = self.backend.kernel_path  # the generated kernel module
+        if graph.heap_bytes > self.backend.free_memory():  # before the scheduler walks buffers this large
+            raise GraphError(f"the graph's buffers take {graph.heap_bytes:,} bytes; the {self.backend.name} backend "
+                             f"has {self.backend.free_memory():,} bytes free for a heap")
         self.tables = schedule(graph.tasks, graph.buffer_shapes(), specs=graph.specs, op_names=graph.op_names,
                                workers=self.workers, policy=policy, rank=graph.rank,
                                world_size=graph.world_size, describe=graph.describe_task,
@@ -62,8 +67,9 @@ class Megakernel:
         sizes = [max(column) for column in zip(*self.group.all_gather(HeapLayout.sizes(self.tables, self.tracing)))]
         self.layout = HeapLayout.of(graph.heap_bytes, sizes)
         self.epoch = 0
-        self._broken = False
+        self._broken: str | None = None  # why this kernel can run no more
         self._bound: set[str] = set()
+        self._lock = threading.Lock()      # one run at a time, whichever thread calls
         self._finalizer = weakref.finalize(self, self.backend.close)
         heaps = self.backend.allocate(self.layout.size)
         self.heap, self.peers = heaps.local, heaps.peers
@@ -73,6 +79,7 @@ class Megakernel:
     # -- heap access ------------------------------------------------------------------------------
     def words(self, offset: int, count: int, heap: torch.Tensor | None = None) -> torch.Tensor:
         """``count`` int64 words at byte ``offset`` of this rank's heap (or of ``heap``), a view."""
+        self._require_open()
         heap = self.heap if heap is None else heap
         return heap[offset:offset + 8 * count].view(torch.int64)
 
@@ -91,13 +98,16 @@ class Megakernel:
         self.epoch = 0
 
     def tensor(self, t: Tensor) -> torch.Tensor:
-        """The heap memory under graph tensor ``t`` (a view: writes go to the heap)."""
+        """The heap memory under graph tensor ``t`` (a view: writes go to the heap; it keeps the memory
+        alive after ``close``)."""
+        self._require_open()
         view = self.view.tensor(t.addr(0, 0), t.dtype, t.rows, t.cols, t.row_stride)
         return view.reshape(t.shape) if t.ndim == 1 else view
 
     def poison(self, value: float = float("nan")) -> None:
         """Fill every buffer that is not an input, so that an element no task wrote stands out
         (integer buffers get the most negative value)."""
+        self._require_open()
         inputs = {t.buffer.index for t in self.graph.inputs.values()}
         for b in self.graph.buffers:
             if b.index not in inputs:
@@ -107,6 +117,9 @@ class Megakernel:
     # -- running ----------------------------------------------------------------------------------
     def bind(self, inputs: Mapping[str, torch.Tensor]) -> None:
         """Copy input values into their heap buffers; they stay bound for later runs."""
+        self._require_usable()
+        if not isinstance(inputs, Mapping):
+            raise GraphError(f"inputs must be a mapping of input names to tensors, got {type(inputs).__name__}")
         for name, value in inputs.items():
             t = self.graph.inputs.get(name)
             if t is None:
@@ -129,12 +142,15 @@ class Megakernel:
         must not land in a buffer this rank is still reading from its previous run, or writing from
         the host: inputs, ``poison``) and after (a peer's stores into this rank's outputs, which no
         task here waits for, must have landed before they are copied). A rank that does not arrive
-        within ``timeout`` is named.
+        within ``timeout`` is named. Runs from several threads take turns. A run interrupted in the host
+        (KeyboardInterrupt) stops its workers first: a one-rank kernel stays usable, a multi-rank one
+        refuses further runs.
         """
-        if self._broken:
-            raise BackendError("an earlier run of this multi-rank kernel failed; its ranks' event counters no "
-                               "longer agree: build a new kernel")
-        self.bind(inputs or {})
+        with self._lock:
+            return self._run({} if inputs is None else inputs)
+
+    def _run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.bind(inputs)
         missing = [name for name in self.graph.inputs if name not in self._bound]
         if missing:
             raise GraphError(f"input {missing[0]!r} was never bound: pass it to run(); "
@@ -151,23 +167,47 @@ class Megakernel:
             self.launch_seconds = self.backend.launch(args, self.words(self.layout.status_off, 1))
         except BackendError as error:
             failure = error
-        if failure is None and diagnosis.stalled(self._status()):
+        except BaseException:
+            self._after_failure(f"run {self.epoch} was interrupted")
+            raise
+        status = self._status() if failure is None else None
+        if failure is None and diagnosis.stalled(status):
             report = self.deadlock_report()
             files = diagnosis.write_hang_files(report, self.tables, self.epoch,
                                                self._stamps() if self.tracing else None)
             failure = DeadlockError(f"rank {self.graph.rank}: the watchdog stopped run {self.epoch}: a wait "
                                     f"exceeded {self.timeout} s (report: {', '.join(map(str, files))})", report)
         if failure is not None:
-            if self.graph.world_size == 1:
-                self._reset_events()  # one rank: a clean slate makes the kernel usable again
-            else:
-                self._broken = True
+            self._after_failure(f"run {self.epoch} failed")
             raise failure
         self.group.barrier(timeout=max(self.timeout, 60.0), why="finish the run")
         if self.tracing:
             every = self.group.all_gather(rank_trace(self.tables, self._stamps()))
             self.trace = Trace([s for spans, _ in every for s in spans], [e for _, edges in every for e in edges])
+        faults = diagnosis.index_faults(self.tables, status)
+        if faults:  # the run finished (the tiles clamped): the kernel stays usable, its outputs are not valid
+            raise GraphError(f"run {self.epoch} read an index out of range (clamped; the outputs are not valid):\n"
+                             + "\n".join(faults))
         return {name: self.tensor(t).clone() for name, t in self.graph.outputs.items()}
+
+    def _after_failure(self, what: str) -> None:
+        """After a run that did not finish (no worker runs any more): one rank starts again from a clean
+        slate; several ranks' event counters no longer agree, and killed workers map no heap."""
+        if self.backend.lost_workers:
+            self._broken = f"{what} and some of its worker processes had to be killed"
+        elif self.graph.world_size > 1:
+            self._broken = f"{what}; the ranks' event counters no longer agree"
+        else:
+            self._reset_events()
+
+    def _require_open(self) -> None:
+        if not self._finalizer.alive:
+            raise BackendError(f"this kernel ({self.kernel_path.name}) is closed: build a new one")
+
+    def _require_usable(self) -> None:
+        self._require_open()
+        if self._broken:
+            raise BackendError(f"{self._broken}: build a new kernel")
 
     def _stamps(self) -> np.ndarray:
         """This rank's trace buffer on the heap, [tasks, TRACE_WORDS] (a copy)."""
@@ -176,6 +216,7 @@ class Megakernel:
 
     def save_image(self, path) -> None:
         """Write the tables and the heap as it is now (inputs bound), for ``megakernel disasm --execute``."""
+        self._require_open()
         outputs = {name: [t.addr(0, 0), str(t.dtype).removeprefix("torch."), t.rows, t.cols, t.row_stride]
                    for name, t in self.graph.outputs.items()}
         np.savez(path, tables=np.frombuffer(serialize(self.tables), dtype=np.uint8),
@@ -194,8 +235,11 @@ class Megakernel:
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Unmap the heap from the workers and release it; the kernel cannot run afterwards."""
+        """Unmap the heap from the workers and release it (views from ``tensor`` keep their part alive);
+        the kernel cannot run afterwards."""
         self._finalizer()
+        self.heap = self.view = None
+        self.peers = {}
 
     def __enter__(self) -> "Megakernel":
         return self

@@ -37,16 +37,11 @@ class Span:
     wait_start: int  # ns; wait_start <= start <= end
     start: int
     end: int
+    comm: bool = False  # a communication tile (its task type stores into peers' heaps)
 
     @property
     def key(self) -> tuple[int, int]:
         return self.rank, self.task
-
-    @property
-    def comm(self) -> bool:
-        """A communication tile (one that writes a peer's heap)."""
-        task_type = TASK_TYPES.get(self.task_type)  # a trace file may name a type this library lacks
-        return task_type is not None and task_type.needs_peers
 
 
 def producer_map(t: QueueTables) -> dict[int, list[tuple[int, int]]]:
@@ -74,8 +69,9 @@ def rank_trace(t: QueueTables, stamps: np.ndarray) -> tuple[list[Span], list]:
         wait_start, start, end = (int(v) for v in stamps[task])
         if end == 0:
             continue
+        task_type = t.specs[row[OPCODE]].task_type
         spans.append(Span(t.rank, int(owner[task]), task, t.op_names[op_index], op_index, task - first_of_op[op_index],
-                          t.specs[row[OPCODE]].task_type, wait_start, start, end))
+                          task_type, wait_start, start, end, TASK_TYPES[task_type].needs_peers))
         if row[WAIT_EVENT] != NO_EVENT:
             edges.extend((producer, (t.rank, task)) for producer in raisers[row[WAIT_EVENT]])
     return spans, edges
@@ -143,17 +139,20 @@ class Trace:
             for before, after in zip(chain, chain[1:]):
                 previous[after.key] = before
         path = [max(self.spans, key=lambda s: s.end)]
+        seen = {path[0].key}  # a file's edges may form a cycle: never step onto a task twice
         while True:
             candidates = producers[path[-1].key] + ([previous[path[-1].key]] if path[-1].key in previous else [])
+            candidates = [s for s in candidates if s.key not in seen]
             if not candidates:
                 return path[::-1]
             path.append(max(candidates, key=lambda s: s.end))
+            seen.add(path[-1].key)
 
     def summary(self, top: int = 5) -> str:
         if not self.spans:
             return "empty trace"
         begin, finish = min(s.wait_start for s in self.spans), max(s.end for s in self.spans)
-        total = finish - begin
+        total = max(finish - begin, 1)  # ns; all stamps equal in a trace from a coarse clock
         lines = [f"{len(self.spans)} tasks on {len({s.rank for s in self.spans})} rank(s), "
                  f"{len({(s.rank, s.worker) for s in self.spans})} worker(s); {total / 1e6:.3f} ms end to end"]
         per_op: dict[str, list[int]] = defaultdict(list)

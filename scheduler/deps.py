@@ -16,10 +16,12 @@ every cell. The dependencies come out the same as with one entry per read.
 """
 from __future__ import annotations
 
+from ..errors import GraphError
 from .task import Tasks
 
 CELL_ROWS = 16
 CELL_COLS = 256
+MAX_CELLS = 1 << 24  # cells of the written buffers: each costs a Python object when a write covers it
 
 Rect = tuple[int, int, int, int]  # row0, row1, col0, col1
 
@@ -65,6 +67,9 @@ def infer_dependencies(tasks: Tasks, shapes: dict[int, tuple[int, int]]) -> list
                 first[buffer] = next_key
                 grid_cols[buffer] = -(-cols // CELL_COLS)
                 next_key += -(-rows // CELL_ROWS) * grid_cols[buffer]
+                if next_key > MAX_CELLS:
+                    raise GraphError(f"the buffers tasks write span {next_key:,} dependency cells ({CELL_ROWS}x{CELL_COLS} "
+                                     f"elements each) with buffer {buffer} ({rows}x{cols}); at most {MAX_CELLS:,}")
     cells: dict[int, _Cell] = {}
     open_group: dict[int, _ReadGroup] = {}  # per buffer: the read group a read of the same rectangle joins
     producers: list[tuple[int, ...]] = []

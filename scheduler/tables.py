@@ -155,17 +155,47 @@ def deserialize(blob: bytes) -> QueueTables:
         raise FormatError(f"not a megakernel task table: magic {magic:#x}, expected {MAGIC:#x}")
     if version != VERSION:
         raise FormatError(f"task table format version {version}; this megakernel reads version {VERSION}")
+    if min(world - 1, rank, world - 1 - rank, workers - 1, events, n, row_words - ARG0, n_signals, meta_len) < 0:
+        raise FormatError(f"task table header has impossible counts: {header.tolist()}")
     sizes = [n * row_words, n_signals * SIGNAL_WORDS, n, workers + 1, n]
     expected = (HEADER_WORDS + sum(sizes)) * 8 + meta_len
     if len(blob) != expected:
         raise FormatError(f"task table is {len(blob)} bytes; its header describes {expected}")
     words = np.frombuffer(blob, dtype="<i8", count=sum(sizes), offset=HEADER_WORDS * 8).astype(np.int64)
     tasks, signals, queue, index, task_op = np.split(words, np.cumsum(sizes)[:-1])
-    meta = json.loads(blob[len(blob) - meta_len:].decode())
-    specs = [Spec(name, tuple((k, v) for k, v in consts), tuple(args)) for name, consts, args in meta["specs"]]
-    remote = {event: [tuple(p) for p in ps] for event, ps in meta["remote_producers"]}
-    return QueueTables(rank, world, workers, events, tasks.reshape(n, row_words),
-                       signals.reshape(n_signals, SIGNAL_WORDS), queue, index, task_op, specs, meta["ops"], remote)
+    try:
+        meta = json.loads(blob[len(blob) - meta_len:].decode())
+        specs = [Spec(name, tuple((k, v) for k, v in consts), tuple(args)) for name, consts, args in meta["specs"]]
+        remote = {int(event): [tuple(map(int, p)) for p in ps] for event, ps in meta["remote_producers"]}
+        ops = [str(name) for name in meta["ops"]]
+    except (ValueError, KeyError, TypeError) as error:
+        raise FormatError(f"task table metadata is not readable: {type(error).__name__}: {error}") from None
+    t = QueueTables(rank, world, workers, events, tasks.reshape(n, row_words), signals.reshape(n_signals, SIGNAL_WORDS),
+                    queue, index, task_op, specs, ops, remote)
+    _check_references(t)
+    return t
+
+
+def _check_references(t: QueueTables) -> None:
+    """Every number of a table that indexes something points inside it (a table may come from anyone)."""
+    n, rows = len(t.rows), t.rows
+    problems = [
+        ("an opcode", rows[:, OPCODE], len(t.specs)),
+        ("a wait event", rows[:, WAIT_EVENT][rows[:, WAIT_EVENT] != NO_EVENT], t.num_events),
+        ("a task's op", t.task_op, len(t.op_names)),
+        ("a queue entry", t.queue, n),
+        ("a signal's rank", t.signals[:, 0], t.world_size),
+        ("a local signal's event", t.signals[t.signals[:, 0] == t.rank, 1], t.num_events),
+        ("a signal range's end", rows[:, SIGNAL_START] + rows[:, SIGNAL_COUNT], len(t.signals) + 1),
+    ]
+    for what, values, bound in problems:
+        if len(values) and (values.min() < 0 or values.max() >= bound):
+            raise FormatError(f"task table has {what} outside [0, {bound}): {int(values[(values < 0) | (values >= bound)][0])}")
+    if (rows[:, SIGNAL_START] < 0).any() or (rows[:, SIGNAL_COUNT] < 0).any():
+        raise FormatError("task table has a negative signal range")
+    if t.queue_index[0] != 0 or t.queue_index[-1] != n or (np.diff(t.queue_index) < 0).any() \
+            or len(np.unique(t.queue)) != n:
+        raise FormatError("task table's queues are not one ordering of its tasks")
 
 
 def disassemble(t: QueueTables) -> str:

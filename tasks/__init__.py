@@ -13,7 +13,7 @@ import importlib
 import os
 import pkgutil
 
-from .common import DTYPES, TORCH_DTYPES, TaskType
+from .common import DTYPES, TaskType
 
 EXTRA_MODULES_ENV = "MEGAKERNEL_TASK_MODULES"  # inherited by worker processes, so they see the same library
 
@@ -43,4 +43,4 @@ def _collect():
 
 TASK_TYPES, OPS = _collect()
 
-__all__ = ["DTYPES", "OPS", "TASK_TYPES", "TORCH_DTYPES", "TaskType"]
+__all__ = ["DTYPES", "OPS", "TASK_TYPES", "TaskType"]

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import heap_ptr
-from .common import TaskType, copy_row, rounded
+from ..device import checked_index, heap_ptr
+from .common import TaskType, copy_row, heap_index, require_float, require_position, rounded
 
 SPLIT = 64           # positions per partial tile: at most, and at parallelism 1 (``split_size``)
 BLOCK_S = 32         # positions per step of a partial tile (K and V: 2 x 32 x head_dim elements, 16 KiB at
@@ -32,31 +32,33 @@ COMBINE_SPLITS = 32  # partials a combine tile reads per step (16 KiB of float32
 
 
 @triton.jit
-def kv_append_tile(base,
+def kv_append_tile(base, status,
                    cache,          # heap offset of the batch row's first cache row
                    x,              # heap offset of the row to append
                    pos,            # heap offset of the int64 position
+                   seq_len,        # cache rows of the batch row: positions below it are valid
                    cols,           # elements per row
                    cache_stride,   # the cache's row stride, in elements
                    DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Copy the row into cache row ``*pos`` of the batch row."""
-    row = tl.load(heap_ptr(base, pos, tl.int64))
+    """Copy the row into cache row ``*pos`` of the batch row (a position past the cache: its last row, reported)."""
+    row = checked_index(status, tl.load(heap_ptr(base, pos, tl.int64)), seq_len)
     copy_row(base, cache + row * cache_stride * DTYPE.primitive_bitwidth // 8, x, cols, DTYPE, BLOCK_N)
 
 
 def _append_reference(heap, task) -> None:
-    row = int(heap.tensor(task.pos, torch.int64, 1, 1, 1))
+    row = heap_index(heap, task.pos, task.seq_len)
     x = heap.tensor(task.x, task.DTYPE, 1, task.cols, task.cols)
     stride = task.cache_stride
     heap.tensor(task.cache + row * stride * x.element_size(), task.DTYPE, 1, task.cols, stride).copy_(x)
 
 
 @triton.jit
-def attention_partial_tile(base,
+def attention_partial_tile(base, status,
                            o, ml,          # heap offsets of the float32 partials: o [GROUP, HEAD_DIM], m and l [GROUP] each
                            q,              # heap offset of the group's GROUP query heads
                            k, v,           # heap offsets of the KV head's column in the batch row's first cache row
                            pos,            # heap offset of the int64 position
+                           seq_len,        # cache rows of the batch row: positions below it are valid
                            start, length,  # the split: cache positions [start, start + length)
                            cache_stride,   # the caches' row stride, in elements
                            DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE: tl.constexpr,
@@ -70,7 +72,7 @@ def attention_partial_tile(base,
     group find K and V in cache. A split wholly past the current position runs no step: it writes the
     empty partial (m = -inf, l = 0, o = 0) and is done.
     """
-    end = tl.minimum(start + length, tl.load(heap_ptr(base, pos, tl.int64)) + 1)
+    end = tl.minimum(start + length, checked_index(status, tl.load(heap_ptr(base, pos, tl.int64)), seq_len) + 1)
     q_ptr = (base + q).to(tl.pointer_type(DTYPE))
     k_ptr = (base + k).to(tl.pointer_type(DTYPE))
     v_ptr = (base + v).to(tl.pointer_type(DTYPE))
@@ -109,7 +111,7 @@ def attention_partial_tile(base,
 
 def _partial_reference(heap, task) -> None:
     group, hd, dtype, start, stride = task.GROUP, task.HEAD_DIM, task.DTYPE, task.start, task.cache_stride
-    end = min(start + task.length, int(heap.tensor(task.pos, torch.int64, 1, 1, 1)) + 1)
+    end = min(start + task.length, heap_index(heap, task.pos, task.seq_len) + 1)
     q = heap.tensor(task.q, dtype, group, hd, hd).float() * task.SCALE
     o = heap.tensor(task.o, torch.float32, group, hd, hd)
     ml = heap.tensor(task.ml, torch.float32, 2, group, group)
@@ -130,11 +132,12 @@ def _partial_reference(heap, task) -> None:
 
 
 @triton.jit
-def attention_combine_tile(base,
+def attention_combine_tile(base, status,
                            out,           # heap offset of the query head's output
                            o, ml,         # heap offsets of the head's o and m in split 0's partials
                            splits,        # partials per (batch row, KV head)
                            pos,           # heap offset of the int64 position
+                           seq_len,       # cache rows of the batch row: positions below it are valid
                            split,         # cache positions per split
                            DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_P: tl.constexpr, ALIGNED: tl.constexpr):
@@ -144,7 +147,7 @@ def attention_combine_tile(base,
     The head's partials are ``o_s`` at ``o + s * GROUP * HEAD_DIM`` floats, ``m_s`` at ``ml + s * 2 * GROUP``
     and ``l_s`` GROUP floats after it; BLOCK_P splits are read per step.
     """
-    active = tl.minimum(splits, tl.load(heap_ptr(base, pos, tl.int64)) // split + 1)
+    active = tl.minimum(splits, checked_index(status, tl.load(heap_ptr(base, pos, tl.int64)), seq_len) // split + 1)
     o_ptr = (base + o).to(tl.pointer_type(tl.float32))
     if ALIGNED:
         o_ptr = tl.multiple_of(o_ptr, 16)
@@ -170,8 +173,7 @@ def attention_combine_tile(base,
 
 def _combine_reference(heap, task) -> None:
     group, hd = task.GROUP, task.HEAD_DIM
-    pos = int(heap.tensor(task.pos, torch.int64, 1, 1, 1))
-    splits = min(task.splits, pos // task.split + 1)
+    splits = min(task.splits, heap_index(heap, task.pos, task.seq_len) // task.split + 1)
     o = heap.tensor(task.o, torch.float32, splits, hd, group * hd)                   # [splits, hd]
     m = heap.tensor(task.ml, torch.float32, splits, 1, 2 * group)[:, 0]             # [splits]
     l = heap.tensor(task.ml + group * 4, torch.float32, splits, 1, 2 * group)[:, 0]
@@ -184,11 +186,13 @@ def kv_append(g, cache, x, pos, batch: int):
     g.check(cache.ndim == 2 and x.ndim == 2 and x.rows == batch and cache.rows % batch == 0 and cache.cols == x.cols
             and cache.dtype == x.dtype,
             f"kv_append: cache {cache.shape} {cache.dtype} and x {x.shape} {x.dtype} do not match for batch {batch}")
+    require_float(g, "kv_append", x=x)
+    require_position(g, "kv_append", pos)
     max_seq = cache.rows // batch
     opcode = g.opcode(KV_APPEND, DTYPE=x.dtype, BLOCK_N=min(triton.next_power_of_2(x.cols), 1024))
     for b in range(batch):
-        g.add_task(opcode, cache=cache.addr(b * max_seq, 0), x=x.addr(b, 0), pos=pos.addr(0, 0), cols=x.cols,
-                   cache_stride=cache.row_stride,
+        g.add_task(opcode, cache=cache.addr(b * max_seq, 0), x=x.addr(b, 0), pos=pos.addr(0, 0), seq_len=max_seq,
+                   cols=x.cols, cache_stride=cache.row_stride,
                    reads=(x.region(b, 1, 0, x.cols), pos.region(0, 1, 0, 1)),
                    writes=(cache.region(b * max_seq, max_seq, 0, cache.cols),),
                    bytes=2 * x.cols * x.element_size, flops=0)
@@ -220,6 +224,8 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int):
             f"with query heads a multiple of KV heads")
     g.check(k_cache.shape == v_cache.shape and k_cache.rows % batch == 0 and q.rows == batch,
             f"decode_attention: caches {k_cache.shape}, {v_cache.shape} and q {q.shape} for batch {batch}")
+    require_float(g, "decode_attention", q=q, k_cache=k_cache, v_cache=v_cache)
+    require_position(g, "decode_attention", pos)
     group = heads // kv_heads
     max_seq = k_cache.rows // batch
     split = split_size(batch * kv_heads, max_seq, g.parallelism)
@@ -242,7 +248,8 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int):
                 cols = h * head_dim
                 g.add_task(partial, o=partial_o.addr(slot * group, 0), ml=partial_ml.addr(slot * 2, 0),
                            q=q.addr(b, h * group * head_dim), k=k_cache.addr(b * max_seq, cols),
-                           v=v_cache.addr(b * max_seq, cols), pos=pos.addr(0, 0), start=s * split, length=split,
+                           v=v_cache.addr(b * max_seq, cols), pos=pos.addr(0, 0), seq_len=max_seq,
+                           start=s * split, length=split,
                            cache_stride=k_cache.row_stride,
                            reads=(q_rows, pos.region(0, 1, 0, 1), k_cache.region(b * max_seq, max_seq, cols, head_dim),
                                   v_cache.region(b * max_seq, max_seq, cols, head_dim)),
@@ -261,7 +268,8 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int):
             for j in range(group):
                 head = h * group + j
                 g.add_task(combine, out=out.addr(b, head * head_dim), o=partial_o.addr(slot * group + j, 0),
-                           ml=partial_ml.addr(slot * 2, j), splits=splits, pos=pos.addr(0, 0), split=split,
+                           ml=partial_ml.addr(slot * 2, j), splits=splits, pos=pos.addr(0, 0), seq_len=max_seq,
+                           split=split,
                            reads=reads, writes=(out.region(b, 1, head * head_dim, head_dim),),
                            bytes=splits * (head_dim + 2) * 4, flops=2 * splits * head_dim)
     return out

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TaskType, Tiling, load_block, store_block
+from .common import TaskType, Tiling, load_block, require_float, store_block
 from .reduction import sum_slices
 
 ONE_SHOT_MAX_BYTES = 64 * 1024  # above this, all_reduce is a reduce-scatter then an all-gather
@@ -50,13 +50,14 @@ def put_tiles(g, src, dst_rank: int, dst) -> None:
 
 
 def _check_rank(g, op: str, rank: int) -> None:
-    g.check(isinstance(rank, int) and 0 <= rank < g.world_size,
+    g.check(isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < g.world_size,
             f"{op}: rank {rank!r} is outside world size {g.world_size}")
 
 
 def put(g, x, to_rank: int, into):
     """Store ``x`` into ``into`` on rank ``to_rank``; returns ``into`` (what peers put into this rank)."""
     _check_rank(g, "put", to_rank)
+    require_float(g, "put", x=x)
     g.check(x.shape == into.shape and x.dtype == into.dtype,
             f"put: x is {x.shape} {x.dtype} but into is {into.shape} {into.dtype}")
     put_tiles(g, x.block(), to_rank, into.block())
@@ -71,6 +72,7 @@ def all_reduce(g, x, algorithm: str | None = None):
     """Sum of ``x`` over ranks, on every rank. ``algorithm``: "one_shot" (every rank sends its whole
     tensor to every rank), "two_shot" (reduce-scatter then all-gather), or None to choose by size."""
     world, me = g.world_size, g.rank
+    require_float(g, "all_reduce", x=x)
     if algorithm is None:
         algorithm = "one_shot" if x.rows * x.cols * x.element_size <= ONE_SHOT_MAX_BYTES else "two_shot"
     g.check(algorithm in ("one_shot", "two_shot"), f"all_reduce: unknown algorithm {algorithm!r}")
@@ -105,6 +107,7 @@ def all_gather(g, x, dim: int = 0):
     """Concatenation of every rank's ``x`` along ``dim``, in rank order, on every rank."""
     world, me = g.world_size, g.rank
     g.check(dim in range(x.ndim), f"all_gather: dim {dim} is out of range for shape {x.shape}")
+    require_float(g, "all_gather", x=x)
     shape = list(x.shape)
     shape[dim] *= world
     out = g.new_tensor(tuple(shape), x.dtype)
@@ -120,6 +123,7 @@ def reduce_scatter(g, x, dim: int = 0):
     """This rank's chunk (chunk ``rank`` of ``world`` along ``dim``) of the sum of ``x`` over ranks."""
     world, me = g.world_size, g.rank
     g.check(dim in range(x.ndim), f"reduce_scatter: dim {dim} is out of range for shape {x.shape}")
+    require_float(g, "reduce_scatter", x=x)
     g.check(x.shape[dim] % world == 0,
             f"reduce_scatter: dim {dim} of shape {x.shape} does not split into {world} equal chunks")
     src = x.block()

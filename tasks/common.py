@@ -6,9 +6,10 @@ A task type is an opcode's meaning, declared once by its tile's signature::
     def rms_norm_tile(base, out, x, w, rows, cols, out_stride, x_stride, segments,
                       EPS: tl.constexpr, X_DTYPE: tl.constexpr, ...):
 
-``base`` is this rank's heap (int64 address); a tile that also takes ``bases`` (the table of every
-rank's heap base, for a remote store) is a communication tile. The plain parameters after them are
-the argument words of the task's table row, in order: code generation loads them, builders pass them
+``base`` is this rank's heap (int64 address). Two more context parameters may follow it: ``bases``
+(the table of every rank's heap base, for a remote store: the tile is a communication tile) and
+``status`` (the worker's status record, for ``device.checked_index``: a tile that reads an index
+from the heap bounds it). The plain parameters after them are the argument words of the task's table row, in order: code generation loads them, builders pass them
 by name (``g.add_task(opcode, out=..., x=..., ...)``), the disassembler prints them by name. The
 ``tl.constexpr`` parameters are the compile-time constants of an opcode; names ending in ``DTYPE``
 hold a dtype name ("float32", "bfloat16", "float16", "int64").
@@ -28,10 +29,10 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
+from ..errors import GraphError
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int64: "int64"}
-TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
-HEAP_PARAMS = ("base", "bases")                                 # what a tile takes before its words
+CONTEXT_PARAMS = ("base", "bases", "status")                    # what a tile may take before its words
 BUILDER_KEYWORDS = ("reads", "writes", "bytes", "flops", "remote")  # Graph.add_task's own keywords
 
 
@@ -46,36 +47,64 @@ class TaskType:
     tile: Any                                     # triton.JITFunction
     reference: Callable[..., None]
     example: Callable[[Any], tuple]
+    context: tuple[str, ...] = field(init=False)          # the context parameters the tile takes
     arg_names: tuple[str, ...] = field(init=False)        # the row's argument words, in order
     constexpr_names: tuple[str, ...] = field(init=False)  # an opcode's compile-time constants
-    needs_peers: bool = field(init=False)                 # the tile takes ``bases``: a communication tile
 
     def __post_init__(self):
         params = list(inspect.signature(self.tile.fn).parameters.values())
-        heap = [p.name for p in params[:2] if p.name in HEAP_PARAMS]
-        if heap not in (["base"], ["base", "bases"]):
-            raise TypeError(f"task type {self.name}: its tile must start with (base) or (base, bases), "
-                            f"got ({', '.join(p.name for p in params[:2])})")
-        rest = params[len(heap):]
+        context = [p.name for p in params if p.name in CONTEXT_PARAMS]
+        if [p.name for p in params[:len(context)]] != context or context != sorted(context, key=CONTEXT_PARAMS.index) \
+                or context[:1] != ["base"]:
+            raise TypeError(f"task type {self.name}: its tile must start with base, then bases and status if it "
+                            f"takes them, got ({', '.join(p.name for p in params[:3])})")
+        rest = params[len(context):]
         is_constexpr = [p for p in rest if "constexpr" in str(p.annotation)]  # as Triton reads it
         words = tuple(p.name for p in rest if p not in is_constexpr)
         clash = sorted(set(words) & set(BUILDER_KEYWORDS))
         if clash:
             raise TypeError(f"task type {self.name}: argument word {clash[0]!r} is a keyword of Graph.add_task")
+        object.__setattr__(self, "context", tuple(context))
         object.__setattr__(self, "arg_names", words)
         object.__setattr__(self, "constexpr_names", tuple(p.name for p in is_constexpr))
-        object.__setattr__(self, "needs_peers", heap == ["base", "bases"])
+
+    @property
+    def needs_peers(self) -> bool:
+        """A communication tile: it takes ``bases``, to store into other ranks' heaps."""
+        return "bases" in self.context
+
+
+def require_float(g, op: str, **tensors) -> None:
+    """Refuse integer tensors in an op whose tiles compute in float32 (an int64 above 2**24 would not
+    survive the trip)."""
+    for name, t in tensors.items():
+        g.check(t.dtype.is_floating_point, f"{op}: {name} is {t.dtype}; {op} takes floating-point tensors only")
+
+
+def require_position(g, op: str, pos) -> None:
+    g.check(pos.shape in ((1,), (1, 1)) and pos.dtype == torch.int64,
+            f"{op}: pos must be one int64 element, got {pos.shape} {pos.dtype}")
+
+
+def heap_index(heap, offset: int, bound: int) -> int:
+    """The int64 index at heap ``offset``, for a reference tile: where the kernel clamps an index out of
+    [0, bound) and reports it (``device.checked_index``), the reference refuses it."""
+    value = int(heap.tensor(offset, torch.int64, 1, 1, 1))
+    if not 0 <= value < bound:
+        raise GraphError(f"index {value} read at heap offset {offset} is outside [0, {bound})")
+    return value
 
 
 @dataclass(frozen=True)
 class Tiling:
-    """Blocks of at most ``elements`` (at most MAX_BLOCK_ROWS rows high) covering ``rows x cols``: the
-    tiling of elementwise, reduction and copy ops. Iterating gives each tile's (row, rows, col, cols)."""
+    """Blocks of at most BLOCK_ELEMENTS elements (at most MAX_BLOCK_ROWS rows high) covering ``rows x
+    cols``: the tiling of elementwise, reduction and copy ops. Iterating gives each tile's (row, rows,
+    col, cols)."""
 
     rows: int
     cols: int
-    elements: int = 1024
 
+    BLOCK_ELEMENTS = 1024
     MAX_BLOCK_ROWS = 8
 
     @property
@@ -84,7 +113,7 @@ class Tiling:
 
     @property
     def block_n(self) -> int:
-        return min(triton.next_power_of_2(self.cols), self.elements // self.block_m)
+        return min(triton.next_power_of_2(self.cols), self.BLOCK_ELEMENTS // self.block_m)
 
     def __iter__(self) -> Iterator[tuple[int, int, int, int]]:
         block_m, block_n = self.block_m, self.block_n

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TaskType, Tiling, load_block, store_block
+from .common import TaskType, Tiling, load_block, require_float, store_block
 
 
 @triton.jit
@@ -34,9 +34,10 @@ def _reference(heap, task) -> None:
 
 
 def binary(g, op: str, a, b):
-    """Split ``a OP b`` (same shape and dtype) into tiles of at most 1024 elements."""
+    """Split ``a OP b`` (same shape and dtype) into tiles (``Tiling``)."""
     g.check(a.shape == b.shape, f"{op}: shapes differ: a {a.shape}, b {b.shape}")
     g.check(a.dtype == b.dtype, f"{op}: dtypes differ: a {a.dtype}, b {b.dtype}")
+    require_float(g, op, a=a, b=b)
     out = g.new_tensor(a.shape, a.dtype)
     tiling = Tiling(out.rows, out.cols)
     opcode = g.opcode(BINARY, OP=op, DTYPE=a.dtype, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import TaskType, rounded, store_block
+from .common import TaskType, require_float, rounded, store_block
 from .reduction import sum_slices
 
 DOT_MIN_M = 16
@@ -320,6 +320,7 @@ def linear(g, x, w, split_k: int | None = None):
     no split; above, K is split when the output alone has fewer blocks than workers.
     """
     g.check(x.ndim == 2 and w.ndim == 2, f"linear: x {x.shape} and w {w.shape} must both be 2-D")
+    require_float(g, "linear", x=x, w=w)
     g.check(x.cols == w.cols, f"linear: x has shape {x.shape} but w has shape {w.shape}; "
                               f"expected w of shape (N, {x.cols})")
     g.check(split_k is None or (isinstance(split_k, int) and not isinstance(split_k, bool) and 1 <= split_k <= x.cols),

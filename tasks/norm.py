@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import TaskType, rounded
+from .common import TaskType, require_float, rounded
 
 ROWS_PER_TILE = 4
 MAX_BLOCK_N = 1024
@@ -62,7 +62,9 @@ def rms_norm(g, x, weight, eps: float = 1e-6, head_dim: int | None = None):
     size = x.cols if head_dim is None else head_dim
     g.check(weight.ndim == 1 and weight.shape[0] == size and x.cols % size == 0,
             f"rms_norm: weight has shape {weight.shape}, x has shape {x.shape}; expected weight ({size},)")
-    g.check(eps > 0, f"rms_norm: eps must be positive, got {eps}")
+    g.check(isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < float("inf"),
+            f"rms_norm: eps must be a positive number, got {eps!r}")
+    require_float(g, "rms_norm", x=x, weight=weight)
     out = g.new_tensor(x.shape, x.dtype)
     segments = x.cols // size
     rows_per_tile = min(x.rows, max(1, ROWS_PER_TILE // segments))  # a tile holds whole rows

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import TaskType, rounded
+from .common import TaskType, require_float, require_position, rounded
 
 
 @triton.jit
@@ -54,10 +54,10 @@ def rope(g, x, inv_freq, pos, head_dim: int):
     """
     g.check(head_dim % 2 == 0 and x.cols % head_dim == 0,
             f"rope: x has shape {x.shape}; its rows must be whole heads of even size {head_dim}")
+    require_float(g, "rope", x=x)
     g.check(inv_freq.shape == (head_dim // 2,) and inv_freq.dtype == torch.float32,
             f"rope: inv_freq must be float32 of shape ({head_dim // 2},), got {inv_freq.shape} {inv_freq.dtype}")
-    g.check(pos.shape in ((1,), (1, 1)) and pos.dtype == torch.int64,
-            f"rope: pos must be one int64 element, got {pos.shape} {pos.dtype}")
+    require_position(g, "rope", pos)
     heads = x.cols // head_dim
     out = g.new_tensor(x.shape, x.dtype)
     opcode = g.opcode(ROPE, DTYPE=x.dtype, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(heads),

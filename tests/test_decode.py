@@ -129,6 +129,10 @@ def test_bad_shapes_are_rejected():
             m.decode(torch.tensor([1]), 8)
         with pytest.raises(mk.GraphError, match="batch 1"):
             m.decode(torch.tensor([1, 2]), 0)
+        vocab = SHAPES["vocab_size"]
+        for bad in (vocab, 10**6, -1):  # checked before the run: logits for a made-up token are no answer
+            with pytest.raises(mk.GraphError, match=rf"token id {bad} is outside the vocabulary \[0, {vocab}\)"):
+                m.decode(torch.tensor([bad]), 0)
     finally:
         m.close()
     mistral = hf_model("mistral")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import megakernel as mk
+from megakernel.files import reports_dir
 from megakernel.image import load
 from megakernel.models import DecoderConfig, decode_step
 from megakernel.scheduler import WAIT_EVENT, deserialize, infer_dependencies, schedule, serialize
@@ -301,8 +302,9 @@ def test_injected_hang_names_consumer_and_producer_and_leaves_a_partial_trace(tw
         assert all(f"producer task {task} (" in report and f"on rank {r} " in report
                    for r, task in hang["producers"]), report
         files = _hang_files(hang)
-        assert [re.fullmatch(rf"megakernel-hang-rank{rank}-\d+-run1\.(txt|json)", f.name)[1] for f in files] \
+        assert [re.fullmatch(rf"hang-rank{rank}-pid\d+-run1-\w+\.(txt|json)", f.name)[1] for f in files] \
             == ["txt", "json"]
+        assert all(f.parent == reports_dir() for f in files) and reports_dir().stat().st_mode & 0o777 == 0o700
         assert files[0].read_text().strip() == report
         partial = Trace.load(files[1])
         finished = {s.task for s in partial.spans}

@@ -12,7 +12,7 @@ def _disasm(args) -> int:
     from ..reference import execute
     from ..scheduler import disassemble
 
-    image = load(args.file)
+    image = load(args.file, heap=args.execute)
     print(disassemble(image.tables))
     if args.execute:
         if image.heap is None:
@@ -123,7 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_trace_commands(sub)
     _add_graph_command(sub)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except Exception as error:  # a file that is not what it claims, an error of the library: one line
+        command = " ".join(filter(None, [args.command, getattr(args, "trace_command", None)]))
+        print(f"megakernel {command}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
 
 
 def _add_trace_commands(sub: argparse._SubParsersAction) -> None:

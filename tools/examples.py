@@ -25,10 +25,11 @@ def every_task_type() -> Graph:
 
 
 def example_inputs(g: Graph, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random values for every input of ``every_task_type()``: normal floats, integers below INDEX_BOUND."""
+    """Values for every input of ``every_task_type()``: random normal floats; integers INDEX_BOUND - 1,
+    the largest valid index (an attention over it takes more than one step of its partial tile)."""
     gen = torch.Generator().manual_seed(seed)
     return {name: (torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype) if t.dtype.is_floating_point
-                   else torch.randint(0, INDEX_BOUND, t.shape, generator=gen, dtype=t.dtype))
+                   else torch.full(t.shape, INDEX_BOUND - 1, dtype=t.dtype))
             for name, t in g.inputs.items()}
 
 

@@ -85,6 +85,9 @@ class DecodeModel:
         tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
         if tokens.numel() != c.batch:
             raise GraphError(f"decode: tokens has {tokens.numel()} entries; the model was built for batch {c.batch}")
+        bad = tokens[(tokens < 0) | (tokens >= c.vocab)]
+        if bad.numel():
+            raise GraphError(f"decode: token id {int(bad[0])} is outside the vocabulary [0, {c.vocab})")
         if not 0 <= pos < c.max_seq_len:
             raise GraphError(f"decode: position {pos} is outside [0, {c.max_seq_len}) (max_seq_len)")
         out = self.kernel.run({"tokens": tokens, "pos": torch.tensor([pos], dtype=torch.int64)})
