@@ -151,7 +151,7 @@ class Graph:
         self.op_calls: list[str] = []  # one line per op call, what ranks compare before a launch
         self.heap_bytes = 0
         self._spec_index: dict[tuple, int] = {}
-        self._words: list[Callable[[dict], tuple]] = []  # per opcode: a task's keywords -> its argument words
+        self._words: list[tuple[Callable[[dict], tuple], int]] = []  # per opcode: keywords -> words, how many
 
     # -- user API ---------------------------------------------------------------------------------
     def input(self, name: str, shape, dtype: torch.dtype) -> Tensor:
@@ -229,23 +229,30 @@ class Graph:
             opcode = self._spec_index[key] = len(self.specs)
             self.specs.append(Spec(task_type.name, consts, task_type.arg_names))
             names = task_type.arg_names  # itemgetter gives a tuple only for two names or more
-            self._words.append(itemgetter(*names) if len(names) > 1 else lambda words: tuple(words[n] for n in names))
+            getter = itemgetter(*names) if len(names) > 1 else lambda words: tuple(words[n] for n in names)
+            self._words.append((getter, len(names)))
         return opcode
 
     def add_task(self, opcode: int, /, *, reads: tuple[Region, ...], writes: tuple[Region, ...], bytes: int,
                  flops: int, remote: tuple[tuple[int, Region], ...] = (), **words: int) -> None:
         """One task of ``opcode``: its argument ``words`` by name (every one its tile declares), the
         regions it reads and writes here, what it writes on other ranks, and its cost."""
-        names = self.specs[opcode].arg_names
+        words_of, count = self._words[opcode]  # the hot path of graph building: nothing else per task
+        if len(words) != count:
+            self._bad_words(opcode, words)
         try:
-            args = self._words[opcode](words)
-        except KeyError as missing:
-            raise GraphError(f"task type {self.specs[opcode].task_type}: missing argument word {missing}") from None
-        if len(words) != len(names):
-            unknown = sorted(set(words) - set(names))[0]
-            raise GraphError(f"task type {self.specs[opcode].task_type}: unknown argument word {unknown!r}; "
-                             f"its tile takes {', '.join(names) or 'none'}")
+            args = words_of(words)
+        except KeyError:
+            self._bad_words(opcode, words)
         self.tasks.append(opcode, args, reads, writes, task_cost(bytes, flops), len(self.op_names) - 1, remote)
+
+    def _bad_words(self, opcode: int, words: dict) -> None:
+        spec = self.specs[opcode]
+        missing, unknown = sorted(set(spec.arg_names) - set(words)), sorted(set(words) - set(spec.arg_names))
+        if missing:
+            raise GraphError(f"task type {spec.task_type}: missing argument word {missing[0]!r}")
+        raise GraphError(f"task type {spec.task_type}: unknown argument word {unknown[0]!r}; its tile takes "
+                         f"{', '.join(spec.arg_names) or 'none'}")
 
     def phase(self, name: str) -> None:
         """Start a new phase of the current op: tasks after it come later in the global order.

@@ -1,13 +1,11 @@
 """What a skeptical user or a hostile file can do: interrupts, threads, closed kernels, bad indices,
 integer tensors, killed launchers, a tampered kernel cache, hang reports, oversized graphs, leaked
 segments, a rank that never arrives, hostile files for the command line, bad arguments."""
-import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 import zipfile
@@ -143,7 +141,7 @@ def test_a_position_past_the_cache_writes_nothing_outside_it():
     g = mk.Graph()
     x, pos = g.input("x", (1, 16), torch.float32), g.input("pos", (1,), torch.int64)
     cache = g.input("cache", (4, 16), torch.float32)
-    after = g.input("after", (4, 16), torch.float32)  # what an unchecked position 4 would overwrite
+    g.input("after", (4, 16), torch.float32)  # what an unchecked position 4 would overwrite
     q = g.input("q", (1, 16), torch.float32)
     g.output("out", g.decode_attention(q, g.kv_append(cache, x, pos, batch=1), cache, pos, batch=1, head_dim=16))
     values = {"x": torch.randn(1, 16), "cache": torch.randn(4, 16), "after": torch.randn(4, 16), "q": torch.randn(1, 16)}
