@@ -11,6 +11,11 @@
 5. cross-rank signal latency and small all-reduces between two virtual ranks (two persistent
    kernels resident at once on one GPU).
 
+A section named ``NAME:spin`` runs NAME with the old wait/signal protocol (``MEGAKERNEL_PROTOCOL=spin``:
+every thread spinning on scalar atomics, system-scope signals) instead of the default ``poll``, so one
+table compares them; ``layer:spin`` is left out of the default list (a second compile of the 8B-shaped
+kernel), ask for it with ``--only``.
+
     python bench/gpu_check.py                       # on a machine with an NVIDIA or AMD GPU
     python bench/gpu_check.py --only layer,virtual  # some sections
     python bench/gpu_check.py --smoke               # small shapes on the cpu backend (the tests run this)
@@ -369,17 +374,21 @@ def check_virtual_ranks(s: Setup) -> list[Row]:
 
 SECTIONS = {"types": check_task_types, "decode": check_decode, "layer": check_layer, "dispatch": check_dispatch,
             "virtual": check_virtual_ranks}
+SPIN = ":spin"  # a section with the old protocol
+DEFAULT = ["types", "decode", "layer", "dispatch", "dispatch" + SPIN, "virtual", "virtual" + SPIN]
 # Seconds each section may take in its own process (a CUDA fault poisons the process that hit it, a
 # hang must not eat the GPU's time): all of them within BUDGET.
-LIMITS = {"types": 90, "decode": 90, "layer": 240, "dispatch": 90, "virtual": 120}
+LIMITS = {"types": 90, "decode": 90, "layer": 240, "dispatch": 60, "virtual": 90}
 BUDGET = 470
 
 
 def run_child(name: str, smoke: bool, limit: float) -> list[Row]:
     """Run section ``name`` in a process of its own; its rows, or one FAILED row."""
-    command = [sys.executable, __file__, "--child", "--only", name, *(["--smoke"] if smoke else [])]
+    base, spin = name.removesuffix(SPIN), name.endswith(SPIN)
+    command = [sys.executable, __file__, "--child", "--only", base, *(["--smoke"] if smoke else [])]
+    env = dict(os.environ, **({"MEGAKERNEL_PROTOCOL": "spin"} if spin else {}))
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=limit)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=limit, env=env)
     except subprocess.TimeoutExpired as expired:
         tail = expired.stderr or ""  # bytes here even with text=True
         sys.stderr.write((tail.decode(errors="replace") if isinstance(tail, bytes) else tail)[-4000:])
@@ -389,7 +398,10 @@ def run_child(name: str, smoke: bool, limit: float) -> list[Row]:
     if not lines:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1][:160]
         return [Row(name, f"FAILED (exit {done.returncode}): {last}", "", False)]
-    return [Row(**row) for row in json.loads(lines[-1][5:])]
+    rows = [Row(**row) for row in json.loads(lines[-1][5:])]
+    for row in rows if spin else []:
+        row.check += " [spin protocol]"
+    return rows
 
 
 def run_here(name: str, setup: Setup) -> list[Row]:
@@ -404,11 +416,12 @@ def run_here(name: str, setup: Setup) -> list[Row]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="small shapes on the cpu backend")
-    parser.add_argument("--only", help=f"comma-separated sections to run (default: all): {', '.join(SECTIONS)}")
+    parser.add_argument("--only", help=f"comma-separated sections to run (default: {','.join(DEFAULT)}); any "
+                                       f"of {', '.join(SECTIONS)}, each also as NAME{SPIN}")
     parser.add_argument("--child", action="store_true", help="run the sections in this process, print their rows")
     args = parser.parse_args(argv)
-    chosen = args.only.split(",") if args.only else list(SECTIONS)
-    unknown = set(chosen) - set(SECTIONS)
+    chosen = args.only.split(",") if args.only else DEFAULT
+    unknown = {name.removesuffix(SPIN) for name in chosen} - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; known: {', '.join(SECTIONS)}")
     setup = SMOKE if args.smoke else GPU
@@ -431,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         if left < 10:
             rows.append(Row(name, "FAILED: not run, the time budget is spent", "", False))
             continue
-        rows += run_child(name, args.smoke, min(LIMITS[name] * (3 if args.smoke else 1), left))
+        rows += run_child(name, args.smoke, min(LIMITS[name.removesuffix(SPIN)] * (3 if args.smoke else 1), left))
         print(f"# {name}: {time.perf_counter() - start:.1f} s", flush=True)
     if args.smoke:  # the interpreter is no GPU: time targets do not apply
         for row in rows:

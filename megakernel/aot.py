@@ -47,11 +47,12 @@ class Compiled:
 
 
 def compile_kernel(specs: list[Spec], target: str, row_words: int, trace: bool = False,
-                   num_warps: int | None = None) -> Compiled:
+                   num_warps: int | None = None, protocol: str | None = None) -> Compiled:
     """Compile the megakernel for ``specs`` for ``target`` (a key of ``TARGETS``), with or without tracing,
-    with the options a GPU launch uses (``gpu_backend.launch_options``; ``num_warps`` overrides)."""
+    with the wait/signal ``protocol`` (``device.PROTOCOLS``; the default one if None), with the options
+    a GPU launch uses (``gpu_backend.launch_options``; ``num_warps`` overrides)."""
     gpu = TARGETS[target]
-    kernel = codegen.load_kernel(codegen.kernel_path(specs, gpu.backend))
+    kernel = codegen.load_kernel(codegen.kernel_path(specs, gpu.backend, protocol))
     signature = {name: "i64" for name in codegen.KERNEL_ARGS}
     signature.update(ROW="constexpr", TRACE="constexpr")
     source = ASTSource(fn=kernel, signature=signature, constexprs={"ROW": row_words, "TRACE": trace})

@@ -6,11 +6,20 @@ space*; the pointer to offset ``o`` on rank ``r`` is ``bases[r] + o``. Task tabl
 pointers, because each process (and each GPU) maps the heaps at addresses of its own.
 
 Events are int64 counters on the heap. Every counter that another worker or rank may write is read
-with an acquire atomic and raised with a release atomic at system scope: a gpu-scope flag written by
-another GPU can be spun on forever.
+with acquire semantics at system scope: a gpu-scope flag written by another GPU can be spun on
+forever. Two wait/signal protocols share the one loop (code generation picks one, ``PROTOCOLS``):
+
+- ``poll`` (the default where Triton has ``tl.atomic_poll``): one thread of the program polls the
+  counter with relaxed loads for a slice of POLL_SLICE_NS, then one acquire fence and one barrier;
+  between slices the abort word is read and the total timeout counted in slices. Signals release at
+  gpu scope when the event is this rank's and at system scope when it is a peer's.
+- ``spin`` (triton 3.6, and the baseline that ``bench/gpu_check.py`` compares with): every thread
+  reads the counter and the abort word with scalar atomics, and a program-wide clock, each
+  iteration; every signal is a system-scope release.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import triton
@@ -74,12 +83,10 @@ def program_clock(slot, CLOCK: tl.constexpr):
 
 
 @triton.jit
-def wait_event(counter, target, abort, timeout_ns, clock_slot, CLOCK: tl.constexpr):
-    """Spin until ``*counter >= target``, another worker aborts the run, or ``timeout_ns`` passes.
-
-    Returns the last value observed; the caller compares it with ``target``. Every value the loop
-    condition depends on is uniform across the program's threads.
-    """
+def wait_spinning(counter, target, abort, timeout_ns, clock_slot, CLOCK: tl.constexpr):
+    """Spin until ``*counter >= target``, another worker aborts the run, or ``timeout_ns`` passes;
+    whether the target was reached. Every value the loop condition depends on is uniform across the
+    program's threads (scalar atomics run on one thread and broadcast their result)."""
     observed = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
     stop = tl.atomic_add(abort, 0, sem="relaxed", scope="sys")
     program_clock(clock_slot, CLOCK)
@@ -89,7 +96,41 @@ def wait_event(counter, target, abort, timeout_ns, clock_slot, CLOCK: tl.constex
         observed = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
         stop = tl.atomic_add(abort, 0, sem="relaxed", scope="sys")
         now = program_clock(clock_slot, CLOCK)
-    return observed
+    return observed >= target
+
+
+POLL_SLICE_NS = tl.constexpr(20_000)  # one poll's budget: the abort word and the timeout are read between
+
+
+if hasattr(tl, "atomic_poll"):  # triton >= 3.9
+    @triton.jit
+    def wait_polled(counter, target, abort, timeout_ns, clock_slot, CLOCK: tl.constexpr):
+        """Poll until ``*counter == target`` (an event's count stops at its target within a run), another
+        worker aborts the run, or ``timeout_ns`` passes; whether the target was reached."""
+        reached = tl.atomic_poll(counter, target, sem="acquire", scope="sys", timeout_ns=POLL_SLICE_NS)
+        if reached == 0:  # a task that waits at all: from here on, once per slice
+            program_clock(clock_slot, CLOCK)
+            start = program_clock(clock_slot, CLOCK)
+            now = start
+            stop = tl.full((), 0, tl.int64)
+            while (reached == 0) & (stop == 0) & (now - start < timeout_ns):
+                stop = tl.atomic_load(abort, sem="relaxed", scope="sys")  # a load: no read-modify-write on AMD
+                reached = tl.atomic_poll(counter, target, sem="acquire", scope="sys", timeout_ns=POLL_SLICE_NS)
+                now = program_clock(clock_slot, CLOCK)
+        return reached != 0
+
+
+PROTOCOLS = {"poll": "wait_polled", "spin": "wait_spinning"}  # protocol -> its wait
+
+
+def default_protocol() -> str:
+    """``MEGAKERNEL_PROTOCOL`` if set, else "poll" where Triton has ``tl.atomic_poll``, else "spin"."""
+    chosen = os.environ.get("MEGAKERNEL_PROTOCOL") or ("poll" if hasattr(tl, "atomic_poll") else "spin")
+    if chosen not in PROTOCOLS or (chosen == "poll" and not hasattr(tl, "atomic_poll")):
+        raise ValueError(f"MEGAKERNEL_PROTOCOL={chosen!r}: expected 'spin'"
+                         + (" or 'poll'" if hasattr(tl, "atomic_poll") else f" (triton {triton.__version__} has no "
+                            f"tl.atomic_poll for 'poll')"))
+    return chosen
 
 
 @triton.jit
@@ -121,10 +162,14 @@ def checked_index(status, index, bound):
 
 
 @triton.jit
-def signal_event(bases, rank, events_off, event, increment):
-    """Release-add ``increment`` to ``event`` on ``rank`` (this rank or a peer)."""
-    counter = peer_ptr(bases, rank, events_off + event * 8, tl.int64)
-    tl.atomic_add(counter, increment, sem="release", scope="sys")
+def signal_event(bases, rank, dst, events_off, event, increment, SCOPED: tl.constexpr):
+    """Release-add ``increment`` to ``event`` on rank ``dst`` (this rank or a peer): with ``SCOPED``, at gpu
+    scope when ``dst`` is this rank (the data and the event stayed on this GPU), else at system scope."""
+    counter = peer_ptr(bases, dst, events_off + event * 8, tl.int64)
+    if SCOPED and dst == rank:
+        tl.atomic_add(counter, increment, sem="release", scope="gpu")
+    else:
+        tl.atomic_add(counter, increment, sem="release", scope="sys")
 
 
 # The task row layout (scheduler.tables), as constexprs for the kernel.
@@ -154,8 +199,10 @@ def task_header(tasks, queue, i, last, ROW: tl.constexpr):
 @triton.jit
 def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, signals_off, queue_off, index_off,
                     events_off, status_off, trace_off, ROW: tl.constexpr, RUN_TILE: tl.constexpr,
-                    CLOCK: tl.constexpr, TRACE: tl.constexpr):
+                    CLOCK: tl.constexpr, WAIT: tl.constexpr, SCOPED_SIGNALS: tl.constexpr, TRACE: tl.constexpr):
     """One worker's whole run: for each task of its queue, wait, run the tile, signal.
+
+    ``WAIT`` and ``SCOPED_SIGNALS`` are the protocol's (see the module docstring).
 
     ``RUN_TILE(opcode, base, bases, status, args)`` dispatches to the tile functions (generated per graph). A wait
     that times out writes this worker's status record and stops every worker of the rank. With
@@ -186,8 +233,8 @@ def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, sign
             tl.store(stamp, CLOCK())
         if event >= 0:
             target = epoch * fan_in
-            observed = wait_event(events + event, target, abort, timeout_ns, status + CLOCK_SLOT, CLOCK)
-            if observed < target:
+            if not WAIT(events + event, target, abort, timeout_ns, status + CLOCK_SLOT, CLOCK):
+                observed = tl.atomic_add(events + event, 0, sem="relaxed", scope="sys")  # for the report alone
                 report_stall(status, abort, task, event, observed, target)
                 running = 0
         if running == 1:
@@ -200,7 +247,8 @@ def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, sign
                 tl.store(stamp + 2, CLOCK())
             for s in range(first_signal, first_signal + signal_count):
                 signal = signals + s * SIGNAL_WORDS
-                signal_event(bases, tl.load(signal), events_off, tl.load(signal + 1), tl.load(signal + 2))
+                signal_event(bases, rank, tl.load(signal), events_off, tl.load(signal + 1), tl.load(signal + 2),
+                             SCOPED_SIGNALS)
             tl.store(status + DONE, i - first + 1)
         task, event, fan_in, opcode, first_signal, signal_count = next_header
         i += 1

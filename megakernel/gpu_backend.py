@@ -9,13 +9,17 @@ process) carve their heaps from one allocation on one GPU and launch on streams 
 rank with its share of the programs that can be resident at once.
 
 A persistent kernel whose programs wait on each other deadlocks if one of them is not resident, so
-the grid is checked against the compiled kernel's registers and shared memory before any launch.
+the grid is checked against the compiled kernel's registers and shared memory before any launch, and
+a process rank launches cooperatively where Triton can (the driver then refuses a grid that cannot be
+resident at once, e.g. because another process holds SMs, instead of a hang). Virtual ranks' R
+kernels must run at once: each stream needs a hardware queue of its own (``check_queues``).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -31,9 +35,37 @@ NUM_WARPS = 4              # threads per program: 128 (NVIDIA) / 256 (AMD, wave6
 MAX_REGISTERS = 128
 
 
-def launch_options(vendor: str) -> dict[str, int]:
-    """Compile options of every megakernel launch on ``vendor`` ("cuda" or "hip"); AOT checks use them too."""
-    return dict(num_warps=NUM_WARPS, **({"maxnreg": MAX_REGISTERS} if vendor == "cuda" else {}))
+# Hardware queues streams map to, and their defaults: two kernels on streams that share a queue run
+# one after the other, and a persistent kernel waiting on the other never ends.
+QUEUES_ENV = {"cuda": ("CUDA_DEVICE_MAX_CONNECTIONS", 8), "hip": ("GPU_MAX_HW_QUEUES", 4)}
+
+
+def launch_options(vendor: str, cooperative: bool = True) -> dict[str, int]:
+    """Compile options of every megakernel launch on ``vendor`` ("cuda" or "hip"); AOT checks use them too.
+    ``cooperative``: launched as a cooperative grid, where this Triton supports it."""
+    options = dict(num_warps=NUM_WARPS, **({"maxnreg": MAX_REGISTERS} if vendor == "cuda" else {}))
+    if cooperative and "launch_cooperative_grid" in _backend_options(vendor):
+        options["launch_cooperative_grid"] = True
+    return options
+
+
+def _backend_options(vendor: str) -> set[str]:
+    if vendor == "cuda":
+        from triton.backends.nvidia.compiler import CUDAOptions as Options
+    else:
+        from triton.backends.amd.compiler import HIPOptions as Options
+    return {f.name for f in fields(Options)}
+
+
+def check_queues(vendor: str, streams: int) -> None:
+    """Refuse ``streams`` concurrent persistent kernels (virtual ranks) that the device's hardware queues
+    would run one after the other."""
+    name, default = QUEUES_ENV[vendor]
+    queues = int(os.environ.get(name, default))
+    if streams > queues:
+        raise BackendError(f"{streams} virtual ranks need {streams} hardware queues to run their kernels at once; "
+                           f"{name}={queues}{' (the default)' if name not in os.environ else ''}: set {name}="
+                           f"{streams} or more before the process first uses the GPU")
 
 
 _compile_lock = threading.Lock()  # virtual ranks build the same kernel: compile it once, not racing
@@ -85,7 +117,11 @@ class GpuBackend:
                                f"{torch.cuda.device_count()}: use launch(..., virtual=True) to share one")
         # A launch that outlives this is stuck outside any wait (each wait ends within ``timeout``).
         self.launch_limit = 10 * timeout + 60
+        if group.virtual:
+            check_queues(name, group.world_size)
         self.kernel = codegen.load_kernel(kernel_path)
+        # Cooperative launches of virtual ranks' concurrent kernels are untried: those launch plainly.
+        self.options = launch_options(name, cooperative=not group.virtual)
         # The arguments are all int64 and unspecialised (codegen): any values compile the one kernel.
         self.compiled = self._compile(dict.fromkeys(codegen.KERNEL_ARGS, 0) | dict(ROW=row_words, TRACE=trace))
         self.limits = occupancy.device_limits(self.device.index)
@@ -106,7 +142,7 @@ class GpuBackend:
         """The compiled kernel these arguments (ROW and TRACE included) launch, loaded: compiled now if
         new, once for all virtual ranks."""
         with _compile_lock:
-            compiled = self.kernel.warmup(**args, **launch_options(self.name), grid=(1,))
+            compiled = self.kernel.warmup(**args, **self.options, grid=(1,))
             compiled._init_handles()
             return compiled
 
@@ -155,7 +191,7 @@ class GpuBackend:
         try:
             with torch.cuda.stream(self.stream):
                 start.record()
-                self.kernel[(self.workers,)](**args, **launch_options(self.name))
+                self.kernel[(self.workers,)](**args, **self.options)
                 end.record()
             self._wait(end)
         except KeyboardInterrupt:  # the programs' waits time out by themselves: let them end before going on

@@ -167,3 +167,95 @@ def test_cubin_resources_match_cuobjdump(target, tmp_path):
     registers, shared = (int(re.search(rf"\b{key}:(\d+)", report).group(1)) for key in ("REG", "SHARED"))
     assert cubin_resources(kernel.asm["cubin"], kernel.name) == (registers, shared)
     assert registers > 0 and kernel.metadata.shared > 0
+
+
+# -- the wait/signal protocol, read in the assembly ---------------------------------------------------------
+BLOCK = re.compile(r"^\s*(?:\$L__|\.L)(BB\d+_\d+):|^\s*(?://|;) %bb\.\d+:")
+POLL_LOAD = {"cuda": "ld.relaxed.sys.global", "hip": "sc0 sc1"}        # the poll's relaxed system-scope load
+CLOCK = {"cuda": "%globaltimer", "hip": "s_memrealtime"}
+BARRIER = {"cuda": "bar.sync", "hip": "s_barrier"}
+RMW = {"cuda": ("atom.", "red."), "hip": ("global_atomic",)}
+ACQUIRE = {"cuda": "fence.acquire.sys", "hip": "buffer_inv sc0 sc1"}
+RELEASE = {"cuda": {"gpu": "red.global.gpu.release.add", "sys": "red.global.sys.release.add"},
+           "hip": {"gpu": re.compile(r"buffer_wbl2 sc1\n"), "sys": re.compile(r"buffer_wbl2 sc0 sc1\n")}}
+
+
+def inner_loops(assembly: str) -> list[str]:
+    """The text of every innermost loop, from LLVM's loop comments (``This Inner Loop Header``, ``in Loop:
+    Header=BBn_m``), which both PTX and AMDGCN carry."""
+    blocks, members, inner = [], {}, []
+    for line in assembly.splitlines():
+        match = BLOCK.match(line)
+        if match:
+            blocks.append((match.group(1), []))
+        if blocks:
+            blocks[-1][1].append(line)
+    for label, lines in blocks:
+        head = "\n".join(lines[:4])
+        header = label if "This Inner Loop Header" in head else (re.search(r"in Loop: Header=(BB\d+_\d+)", head)
+                                                                  or [None, None])[1]
+        if header:
+            members.setdefault(header, []).extend(lines)
+        if label and "This Inner Loop Header" in head:
+            inner.append(label)
+    return ["\n".join(members[label]) for label in inner]
+
+
+def wait_loops(assembly: str, vendor: str) -> list[str]:
+    """The innermost loops that read the clock: the waits' (no tile reads a clock)."""
+    return [loop for loop in inner_loops(assembly) if CLOCK[vendor] in loop]
+
+
+@functools.cache
+def protocol_kernel(target: str, protocol: str):
+    need(target)
+    g = mk.Graph(world_size=1, rank=0)
+    x = g.input("x", (2, 64), torch.float32)
+    g.output("y", g.add(g.add(x, x), x))
+    return compile_kernel(g.specs, target, row_words=16, protocol=protocol)
+
+
+@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
+def test_a_poll_is_one_thread_reading_relaxed_then_one_fence_and_one_barrier(target):
+    vendor = TARGETS[target].backend
+    for c in (protocol_kernel(target, "poll"), compiled("every task type", target)):  # the default protocol
+        loops = wait_loops(c.assembly, vendor)
+        assert loops, "no wait loop found"
+        for loop in loops:
+            assert POLL_LOAD[vendor] in loop, loop
+            assert BARRIER[vendor] not in loop and not any(op in loop for op in RMW[vendor]), loop
+        assert ACQUIRE[vendor] in c.assembly
+    spinning = wait_loops(protocol_kernel(target, "spin").assembly, vendor)  # the old protocol fails the test
+    assert any(BARRIER[vendor] in loop and any(op in loop for op in RMW[vendor]) for loop in spinning)
+
+
+@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
+def test_local_signals_release_at_gpu_scope_and_remote_ones_at_system_scope(target):
+    vendor = TARGETS[target].backend
+    found = lambda pattern, text: (pattern in text) if isinstance(pattern, str) else bool(pattern.search(text))  # noqa: E731
+    poll, spin = protocol_kernel(target, "poll").assembly, protocol_kernel(target, "spin").assembly
+    assert found(RELEASE[vendor]["gpu"], poll) and found(RELEASE[vendor]["sys"], poll)
+    assert found(RELEASE[vendor]["sys"], spin) and not found(RELEASE[vendor]["gpu"], spin)
+
+
+def test_launches_are_cooperative_where_triton_can_and_virtual_ranks_need_their_queues(monkeypatch):
+    from megakernel.gpu_backend import check_queues, launch_options
+    for vendor in ("cuda", "hip"):
+        assert launch_options(vendor).get("launch_cooperative_grid") is True  # triton 3.9 has the option
+        assert "launch_cooperative_grid" not in launch_options(vendor, cooperative=False)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    check_queues("cuda", 8)
+    with pytest.raises(BackendError, match=r"9 virtual ranks need 9 hardware queues.*CUDA_DEVICE_MAX_CONNECTIONS=8 "
+                                           r"\(the default\)"):
+        check_queues("cuda", 9)
+    monkeypatch.setenv("GPU_MAX_HW_QUEUES", "2")
+    with pytest.raises(BackendError, match="GPU_MAX_HW_QUEUES=2: set GPU_MAX_HW_QUEUES=3"):
+        check_queues("hip", 3)
+
+
+def test_aot_writes_the_assembly(tmp_path, capsys):
+    from megakernel.tools.cli import main as cli
+    assert cli(["aot", "--target", "sm_90", "--asm", str(tmp_path / "kernel.ptx")]) == 0
+    assert "assembly (PTX)" in capsys.readouterr().out
+    text = (tmp_path / "kernel.ptx").read_text()
+    assert ".visible .entry megakernel" in text and wait_loops(text, "cuda")

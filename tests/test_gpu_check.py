@@ -16,4 +16,6 @@ def test_gpu_check_smoke_runs_every_section_and_passes_its_checks():
     for row in ("task types", "decode, random Llama", "layer 128x256 bf16", "dispatch: empty tasks",
                 "virtual ranks: put chains written", "virtual ranks: all_reduce"):
         assert row in table, f"no row {row!r} in\n{table}"
+    assert "dispatch: empty tasks" in table.split("[spin protocol]")[0] and "| virtual ranks: signal round trip " \
+        "(2 puts + waits) [spin protocol] |" in table, "the old protocol's rows are there to compare"
     assert "FAILED" not in table and "| NO |" not in table, table

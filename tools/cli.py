@@ -38,17 +38,24 @@ def _aot(args) -> int:
     from .examples import every_task_type
 
     graph = every_task_type()
-    for target in args.target or list(TARGETS):
+    targets = args.target or list(TARGETS)
+    for target in targets:
         reason = unsupported_reason(target)
         if reason is not None:
             print(f"{target}: not supported by this Triton ({reason})")
             continue
-        compiled = compile_kernel(graph.specs, target, row_words=32)
+        compiled = compile_kernel(graph.specs, target, row_words=32, protocol=args.protocol)
         limits = LIMITS[target]
         per_unit = programs_per_unit(limits, compiled.resources)
         print(f"{target}: {compiled.binary} {compiled.size} bytes, {compiled.registers} registers, "
               f"{compiled.shared} bytes shared, {len(graph.specs)} opcodes; {per_unit} programs per "
               f"{limits.unit}, at most {per_unit * limits.units} workers on {limits.name}")
+        if args.asm:
+            path = Path(args.asm)
+            if len(targets) > 1:  # one file per target: kernel.s -> kernel.sm_90.s
+                path = path.with_name(f"{path.stem}.{target}{path.suffix}")
+            path.write_text(compiled.assembly)
+            print(f"  assembly ({'PTX' if compiled.binary == 'cubin' else 'AMDGCN'}): {path}")
     return 0
 
 
@@ -112,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=_disasm)
     p = sub.add_parser("aot", help="compile a megakernel with every task type for GPU targets, without a GPU")
     p.add_argument("--target", action="append", choices=["sm_90", "sm_100", "gfx942", "gfx950"])
+    p.add_argument("--asm", metavar="FILE", help="write the assembly (PTX / AMDGCN) there; with several targets "
+                                                 "one file each (kernel.s -> kernel.sm_90.s)")
+    p.add_argument("--protocol", choices=["poll", "spin"], help="the wait/signal protocol (default: poll where "
+                                                                "this Triton has tl.atomic_poll)")
     p.set_defaults(run=_aot)
     p = sub.add_parser("demo", help="the main job: tensor-parallel greedy decoding of a random Llama on the cpu "
                                     "backend, checked against transformers")
