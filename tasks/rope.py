@@ -1,7 +1,9 @@
 """Rotary position embedding at a position held in a device scalar (Llama's rotate-half convention).
 
 The same compiled graph serves every decode step: the position is read from the heap, not baked
-into the tile, and the inverse frequencies are an input (so they match the model's exactly).
+into the tile, and the inverse frequencies are an input (so they match the model's exactly, whatever
+its rope type computed them from; a type whose frequencies follow the sequence length rebinds them).
+``SCALING`` multiplies cos and sin (the attention factor of YaRN and LongRoPE; 1 otherwise).
 """
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ def rope_tile(base,
               inv_freq,    # heap offset of HEAD_DIM / 2 float32 inverse frequencies
               pos,         # heap offset of the int64 position
               heads,       # heads in the row, <= BLOCK_H
-              DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``out = x * cos(p f) + rotate_half(x) * sin(p f)`` for every head, p = *pos, f = inv_freq."""
+              DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, SCALING: tl.constexpr, BLOCK_H: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """``out = x * s cos(p f) + rotate_half(x) * s sin(p f)`` for every head, p = *pos, f = inv_freq,
+    s = SCALING."""
     half: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -28,6 +32,8 @@ def rope_tile(base,
     position = tl.load(heap_ptr(base, pos, tl.int64)).to(tl.float32)
     angle = position * tl.load(heap_ptr(base, inv_freq, tl.float32) + d, mask=d < half, other=0.0)
     cos, sin = tl.cos(angle), tl.sin(angle)
+    if SCALING != 1.0:
+        cos, sin = cos * SCALING, sin * SCALING
     x_ptr = heap_ptr(base, x, DTYPE) + h * HEAD_DIM + d
     out_ptr = heap_ptr(base, out, DTYPE) + h * HEAD_DIM + d
     x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
@@ -43,15 +49,19 @@ def _reference(heap, task) -> None:
     position = heap.tensor(task.pos, torch.int64, 1, 1, 1).float()
     angle = position * inv_freq
     cos, sin = torch.cat([angle.cos(), angle.cos()], -1), torch.cat([angle.sin(), angle.sin()], -1)
+    cos, sin = cos * task.SCALING, sin * task.SCALING
     rotated = torch.cat([-x[:, hd // 2:], x[:, : hd // 2]], -1)
     heap.tensor(task.out, task.DTYPE, heads, hd, hd).copy_(x * cos + rotated * sin)
 
 
-def rope(g, x, inv_freq, pos, head_dim: int):
+def rope(g, x, inv_freq, pos, head_dim: int, scaling: float = 1.0):
     """Rotate every ``head_dim`` head of each row of ``x`` [B, heads * head_dim] by position ``*pos``.
 
-    ``inv_freq`` is float32 [head_dim / 2]; ``pos`` an int64 tensor of one element.
+    ``inv_freq`` is float32 [head_dim / 2]; ``pos`` an int64 tensor of one element; ``scaling`` multiplies
+    cos and sin.
     """
+    g.check(isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and 0 < scaling < float("inf"),
+            f"rope: scaling must be a positive number, got {scaling!r}")
     g.check(head_dim % 2 == 0 and x.cols % head_dim == 0,
             f"rope: x has shape {x.shape}; its rows must be whole heads of even size {head_dim}")
     require_float(g, "rope", x=x)
@@ -60,8 +70,8 @@ def rope(g, x, inv_freq, pos, head_dim: int):
     require_position(g, "rope", pos)
     heads = x.cols // head_dim
     out = g.new_tensor(x.shape, x.dtype)
-    opcode = g.opcode(ROPE, DTYPE=x.dtype, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(heads),
-                      BLOCK_D=triton.next_power_of_2(head_dim // 2))
+    opcode = g.opcode(ROPE, DTYPE=x.dtype, HEAD_DIM=head_dim, SCALING=float(scaling),
+                      BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim // 2))
     rows = x.block()
     for r in range(rows.rows):
         g.add_task(opcode, out=out.block().addr(r, 0), x=rows.addr(r, 0), inv_freq=inv_freq.addr(0, 0),
@@ -76,7 +86,7 @@ def rope(g, x, inv_freq, pos, head_dim: int):
 def _example(g):
     x = g.input("rope.x", (2, 96), torch.bfloat16)
     inv_freq, pos = g.input("rope.inv_freq", (24,), torch.float32), g.input("rope.pos", (1,), torch.int64)
-    return (g.rope(x, inv_freq, pos, 48),)
+    return g.rope(x, inv_freq, pos, 48), g.rope(x, inv_freq, pos, 48, scaling=1.25)
 
 
 ROPE = TaskType("rope", rope_tile, _reference, _example)

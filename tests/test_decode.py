@@ -78,6 +78,46 @@ def test_greedy_generation_matches_transformers(family):
         m.close()
 
 
+# Rope types as checkpoints ship them, sized so that a short generation crosses each type's original
+# context of 8 positions (where llama3, yarn and longrope change regime and dynamic starts to rescale).
+ROPES = {
+    "linear": dict(factor=2.0),
+    "llama3": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8),
+    "yarn": dict(factor=4.0, original_max_position_embeddings=8),
+    "longrope": dict(short_factor=[1.0 + 0.05 * i for i in range(24)], long_factor=[1.5 + 0.1 * i for i in range(24)],
+                     original_max_position_embeddings=8),
+    "dynamic": dict(factor=2.0),
+}
+
+
+@pytest.mark.parametrize("rope_type", sorted(ROPES))
+def test_every_rope_type_matches_transformers(rope_type):
+    """Frequencies and attention scaling from transformers' own rotary module; logits at every step of a
+    greedy generation within 1e-4 of transformers' (decoding with its KV cache, one token a step, as
+    generate does after the prompt) and the same tokens as its generate."""
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**SHAPES, "vocab_size": 301, "max_position_embeddings": 8 if rope_type == "dynamic" else 32},
+                         num_attention_heads=4, num_key_value_heads=2,
+                         rope_parameters=dict(rope_type=rope_type, rope_theta=500.0, **ROPES[rope_type]))
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(0, 301, (1, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=9, do_sample=False, pad_token_id=0)
+    m = from_hf(model, max_seq_len=16, workers=2)
+    try:
+        assert m.config.rope_scaling == pytest.approx(model.model.rotary_emb.attention_scaling)
+        cache = None
+        with torch.no_grad():
+            for pos in range(expected.shape[1] - 1):  # transformers one token at a step, its cache kept
+                out = model(expected[:, pos:pos + 1], cache=cache, use_cache=True, position_ids=torch.tensor([[pos]]))
+                cache = out.cache
+                assert_close(m.decode(expected[:, pos], pos), out.logits[:, -1].float(), 1e-4, f"{rope_type} pos {pos}")
+        assert torch.equal(m.generate(ids, max_new_tokens=9), expected)  # from position 0 again, the same kernel
+    finally:
+        m.close()
+
+
 def tensor_parallel_generation(family: str, batch: int):
     model = hf_model(family, kv_heads=1 if family == "llama" else 2)
     m = from_hf(model, max_seq_len=24, max_batch=batch, workers=1)

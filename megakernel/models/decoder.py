@@ -29,6 +29,7 @@ class DecoderConfig:
     max_seq_len: int
     batch: int = 1
     dtype: torch.dtype = torch.float32
+    rope_scaling: float = 1.0  # multiplies RoPE's cos and sin (YaRN's and LongRoPE's attention factor)
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     if c.qk_norm:
         q = g.rms_norm(q, w("q_norm", (hd,)), c.eps, head_dim=hd)
         k = g.rms_norm(k, w("k_norm", (hd,)), c.eps, head_dim=hd)
-    q, k = g.rope(q, inv_freq, pos, hd), g.rope(k, inv_freq, pos, hd)
+    q, k = g.rope(q, inv_freq, pos, hd, c.rope_scaling), g.rope(k, inv_freq, pos, hd, c.rope_scaling)
     k_cache = g.kv_append(g.new_tensor((c.batch * c.max_seq_len, kv_cols), c.dtype, name=f"layers.{i}.k_cache"),
                           k, pos, c.batch)
     v_cache = g.kv_append(g.new_tensor((c.batch * c.max_seq_len, kv_cols), c.dtype, name=f"layers.{i}.v_cache"),

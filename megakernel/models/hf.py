@@ -1,5 +1,15 @@
-"""``from_hf``: a ``transformers`` Llama, Mistral or Qwen3 causal LM as a megakernel decode model."""
+"""``from_hf``: a ``transformers`` Llama, Mistral or Qwen3 causal LM as a megakernel decode model.
+
+RoPE comes from the model's own rotary module: its inverse frequencies and attention scaling are what
+``transformers`` computed for the rope type (``default``, ``linear``, ``llama3``, ``yarn``,
+``longrope``, ``dynamic``), nothing is re-derived. ``dynamic`` and ``longrope`` frequencies follow the
+sequence length: before each step the module is asked for the frequencies at that position (as
+``transformers`` does while it decodes) and they are rebound when they changed, between launches.
+"""
 from __future__ import annotations
+
+import copy
+from typing import Callable
 
 import torch
 
@@ -10,6 +20,8 @@ from ..runtime import Megakernel
 from .decoder import DecoderConfig, Shard, decode_step
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")  # frequencies that follow the sequence length
 
 
 def config_of(model, max_seq_len: int, max_batch: int) -> DecoderConfig:
@@ -24,14 +36,14 @@ def config_of(model, max_seq_len: int, max_batch: int) -> DecoderConfig:
     if window is not None and window < max_seq_len:
         raise GraphError(f"{name} attends within a sliding window of {window} positions; decode attends to every "
                          f"cached position, so max_seq_len must not exceed it (got {max_seq_len})")
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise GraphError(f"rope type {rope.get('rope_type')!r} is not supported (only 'default')")
+    rope_type = model.model.rotary_emb.rope_type
+    if rope_type not in ROPE_TYPES:
+        raise GraphError(f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     return DecoderConfig(hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
                          kv_heads=cfg.num_key_value_heads, head_dim=head_dim, intermediate=cfg.intermediate_size,
                          layers=cfg.num_hidden_layers, vocab=cfg.vocab_size, eps=float(cfg.rms_norm_eps),
                          qk_norm=name == "Qwen3ForCausalLM", max_seq_len=max_seq_len, batch=max_batch,
-                         dtype=model.dtype)
+                         dtype=model.dtype, rope_scaling=float(model.model.rotary_emb.attention_scaling))
 
 
 def shard_weights(model, c: DecoderConfig, s: Shard) -> dict[str, torch.Tensor]:
@@ -63,11 +75,15 @@ class DecodeModel:
     """One rank's share of a model, compiled into one megakernel: one launch per decode step."""
 
     def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor], parallelism: int | str = "auto",
-                 **kernel_options):
+                 rope_at: Callable[[int], torch.Tensor] | None = None, **kernel_options):
         """``parallelism``: the workers the step's tiles are sized for (``Graph.parallelism``); "auto": on a
         GPU, every worker the kernel holds (found by building once), on the cpu backend 1 (the
-        interpreter runs few large tiles best)."""
+        interpreter runs few large tiles best). ``rope_at(pos)``: the inverse frequencies for the step
+        at ``pos``, for rope types whose frequencies follow the sequence length (rebound when they
+        change)."""
         self.config = config
+        self.rope_at = rope_at
+        self.inv_freq = weights["inv_freq"].clone()  # the frequencies bound now (the model may update its own)
         auto = parallelism == "auto"
         if auto:
             parallelism = 1
@@ -90,8 +106,12 @@ class DecodeModel:
             raise GraphError(f"decode: token id {int(bad[0])} is outside the vocabulary [0, {c.vocab})")
         if not 0 <= pos < c.max_seq_len:
             raise GraphError(f"decode: position {pos} is outside [0, {c.max_seq_len}) (max_seq_len)")
-        out = self.kernel.run({"tokens": tokens, "pos": torch.tensor([pos], dtype=torch.int64)})
-        return out["logits"].float()
+        inputs = {"tokens": tokens, "pos": torch.tensor([pos], dtype=torch.int64)}
+        if self.rope_at is not None:
+            inv_freq = self.rope_at(pos)
+            if not torch.equal(inv_freq, self.inv_freq):
+                inputs["inv_freq"] = self.inv_freq = inv_freq
+        return self.kernel.run(inputs)["logits"].float()
 
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Greedy decoding: the prompt fed one decode step per token, then ``max_new_tokens`` argmax tokens.
@@ -121,5 +141,20 @@ def from_hf(model, *, max_seq_len: int, max_batch: int = 1, parallelism: int | s
     """
     world, rank = current_world()
     config = config_of(model, max_seq_len, max_batch)
+    rope_at = None
+    if model.model.rotary_emb.rope_type in LENGTH_DEPENDENT_ROPE:
+        rope_at = _rope_frequencies(copy.deepcopy(model.model.rotary_emb))
     return DecodeModel(config, shard_weights(model, config, Shard.of(config, rank, world)), parallelism,
-                       **kernel_options)
+                       rope_at, **kernel_options)
+
+
+def _rope_frequencies(rotary) -> Callable[[int], torch.Tensor]:
+    """The inverse frequencies ``rotary`` (a transformers rotary module, this model's own copy) uses for
+    a token at ``pos``: its forward updates them for the sequence length, as in a decode step."""
+    probe = torch.zeros(1, dtype=torch.float32, device=rotary.inv_freq.device)
+
+    def at(pos: int) -> torch.Tensor:
+        with torch.no_grad():
+            rotary(probe, torch.tensor([[pos]], device=probe.device))
+        return rotary.inv_freq.detach().float().clone()  # transformers updates the buffer in place
+    return at
