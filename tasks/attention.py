@@ -59,20 +59,24 @@ def attention_partial_tile(base, status,
                            k, v,           # heap offsets of the KV head's column in the batch row's first cache row
                            pos,            # heap offset of the int64 position
                            seq_len,        # cache rows of the batch row: positions below it are valid
+                           window,         # positions attended: pos - window < p <= pos (sliding window)
                            start, length,  # the split: cache positions [start, start + length)
                            cache_stride,   # the caches' row stride, in elements
                            DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ALIGNED: tl.constexpr):
-    """Online softmax of ``GROUP`` query heads against cache positions [start, min(start + length, pos + 1)).
+    """Online softmax of ``GROUP`` query heads against cache positions [max(start, pos + 1 - window),
+    min(start + length, pos + 1)).
 
     One query head at a time: BLOCK_S cache rows of K and of V per step, each row a contiguous run of
     HEAD_DIM elements loaded as 16-byte vectors (ALIGNED: the cache, its row stride and q are 16-byte
     aligned, checked by the host). The query row is loaded in the same [BLOCK_S, BLOCK_D] shape as K
     (every row the same address), so the scores need no register shuffle; the later heads of the
-    group find K and V in cache. A split wholly past the current position runs no step: it writes the
-    empty partial (m = -inf, l = 0, o = 0) and is done.
+    group find K and V in cache. A split wholly past the current position, or wholly before the window,
+    runs no step: it writes the empty partial (m = -inf, l = 0, o = 0) and is done.
     """
-    end = tl.minimum(start + length, checked_index(status, tl.load(heap_ptr(base, pos, tl.int64)), seq_len) + 1)
+    position = checked_index(status, tl.load(heap_ptr(base, pos, tl.int64)), seq_len)
+    end = tl.minimum(start + length, position + 1)
+    first = tl.maximum(start, position + 1 - window)
     q_ptr = (base + q).to(tl.pointer_type(DTYPE))
     k_ptr = (base + k).to(tl.pointer_type(DTYPE))
     v_ptr = (base + v).to(tl.pointer_type(DTYPE))
@@ -90,7 +94,7 @@ def attention_partial_tile(base, status,
         m = tl.full([], float("-inf"), tl.float32)
         l = tl.full([], 0.0, tl.float32)
         acc = tl.zeros((BLOCK_D,), tl.float32)
-        for s0 in range(start, end, BLOCK_S):
+        for s0 in range(first, end, BLOCK_S):
             valid = s0 + j < end
             rows = (s0 + j)[:, None] * cache_stride + d
             mask = valid[:, None] & (d < HEAD_DIM)
@@ -110,8 +114,9 @@ def attention_partial_tile(base, status,
 
 
 def _partial_reference(heap, task) -> None:
-    group, hd, dtype, start, stride = task.GROUP, task.HEAD_DIM, task.DTYPE, task.start, task.cache_stride
-    end = min(start + task.length, heap_index(heap, task.pos, task.seq_len) + 1)
+    group, hd, dtype, stride = task.GROUP, task.HEAD_DIM, task.DTYPE, task.cache_stride
+    position = heap_index(heap, task.pos, task.seq_len)
+    start, end = max(task.start, position + 1 - task.window), min(task.start + task.length, position + 1)
     q = heap.tensor(task.q, dtype, group, hd, hd).float() * task.SCALE
     o = heap.tensor(task.o, torch.float32, group, hd, hd)
     ml = heap.tensor(task.ml, torch.float32, 2, group, group)
@@ -211,8 +216,9 @@ def split_size(rows: int, max_seq: int, parallelism: int) -> int:
     return size
 
 
-def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int):
-    """Attention of ``q`` [batch, heads * head_dim] over cache rows 0 ..= ``*pos`` of every batch row.
+def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, window: int | None = None):
+    """Attention of ``q`` [batch, heads * head_dim] over cache rows 0 ..= ``*pos`` of every batch row, or
+    over the last ``window`` of them (a sliding window).
 
     The caches hold ``kv_heads`` heads; each KV head serves ``heads / kv_heads`` query heads. The
     sequence is cut into splits of ``split_size`` positions (one partial tile per batch row, KV head
@@ -226,6 +232,8 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int):
             f"decode_attention: caches {k_cache.shape}, {v_cache.shape} and q {q.shape} for batch {batch}")
     require_float(g, "decode_attention", q=q, k_cache=k_cache, v_cache=v_cache)
     require_position(g, "decode_attention", pos)
+    g.check(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
+            f"decode_attention: window must be None or a positive integer, got {window!r}")
     group = heads // kv_heads
     max_seq = k_cache.rows // batch
     split = split_size(batch * kv_heads, max_seq, g.parallelism)
@@ -249,7 +257,7 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int):
                 g.add_task(partial, o=partial_o.addr(slot * group, 0), ml=partial_ml.addr(slot * 2, 0),
                            q=q.addr(b, h * group * head_dim), k=k_cache.addr(b * max_seq, cols),
                            v=v_cache.addr(b * max_seq, cols), pos=pos.addr(0, 0), seq_len=max_seq,
-                           start=s * split, length=split,
+                           window=min(window or max_seq, max_seq), start=s * split, length=split,
                            cache_stride=k_cache.row_stride,
                            reads=(q_rows, pos.region(0, 1, 0, 1), k_cache.region(b * max_seq, max_seq, cols, head_dim),
                                   v_cache.region(b * max_seq, max_seq, cols, head_dim)),
@@ -280,7 +288,8 @@ def _example(g):
     q, pos = g.input("attention.q", (2, 96), torch.bfloat16), g.input("attention.pos", (1,), torch.int64)
     cache = g.input("attention.cache", (2 * 80, 48), torch.bfloat16)
     k_cache = g.kv_append(cache, q[:, :48], pos, batch=2)
-    return (g.decode_attention(q, k_cache, k_cache, pos, batch=2, head_dim=48),)
+    return (g.decode_attention(q, k_cache, k_cache, pos, batch=2, head_dim=48),
+            g.decode_attention(q, k_cache, k_cache, pos, batch=2, head_dim=48, window=20))
 
 
 KV_APPEND = TaskType("kv_append", kv_append_tile, _append_reference, _example)

@@ -118,6 +118,47 @@ def test_every_rope_type_matches_transformers(rope_type):
         m.close()
 
 
+def architecture(name: str):
+    """A small random model of each architecture from_hf takes beyond Llama/Mistral/Qwen3's defaults."""
+    from transformers import Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    shapes = dict(SHAPES, vocab_size=301, num_attention_heads=4, num_key_value_heads=2)
+    model = {
+        "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**shapes)),                       # q/k/v biases
+        "phi3": lambda: Phi3ForCausalLM(Phi3Config(**shapes, pad_token_id=0)),         # fused qkv, gate_up
+        "llama_biases": lambda: LlamaForCausalLM(LlamaConfig(**shapes, attention_bias=True, mlp_bias=True)),
+        "mistral_window": lambda: MistralForCausalLM(MistralConfig(**shapes, sliding_window=4)),
+        "llama_tied": lambda: LlamaForCausalLM(LlamaConfig(**shapes, tie_word_embeddings=True)),
+    }[name]().eval()
+    with torch.no_grad():  # biases start at zero in transformers: make them random so that they are tested
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("name", ["qwen2", "phi3", "llama_biases", "mistral_window", "llama_tied"])
+def test_architectures_match_transformers(name):
+    """Logits at every step of a greedy generation within 1e-4 of transformers' (one token a step, its
+    cache kept) and the same tokens as its generate; the window of 4 positions is crossed."""
+    model = architecture(name)
+    ids = torch.randint(0, 301, (1, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=7, do_sample=False, pad_token_id=0)
+    m = from_hf(model, max_seq_len=16, workers=2)
+    try:
+        cache = None
+        with torch.no_grad():
+            for pos in range(expected.shape[1] - 1):
+                out = model(expected[:, pos:pos + 1], cache=cache, use_cache=True, position_ids=torch.tensor([[pos]]))
+                cache = out.cache
+                assert_close(m.decode(expected[:, pos], pos), out.logits[:, -1].float(), 1e-4, f"{name} pos {pos}")
+        assert torch.equal(m.generate(ids, max_new_tokens=7), expected)
+    finally:
+        m.close()
+
+
 def tensor_parallel_generation(family: str, batch: int):
     model = hf_model(family, kv_heads=1 if family == "llama" else 2)
     m = from_hf(model, max_seq_len=24, max_batch=batch, workers=1)
@@ -175,9 +216,12 @@ def test_bad_shapes_are_rejected():
                 m.decode(torch.tensor([bad]), 0)
     finally:
         m.close()
-    mistral = hf_model("mistral")
-    mistral.config.sliding_window = 4
-    with pytest.raises(mk.GraphError, match="sliding window of 4"):
-        from_hf(mistral, max_seq_len=8)
+    from transformers import GPT2Config, GPT2LMHeadModel
+    with pytest.raises(mk.GraphError, match="from_hf supports LlamaForCausalLM, .*Phi3ForCausalLM, got GPT2LMHeadModel"):
+        from_hf(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)), max_seq_len=8)
+    partial = hf_model("llama")
+    partial.model.rotary_emb.rope_type = "proportional"
+    with pytest.raises(mk.GraphError, match="rope type 'proportional' is not supported; supported: default, linear"):
+        from_hf(partial, max_seq_len=8)
     with pytest.raises(mk.GraphError, match="divisible by 3"):
         decode_step(DecoderConfig(96, 4, 1, 48, 200, 1, 128, 1e-6, False, 8), mk.Graph(world_size=3, rank=0))

@@ -30,6 +30,10 @@ class DecoderConfig:
     batch: int = 1
     dtype: torch.dtype = torch.float32
     rope_scaling: float = 1.0  # multiplies RoPE's cos and sin (YaRN's and LongRoPE's attention factor)
+    qkv_bias: bool = False     # Qwen2, Llama's attention_bias: biases on the q, k and v projections
+    o_bias: bool = False       # Llama's attention_bias: a bias on the output projection
+    mlp_bias: bool = False     # Llama's mlp_bias: biases on the gate, up and down projections
+    windows: tuple[int | None, ...] = ()  # per layer: a sliding attention window, or None (all positions)
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,11 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     """One pre-norm decoder layer over the residual stream ``x`` [batch, hidden]; returns the new stream."""
     hd, q_cols, kv_cols = c.head_dim, s.heads * c.head_dim, s.kv_heads * c.head_dim
     w = lambda name, shape: g.input(f"layers.{i}.{name}", shape, c.dtype)  # noqa: E731
+    bias = lambda name, cols: g.input(f"layers.{i}.{name}", (c.batch, cols), c.dtype)  # noqa: E731 (per batch row)
     h = g.rms_norm(x, w("input_norm", (c.hidden,)), c.eps)
     qkv = g.linear(h, w("qkv", (q_cols + 2 * kv_cols, c.hidden)))
+    if c.qkv_bias:
+        qkv = g.add(qkv, bias("qkv_bias", q_cols + 2 * kv_cols))
     q, k, v = qkv[:, :q_cols], qkv[:, q_cols:q_cols + kv_cols], qkv[:, q_cols + kv_cols:]
     if c.qk_norm:
         q = g.rms_norm(q, w("q_norm", (hd,)), c.eps, head_dim=hd)
@@ -73,12 +80,16 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
                           k, pos, c.batch)
     v_cache = g.kv_append(g.new_tensor((c.batch * c.max_seq_len, kv_cols), c.dtype, name=f"layers.{i}.v_cache"),
                           v, pos, c.batch)
-    attn = g.decode_attention(q, k_cache, v_cache, pos, c.batch, hd)
-    x = g.add(x, _row_parallel(g, s, g.linear(attn, w("o", (c.hidden, q_cols)))))
+    attn = g.decode_attention(q, k_cache, v_cache, pos, c.batch, hd, window=c.windows[i] if c.windows else None)
+    out = _row_parallel(g, s, g.linear(attn, w("o", (c.hidden, q_cols))))
+    x = g.add(x, g.add(out, bias("o_bias", c.hidden)) if c.o_bias else out)  # a row-parallel bias: once, after
     h = g.rms_norm(x, w("post_norm", (c.hidden,)), c.eps)
     gate_up = g.linear(h, w("gate_up", (2 * s.intermediate, c.hidden)))
+    if c.mlp_bias:
+        gate_up = g.add(gate_up, bias("gate_up_bias", 2 * s.intermediate))
     act = g.silu_mul(gate_up[:, :s.intermediate], gate_up[:, s.intermediate:])
-    return g.add(x, _row_parallel(g, s, g.linear(act, w("down", (c.hidden, s.intermediate)))))
+    out = _row_parallel(g, s, g.linear(act, w("down", (c.hidden, s.intermediate))))
+    return g.add(x, g.add(out, bias("down_bias", c.hidden)) if c.mlp_bias else out)
 
 
 def _row_parallel(g: Graph, s: Shard, partial: Tensor) -> Tensor:

@@ -1,4 +1,9 @@
-"""``from_hf``: a ``transformers`` Llama, Mistral or Qwen3 causal LM as a megakernel decode model.
+"""``from_hf``: a ``transformers`` Llama, Mistral, Qwen2, Qwen3 or Phi-3 causal LM as a megakernel decode model.
+
+The architectures differ in what the decode step builds (``DecoderConfig``: Qwen3's q/k norms, biases
+on q/k/v (Qwen2, Llama's ``attention_bias``), on o (``attention_bias``) and on the MLP (``mlp_bias``),
+sliding windows per layer (Mistral's ``sliding_window``, ``layer_types``)) and in how the weights are
+stored (Phi-3 fuses q/k/v and gate/up): ``shard_weights`` reads either.
 
 RoPE comes from the model's own rotary module: its inverse frequencies and attention scaling are what
 ``transformers`` computed for the rope type (``default``, ``linear``, ``llama3``, ``yarn``,
@@ -19,7 +24,7 @@ from ..graph import Graph
 from ..runtime import Megakernel
 from .decoder import DecoderConfig, Shard, decode_step
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")  # frequencies that follow the sequence length
 
@@ -30,12 +35,14 @@ def config_of(model, max_seq_len: int, max_batch: int) -> DecoderConfig:
         raise GraphError(f"from_hf supports {', '.join(SUPPORTED)}, got {name}")
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
-        raise GraphError(f"{name} with biases in attention or MLP is not supported")
+    attention = model.model.layers[0].self_attn
+    qkv_bias = getattr(attention, "q_proj", None) is not None and attention.q_proj.bias is not None
+    o_bias = attention.o_proj.bias is not None
+    mlp_bias = bool(getattr(cfg, "mlp_bias", False))
     window = getattr(cfg, "sliding_window", None)
-    if window is not None and window < max_seq_len:
-        raise GraphError(f"{name} attends within a sliding window of {window} positions; decode attends to every "
-                         f"cached position, so max_seq_len must not exceed it (got {max_seq_len})")
+    layer_types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
+    windows = tuple(window if window and window < max_seq_len and kind == "sliding_attention" else None
+                    for kind in layer_types)
     rope_type = model.model.rotary_emb.rope_type
     if rope_type not in ROPE_TYPES:
         raise GraphError(f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
@@ -43,7 +50,9 @@ def config_of(model, max_seq_len: int, max_batch: int) -> DecoderConfig:
                          kv_heads=cfg.num_key_value_heads, head_dim=head_dim, intermediate=cfg.intermediate_size,
                          layers=cfg.num_hidden_layers, vocab=cfg.vocab_size, eps=float(cfg.rms_norm_eps),
                          qk_norm=name == "Qwen3ForCausalLM", max_seq_len=max_seq_len, batch=max_batch,
-                         dtype=model.dtype, rope_scaling=float(model.model.rotary_emb.attention_scaling))
+                         dtype=model.dtype, rope_scaling=float(model.model.rotary_emb.attention_scaling),
+                         qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
+                         windows=windows if any(windows) else ())
 
 
 def shard_weights(model, c: DecoderConfig, s: Shard) -> dict[str, torch.Tensor]:
@@ -56,19 +65,47 @@ def shard_weights(model, c: DecoderConfig, s: Shard) -> dict[str, torch.Tensor]:
     weights = {"embed": base.embed_tokens.weight, "norm": base.norm.weight,
                "lm_head": model.lm_head.weight[s.rank * s.vocab:(s.rank + 1) * s.vocab],
                "inv_freq": base.rotary_emb.inv_freq.float()}
+    per_row = lambda bias: bias.reshape(1, -1).expand(c.batch, -1)  # noqa: E731 (a bias input is per batch row)
     for i, layer in enumerate(base.layers):
         attn, mlp_block = layer.self_attn, layer.mlp
+        (q, k, v), (q_b, k_b, v_b) = _qkv(attn, c, "weight"), _qkv(attn, c, "bias")
         weights[f"layers.{i}.input_norm"] = layer.input_layernorm.weight
-        weights[f"layers.{i}.qkv"] = torch.cat([attn.q_proj.weight[q_rows], attn.k_proj.weight[kv_rows],
-                                                attn.v_proj.weight[kv_rows]])
+        weights[f"layers.{i}.qkv"] = torch.cat([q[q_rows], k[kv_rows], v[kv_rows]])
         weights[f"layers.{i}.o"] = attn.o_proj.weight[:, q_rows]
         weights[f"layers.{i}.post_norm"] = layer.post_attention_layernorm.weight
-        weights[f"layers.{i}.gate_up"] = torch.cat([mlp_block.gate_proj.weight[mlp], mlp_block.up_proj.weight[mlp]])
+        (gate, up), (gate_b, up_b) = _gate_up(mlp_block, c, "weight"), _gate_up(mlp_block, c, "bias")
+        weights[f"layers.{i}.gate_up"] = torch.cat([gate[mlp], up[mlp]])
         weights[f"layers.{i}.down"] = mlp_block.down_proj.weight[:, mlp]
+        if c.qkv_bias:
+            weights[f"layers.{i}.qkv_bias"] = per_row(torch.cat([q_b[q_rows], k_b[kv_rows], v_b[kv_rows]]))
+        if c.o_bias:
+            weights[f"layers.{i}.o_bias"] = per_row(attn.o_proj.bias)
+        if c.mlp_bias:
+            weights[f"layers.{i}.gate_up_bias"] = per_row(torch.cat([gate_b[mlp], up_b[mlp]]))
+            weights[f"layers.{i}.down_bias"] = per_row(mlp_block.down_proj.bias)
         if c.qk_norm:
             weights[f"layers.{i}.q_norm"] = attn.q_norm.weight
             weights[f"layers.{i}.k_norm"] = attn.k_norm.weight
     return {name: w.detach().contiguous() for name, w in weights.items()}
+
+
+def _qkv(attention, c: DecoderConfig, part: str) -> tuple:
+    """The q, k and v projections' ``part`` ("weight" or "bias"; None where there is none), whether the
+    model keeps them apart or fused (Phi-3's ``qkv_proj``: q rows, then k, then v)."""
+    fused = getattr(attention, "qkv_proj", None)
+    if fused is None:
+        return tuple(getattr(getattr(attention, f"{n}_proj"), part) for n in "qkv")
+    whole, q_rows, kv_rows = getattr(fused, part), c.heads * c.head_dim, c.kv_heads * c.head_dim
+    return (None,) * 3 if whole is None else (whole[:q_rows], whole[q_rows:q_rows + kv_rows], whole[q_rows + kv_rows:])
+
+
+def _gate_up(mlp, c: DecoderConfig, part: str) -> tuple:
+    """The gate and up projections' ``part``, apart or fused (Phi-3's ``gate_up_proj``: gate rows, then up)."""
+    fused = getattr(mlp, "gate_up_proj", None)
+    if fused is None:
+        return getattr(mlp.gate_proj, part), getattr(mlp.up_proj, part)
+    whole = getattr(fused, part)
+    return (None, None) if whole is None else (whole[:c.intermediate], whole[c.intermediate:])
 
 
 class DecodeModel:
