@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import GraphError
 from ..graph import Graph, Tensor
 
 
@@ -37,29 +36,77 @@ class DecoderConfig:
 
 
 @dataclass(frozen=True)
+class Span:
+    """A rank's share of a dimension split among ranks: entries ``start .. start + real`` of the whole,
+    then zeros up to ``size`` entries, so that every rank has the same shapes whatever the division
+    leaves (a zero head, intermediate column or vocabulary row adds nothing)."""
+
+    start: int
+    real: int
+    size: int
+
+    @classmethod
+    def even(cls, total: int, rank: int, world: int) -> "Span":
+        size = -(-total // world)
+        return cls(rank * size, max(0, min(size, total - rank * size)), size)
+
+    def take(self, weight: torch.Tensor, unit: int = 1, dim: int = 0) -> torch.Tensor:
+        """This share of ``weight`` along ``dim``, in entries of ``unit`` rows or columns."""
+        part = weight.narrow(dim, self.start * unit, self.real * unit) if self.real else weight.narrow(dim, 0, 0)
+        if self.size == self.real:
+            return part
+        shape = list(weight.shape)
+        shape[dim] = (self.size - self.real) * unit
+        return torch.cat([part, weight.new_zeros(shape)], dim)
+
+
+@dataclass(frozen=True)
 class Shard:
-    """What rank ``rank`` of ``world`` holds: its query heads, KV heads, MLP columns and vocabulary rows."""
+    """What rank ``rank`` of ``world`` holds: its query heads, KV heads, MLP columns and vocabulary rows.
+
+    KV heads are split among the ranks with their groups of query heads (padded with all-zero groups to
+    a multiple of the ranks), or, with fewer KV heads than ranks and the ranks a multiple of them, each
+    shared by ``world / kv_heads`` ranks that split its group (padded with zero query heads); the MLP
+    columns and the vocabulary are split evenly, padded with zeros at the end. The padded logits are
+    the last columns of the gathered logits: ``DecodeModel`` drops them.
+    """
 
     rank: int
     world: int
-    heads: int
-    kv_heads: int
-    first_kv_head: int
-    intermediate: int
-    vocab: int
+    q: Span       # query heads
+    kv: Span      # KV heads
+    mlp: Span     # intermediate columns
+    lm: Span      # vocabulary rows
+
+    @property
+    def heads(self) -> int:
+        return self.q.size
+
+    @property
+    def kv_heads(self) -> int:
+        return self.kv.size
+
+    @property
+    def intermediate(self) -> int:
+        return self.mlp.size
+
+    @property
+    def vocab(self) -> int:
+        return self.lm.size
 
     @classmethod
     def of(cls, c: DecoderConfig, rank: int, world: int) -> "Shard":
-        for what, n in (("attention heads", c.heads), ("intermediate size", c.intermediate), ("vocabulary", c.vocab)):
-            if n % world:
-                raise GraphError(f"tensor parallelism over {world} ranks needs {what} divisible by {world}, got {n}")
-        if c.kv_heads % world == 0:
-            kv, first = c.kv_heads // world, rank * (c.kv_heads // world)
-        elif world % c.kv_heads == 0:
-            kv, first = 1, rank * c.kv_heads // world  # several ranks share (replicate) one KV head
+        group = c.heads // c.kv_heads
+        if c.kv_heads < world and world % c.kv_heads == 0:  # each KV head shared by `share` ranks
+            share = world // c.kv_heads
+            kv_head, part = divmod(rank, share)
+            per_rank = -(-group // share)
+            kv = Span(kv_head, 1, 1)
+            q = Span(kv_head * group + part * per_rank, max(0, min(per_rank, group - part * per_rank)), per_rank)
         else:
-            raise GraphError(f"{c.kv_heads} KV heads cannot be shared by {world} ranks")
-        return cls(rank, world, c.heads // world, kv, first, c.intermediate // world, c.vocab // world)
+            kv = Span.even(c.kv_heads, rank, world)
+            q = Span(kv.start * group, kv.real * group, kv.size * group)
+        return cls(rank, world, q, kv, Span.even(c.intermediate, rank, world), Span.even(c.vocab, rank, world))
 
 
 def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, inv_freq: Tensor, i: int) -> Tensor:

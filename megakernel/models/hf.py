@@ -59,29 +59,26 @@ def shard_weights(model, c: DecoderConfig, s: Shard) -> dict[str, torch.Tensor]:
     """This rank's slices of the model's weights, named as the decode graph's inputs."""
     hd = c.head_dim
     base = model.model
-    q_rows = slice(s.rank * s.heads * hd, (s.rank + 1) * s.heads * hd)
-    kv_rows = slice(s.first_kv_head * hd, (s.first_kv_head + s.kv_heads) * hd)
-    mlp = slice(s.rank * s.intermediate, (s.rank + 1) * s.intermediate)
-    weights = {"embed": base.embed_tokens.weight, "norm": base.norm.weight,
-               "lm_head": model.lm_head.weight[s.rank * s.vocab:(s.rank + 1) * s.vocab],
+    weights = {"embed": base.embed_tokens.weight, "norm": base.norm.weight, "lm_head": s.lm.take(model.lm_head.weight),
                "inv_freq": base.rotary_emb.inv_freq.float()}
     per_row = lambda bias: bias.reshape(1, -1).expand(c.batch, -1)  # noqa: E731 (a bias input is per batch row)
     for i, layer in enumerate(base.layers):
         attn, mlp_block = layer.self_attn, layer.mlp
         (q, k, v), (q_b, k_b, v_b) = _qkv(attn, c, "weight"), _qkv(attn, c, "bias")
         weights[f"layers.{i}.input_norm"] = layer.input_layernorm.weight
-        weights[f"layers.{i}.qkv"] = torch.cat([q[q_rows], k[kv_rows], v[kv_rows]])
-        weights[f"layers.{i}.o"] = attn.o_proj.weight[:, q_rows]
+        weights[f"layers.{i}.qkv"] = torch.cat([s.q.take(q, hd), s.kv.take(k, hd), s.kv.take(v, hd)])
+        weights[f"layers.{i}.o"] = s.q.take(attn.o_proj.weight, hd, dim=1)
         weights[f"layers.{i}.post_norm"] = layer.post_attention_layernorm.weight
         (gate, up), (gate_b, up_b) = _gate_up(mlp_block, c, "weight"), _gate_up(mlp_block, c, "bias")
-        weights[f"layers.{i}.gate_up"] = torch.cat([gate[mlp], up[mlp]])
-        weights[f"layers.{i}.down"] = mlp_block.down_proj.weight[:, mlp]
+        weights[f"layers.{i}.gate_up"] = torch.cat([s.mlp.take(gate), s.mlp.take(up)])
+        weights[f"layers.{i}.down"] = s.mlp.take(mlp_block.down_proj.weight, dim=1)
         if c.qkv_bias:
-            weights[f"layers.{i}.qkv_bias"] = per_row(torch.cat([q_b[q_rows], k_b[kv_rows], v_b[kv_rows]]))
+            weights[f"layers.{i}.qkv_bias"] = per_row(torch.cat([s.q.take(q_b, hd), s.kv.take(k_b, hd),
+                                                                 s.kv.take(v_b, hd)]))
         if c.o_bias:
             weights[f"layers.{i}.o_bias"] = per_row(attn.o_proj.bias)
         if c.mlp_bias:
-            weights[f"layers.{i}.gate_up_bias"] = per_row(torch.cat([gate_b[mlp], up_b[mlp]]))
+            weights[f"layers.{i}.gate_up_bias"] = per_row(torch.cat([s.mlp.take(gate_b), s.mlp.take(up_b)]))
             weights[f"layers.{i}.down_bias"] = per_row(mlp_block.down_proj.bias)
         if c.qk_norm:
             weights[f"layers.{i}.q_norm"] = attn.q_norm.weight
@@ -148,7 +145,7 @@ class DecodeModel:
             inv_freq = self.rope_at(pos)
             if not torch.equal(inv_freq, self.inv_freq):
                 inputs["inv_freq"] = self.inv_freq = inv_freq
-        return self.kernel.run(inputs)["logits"].float()
+        return self.kernel.run(inputs)["logits"][:, :c.vocab].float()  # without the padding of the last ranks
 
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Greedy decoding: the prompt fed one decode step per token, then ``max_new_tokens`` argmax tokens.
