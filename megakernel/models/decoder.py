@@ -51,8 +51,9 @@ class Span:
         return cls(rank * size, max(0, min(size, total - rank * size)), size)
 
     def take(self, weight: torch.Tensor, unit: int = 1, dim: int = 0) -> torch.Tensor:
-        """This share of ``weight`` along ``dim``, in entries of ``unit`` rows or columns."""
-        part = weight.narrow(dim, self.start * unit, self.real * unit) if self.real else weight.narrow(dim, 0, 0)
+        """This share of ``weight`` along ``dim``, in entries of ``unit`` rows or columns (``weight`` a tensor
+        or anything with ``narrow``, ``shape``, ``new_zeros`` and ``contiguous``: a checkpoint's lazy slice)."""
+        part = weight.narrow(dim, self.start * unit if self.real else 0, self.real * unit).contiguous()
         if self.size == self.real:
             return part
         shape = list(weight.shape)

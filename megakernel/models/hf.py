@@ -14,7 +14,8 @@ sequence length: before each step the module is asked for the frequencies at tha
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -55,54 +56,51 @@ def config_of(model, max_seq_len: int, max_batch: int) -> DecoderConfig:
                          windows=windows if any(windows) else ())
 
 
-def shard_weights(model, c: DecoderConfig, s: Shard) -> dict[str, torch.Tensor]:
-    """This rank's slices of the model's weights, named as the decode graph's inputs."""
-    hd = c.head_dim
-    base = model.model
-    weights = {"embed": base.embed_tokens.weight, "norm": base.norm.weight, "lm_head": s.lm.take(model.lm_head.weight),
-               "inv_freq": base.rotary_emb.inv_freq.float()}
+def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_freq: torch.Tensor
+                  ) -> dict[str, torch.Tensor]:
+    """This rank's slices of a model's weights, named as the decode graph's inputs.
+
+    ``tensors``: the model's weights by their ``transformers`` state-dict names, as tensors (``from_hf``)
+    or as lazy slices of a checkpoint (``from_pretrained``: only what is taken here is read). q/k/v and
+    gate/up may be apart or fused (Phi-3's ``qkv_proj``: q rows, then k, then v; ``gate_up_proj``: gate,
+    then up); an absent ``lm_head.weight`` is the embedding's (tied).
+    """
+    hd, q_rows, kv_rows = c.head_dim, c.heads * c.head_dim, c.kv_heads * c.head_dim
+    lm_head = tensors.get("lm_head.weight")
+    weights = {"embed": tensors["model.embed_tokens.weight"], "norm": tensors["model.norm.weight"],
+               "lm_head": s.lm.take(tensors["model.embed_tokens.weight"] if lm_head is None else lm_head),
+               "inv_freq": inv_freq.float()}
     per_row = lambda bias: bias.reshape(1, -1).expand(c.batch, -1)  # noqa: E731 (a bias input is per batch row)
-    for i, layer in enumerate(base.layers):
-        attn, mlp_block = layer.self_attn, layer.mlp
-        (q, k, v), (q_b, k_b, v_b) = _qkv(attn, c, "weight"), _qkv(attn, c, "bias")
-        weights[f"layers.{i}.input_norm"] = layer.input_layernorm.weight
-        weights[f"layers.{i}.qkv"] = torch.cat([s.q.take(q, hd), s.kv.take(k, hd), s.kv.take(v, hd)])
-        weights[f"layers.{i}.o"] = s.q.take(attn.o_proj.weight, hd, dim=1)
-        weights[f"layers.{i}.post_norm"] = layer.post_attention_layernorm.weight
-        (gate, up), (gate_b, up_b) = _gate_up(mlp_block, c, "weight"), _gate_up(mlp_block, c, "bias")
-        weights[f"layers.{i}.gate_up"] = torch.cat([s.mlp.take(gate), s.mlp.take(up)])
-        weights[f"layers.{i}.down"] = s.mlp.take(mlp_block.down_proj.weight, dim=1)
-        if c.qkv_bias:
-            weights[f"layers.{i}.qkv_bias"] = per_row(torch.cat([s.q.take(q_b, hd), s.kv.take(k_b, hd),
-                                                                 s.kv.take(v_b, hd)]))
+    for i in range(c.layers):
+        layer = lambda name: tensors.get(f"model.layers.{i}.{name}")  # noqa: E731
+        for part in ("weight", "bias"):
+            fused = layer(f"self_attn.qkv_proj.{part}")
+            q, k, v = ((fused.narrow(0, 0, q_rows), fused.narrow(0, q_rows, kv_rows),
+                        fused.narrow(0, q_rows + kv_rows, kv_rows)) if fused is not None
+                       else (layer(f"self_attn.{n}_proj.{part}") for n in "qkv"))
+            fused = layer(f"mlp.gate_up_proj.{part}")
+            gate, up = ((fused.narrow(0, 0, c.intermediate), fused.narrow(0, c.intermediate, c.intermediate))
+                        if fused is not None else (layer(f"mlp.{n}_proj.{part}") for n in ("gate", "up")))
+            if part == "weight":
+                weights[f"layers.{i}.qkv"] = torch.cat([s.q.take(q, hd), s.kv.take(k, hd), s.kv.take(v, hd)])
+                weights[f"layers.{i}.gate_up"] = torch.cat([s.mlp.take(gate), s.mlp.take(up)])
+            if part == "bias" and c.qkv_bias:
+                weights[f"layers.{i}.qkv_bias"] = per_row(torch.cat([s.q.take(q, hd), s.kv.take(k, hd),
+                                                                     s.kv.take(v, hd)]))
+            if part == "bias" and c.mlp_bias:
+                weights[f"layers.{i}.gate_up_bias"] = per_row(torch.cat([s.mlp.take(gate), s.mlp.take(up)]))
+        weights[f"layers.{i}.input_norm"] = layer("input_layernorm.weight")
+        weights[f"layers.{i}.o"] = s.q.take(layer("self_attn.o_proj.weight"), hd, dim=1)
+        weights[f"layers.{i}.post_norm"] = layer("post_attention_layernorm.weight")
+        weights[f"layers.{i}.down"] = s.mlp.take(layer("mlp.down_proj.weight"), dim=1)
         if c.o_bias:
-            weights[f"layers.{i}.o_bias"] = per_row(attn.o_proj.bias)
+            weights[f"layers.{i}.o_bias"] = per_row(layer("self_attn.o_proj.bias"))
         if c.mlp_bias:
-            weights[f"layers.{i}.gate_up_bias"] = per_row(torch.cat([s.mlp.take(gate_b), s.mlp.take(up_b)]))
-            weights[f"layers.{i}.down_bias"] = per_row(mlp_block.down_proj.bias)
+            weights[f"layers.{i}.down_bias"] = per_row(layer("mlp.down_proj.bias"))
         if c.qk_norm:
-            weights[f"layers.{i}.q_norm"] = attn.q_norm.weight
-            weights[f"layers.{i}.k_norm"] = attn.k_norm.weight
+            weights[f"layers.{i}.q_norm"] = layer("self_attn.q_norm.weight")
+            weights[f"layers.{i}.k_norm"] = layer("self_attn.k_norm.weight")
     return {name: w.detach().contiguous() for name, w in weights.items()}
-
-
-def _qkv(attention, c: DecoderConfig, part: str) -> tuple:
-    """The q, k and v projections' ``part`` ("weight" or "bias"; None where there is none), whether the
-    model keeps them apart or fused (Phi-3's ``qkv_proj``: q rows, then k, then v)."""
-    fused = getattr(attention, "qkv_proj", None)
-    if fused is None:
-        return tuple(getattr(getattr(attention, f"{n}_proj"), part) for n in "qkv")
-    whole, q_rows, kv_rows = getattr(fused, part), c.heads * c.head_dim, c.kv_heads * c.head_dim
-    return (None,) * 3 if whole is None else (whole[:q_rows], whole[q_rows:q_rows + kv_rows], whole[q_rows + kv_rows:])
-
-
-def _gate_up(mlp, c: DecoderConfig, part: str) -> tuple:
-    """The gate and up projections' ``part``, apart or fused (Phi-3's ``gate_up_proj``: gate rows, then up)."""
-    fused = getattr(mlp, "gate_up_proj", None)
-    if fused is None:
-        return getattr(mlp.gate_proj, part), getattr(mlp.up_proj, part)
-    whole = getattr(fused, part)
-    return (None, None) if whole is None else (whole[:c.intermediate], whole[c.intermediate:])
 
 
 class DecodeModel:
@@ -117,6 +115,7 @@ class DecodeModel:
         change)."""
         self.config = config
         self.rope_at = rope_at
+        self.bytes_read = 0  # of a checkpoint, by this rank (from_pretrained)
         self.inv_freq = weights["inv_freq"].clone()  # the frequencies bound now (the model may update its own)
         auto = parallelism == "auto"
         if auto:
@@ -178,8 +177,41 @@ def from_hf(model, *, max_seq_len: int, max_batch: int = 1, parallelism: int | s
     rope_at = None
     if model.model.rotary_emb.rope_type in LENGTH_DEPENDENT_ROPE:
         rope_at = _rope_frequencies(copy.deepcopy(model.model.rotary_emb))
-    return DecodeModel(config, shard_weights(model, config, Shard.of(config, rank, world)), parallelism,
-                       rope_at, **kernel_options)
+    weights = shard_weights(model.state_dict(), config, Shard.of(config, rank, world), model.model.rotary_emb.inv_freq)
+    return DecodeModel(config, weights, parallelism, rope_at, **kernel_options)
+
+
+def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, parallelism: int | str = "auto",
+                    **kernel_options) -> DecodeModel:
+    """Load a checkpoint directory (``config.json`` + ``*.safetensors``, one file or shards, as
+    ``save_pretrained`` writes it; nothing is downloaded) straight into this rank's heap and compile
+    its decode step. Only this rank's slices are read (``Checkpoint``): no whole model in host memory.
+    The model's modules are made on the meta device (no memory) for what ``from_hf`` reads off them;
+    the RoPE frequencies from its rotary module's class, made for real.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .checkpoint import Checkpoint
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise GraphError(f"{path}: no config.json: not a checkpoint directory as save_pretrained writes one")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    name = (getattr(config, "architectures", None) or ["?"])[0]
+    if name not in SUPPORTED:
+        raise GraphError(f"{path}: from_pretrained supports {', '.join(SUPPORTED)}, got {name}")
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    checkpoint = Checkpoint(path, {key: tuple(t.shape) for key, t in skeleton.state_dict().items()})
+    skeleton.to(checkpoint["model.embed_tokens.weight"].dtype)  # the dtype the weights are stored in
+    world, rank = current_world()
+    decoder = config_of(skeleton, max_seq_len, max_batch)
+    rotary = type(skeleton.model.rotary_emb)(config)  # on the host: the frequencies for real
+    weights = shard_weights(checkpoint, decoder, Shard.of(decoder, rank, world), rotary.inv_freq)
+    rope_at = _rope_frequencies(rotary) if rotary.rope_type in LENGTH_DEPENDENT_ROPE else None
+    model = DecodeModel(decoder, weights, parallelism, rope_at, **kernel_options)
+    model.bytes_read = checkpoint.bytes_read
+    return model
 
 
 def _rope_frequencies(rotary) -> Callable[[int], torch.Tensor]:
