@@ -1,4 +1,5 @@
-"""Elementwise ops over two tensors of one shape: ``add``, ``mul`` (and ``silu_mul``, in activation)."""
+"""Elementwise ops over two tensors of one shape: ``add``, ``mul`` (and ``silu_mul``, ``gelu_tanh_mul``, in
+activation)."""
 from __future__ import annotations
 
 import torch
@@ -21,15 +22,19 @@ def binary_tile(base,
         z = x + y
     elif OP == "mul":
         z = x * y
-    else:  # "silu_mul": silu(x) * y, the gated activation of a SwiGLU MLP
+    elif OP == "silu_mul":  # silu(x) * y, the gated activation of a SwiGLU MLP
         z = x / (1.0 + tl.exp(-x)) * y
+    else:  # "gelu_tanh_mul": gelu(x) * y with gelu's tanh approximation (Gemma's GeGLU); tanh(u) = 1 - 2 / (e^2u + 1)
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2 / pi) (x + 0.044715 x^3)
+        z = 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)) * y
     store_block(base, out, out_stride, rows, cols, z, DTYPE, BLOCK_M, BLOCK_N)
 
 
 def _reference(heap, task) -> None:
     x = heap.tensor(task.a, task.DTYPE, task.rows, task.cols, task.a_stride).float()
     y = heap.tensor(task.b, task.DTYPE, task.rows, task.cols, task.b_stride).float()
-    z = x + y if task.OP == "add" else x * y if task.OP == "mul" else x * torch.sigmoid(x) * y
+    z = {"add": lambda: x + y, "mul": lambda: x * y, "silu_mul": lambda: x * torch.sigmoid(x) * y,
+         "gelu_tanh_mul": lambda: torch.nn.functional.gelu(x, approximate="tanh") * y}[task.OP]()
     heap.tensor(task.out, task.DTYPE, task.rows, task.cols, task.out_stride).copy_(z)
 
 
@@ -61,7 +66,7 @@ def mul(g, a, b):
 
 def _example(g):
     a, b = g.input("binary.a", (3, 40), torch.bfloat16), g.input("binary.b", (3, 40), torch.bfloat16)
-    return g.add(a, b), g.mul(a, b), g.silu_mul(a, b)
+    return g.add(a, b), g.mul(a, b), g.silu_mul(a, b), g.gelu_tanh_mul(a, b)
 
 
 BINARY = TaskType("binary", binary_tile, _reference, _example)

@@ -1,4 +1,5 @@
-"""RMSNorm: ``y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` (Llama's), over each row or each head.
+"""RMSNorm: ``y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` (Llama's), or with ``unit_offset``
+``y = ((1 + w) * x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` (Gemma's: one rounding), over each row or each head.
 
 With ``head_dim`` set, every ``head_dim`` segment of a row is normalised on its own with one shared
 weight (Qwen3's q/k norm); the tile then walks *segments*: segment i is row i // segments, columns
@@ -23,8 +24,8 @@ def rms_norm_tile(base,
                   rows, cols,             # rows <= BLOCK_M segments of cols elements each
                   out_stride, x_stride,   # row strides, in elements
                   segments,               # segments per row (head_dim norms), else 1
-                  EPS: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+                  EPS: tl.constexpr, UNIT_OFFSET: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Normalise each segment, BLOCK_N columns at a time (two passes)."""
     r = tl.arange(0, BLOCK_M)[:, None]
     c = tl.arange(0, BLOCK_N)[None, :]
@@ -41,8 +42,11 @@ def rms_norm_tile(base,
         mask = (r < rows) & (c0 + c < cols)
         v = tl.load(x_ptr + c0 + c, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(w_ptr + c0 + c, mask=c0 + c < cols, other=0.0).to(tl.float32)
-        normed = rounded(v * scale, X_DTYPE).to(tl.float32)
-        tl.store(out_ptr + c0 + c, rounded(g * normed, X_DTYPE), mask=mask)
+        if UNIT_OFFSET:
+            tl.store(out_ptr + c0 + c, rounded((1.0 + g) * (v * scale), X_DTYPE), mask=mask)
+        else:
+            normed = rounded(v * scale, X_DTYPE).to(tl.float32)
+            tl.store(out_ptr + c0 + c, rounded(g * normed, X_DTYPE), mask=mask)
 
 
 def _reference(heap, task) -> None:
@@ -50,14 +54,14 @@ def _reference(heap, task) -> None:
     x = heap.tensor(task.x, task.X_DTYPE, rows // segments, cols * segments, task.x_stride)
     w = heap.tensor(task.w, task.W_DTYPE, 1, cols, cols).float()
     v = x.float().reshape(rows, cols)
-    normed = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + task.EPS)).to(x.dtype).float()
+    normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + task.EPS)
     out = heap.tensor(task.out, task.X_DTYPE, rows // segments, cols * segments, task.out_stride)
-    out.copy_((w * normed).reshape(out.shape))
+    out.copy_(((1 + w) * normed if task.UNIT_OFFSET else w * normed.to(x.dtype).float()).reshape(out.shape))
 
 
-def rms_norm(g, x, weight, eps: float = 1e-6, head_dim: int | None = None):
+def rms_norm(g, x, weight, eps: float = 1e-6, head_dim: int | None = None, unit_offset: bool = False):
     """RMSNorm of each row of ``x`` [M, N] with ``weight`` [N], or of each ``head_dim`` segment with
-    ``weight`` [head_dim]; the output has x's dtype."""
+    ``weight`` [head_dim]; the output has x's dtype. ``unit_offset``: scale by ``1 + weight`` (Gemma)."""
     g.check(x.ndim in (1, 2), f"rms_norm: x must be 1-D or 2-D, got shape {x.shape}")
     size = x.cols if head_dim is None else head_dim
     g.check(weight.ndim == 1 and weight.shape[0] == size and x.cols % size == 0,
@@ -70,7 +74,7 @@ def rms_norm(g, x, weight, eps: float = 1e-6, head_dim: int | None = None):
     rows_per_tile = min(x.rows, max(1, ROWS_PER_TILE // segments))  # a tile holds whole rows
     block_m = triton.next_power_of_2(rows_per_tile * segments)
     block_n = min(triton.next_power_of_2(size), MAX_BLOCK_N)
-    opcode = g.opcode(RMS_NORM, EPS=float(eps), X_DTYPE=x.dtype, W_DTYPE=weight.dtype, BLOCK_M=block_m,
+    opcode = g.opcode(RMS_NORM, EPS=float(eps), UNIT_OFFSET=bool(unit_offset), X_DTYPE=x.dtype, W_DTYPE=weight.dtype, BLOCK_M=block_m,
                       BLOCK_N=block_n)
     src, dst = x.block(), out.block()
     for r0 in range(0, x.rows, rows_per_tile):
@@ -87,7 +91,8 @@ def _example(g):
     """Whole rows (bfloat16 x, float32 weight) and per-head segments (Qwen3's q/k norm)."""
     x = g.input("rms_norm.x", (2, 96), torch.bfloat16)
     return (g.rms_norm(x, g.input("rms_norm.w", (96,), torch.float32), 1e-6),
-            g.rms_norm(x, g.input("rms_norm.head_w", (48,), torch.bfloat16), 1e-6, head_dim=48))
+            g.rms_norm(x, g.input("rms_norm.head_w", (48,), torch.bfloat16), 1e-6, head_dim=48),
+            g.rms_norm(x, g.input("rms_norm.gemma_w", (96,), torch.bfloat16), 1e-6, unit_offset=True))
 
 
 RMS_NORM = TaskType("rms_norm", rms_norm_tile, _reference, _example)

@@ -120,7 +120,7 @@ def test_every_rope_type_matches_transformers(rope_type):
 
 def architecture(name: str):
     """A small random model of each architecture from_hf takes beyond Llama/Mistral/Qwen3's defaults."""
-    from transformers import Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GemmaConfig, GemmaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(0)
     shapes = dict(SHAPES, vocab_size=301, num_attention_heads=4, num_key_value_heads=2)
     model = {
@@ -129,16 +129,17 @@ def architecture(name: str):
         "llama_biases": lambda: LlamaForCausalLM(LlamaConfig(**shapes, attention_bias=True, mlp_bias=True)),
         "mistral_window": lambda: MistralForCausalLM(MistralConfig(**shapes, sliding_window=4)),
         "llama_tied": lambda: LlamaForCausalLM(LlamaConfig(**shapes, tie_word_embeddings=True)),
+        "gemma": lambda: GemmaForCausalLM(GemmaConfig(**shapes)),  # 1 + w norms, scaled embeddings, GeGLU
     }[name]().eval()
-    with torch.no_grad():  # biases start at zero in transformers: make them random so that they are tested
+    with torch.no_grad():  # biases and norms start constant in transformers: make them random so that they are tested
         for param_name, p in model.named_parameters():
-            if param_name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
+            if param_name.endswith("bias") or "norm" in param_name:
+                p.copy_((1.0 if "norm" in param_name and name != "gemma" else 0.0) + 0.2 * torch.randn_like(p))
     model.generation_config.eos_token_id = None
     return model
 
 
-@pytest.mark.parametrize("name", ["qwen2", "phi3", "llama_biases", "mistral_window", "llama_tied"])
+@pytest.mark.parametrize("name", ["qwen2", "phi3", "llama_biases", "mistral_window", "llama_tied", "gemma"])
 def test_architectures_match_transformers(name):
     """Logits at every step of a greedy generation within 1e-4 of transformers' (one token a step, its
     cache kept) and the same tokens as its generate; the window of 4 positions is crossed."""
@@ -245,7 +246,7 @@ def test_bad_shapes_are_rejected():
     finally:
         m.close()
     from transformers import GPT2Config, GPT2LMHeadModel
-    with pytest.raises(mk.GraphError, match="from_hf supports LlamaForCausalLM, .*Phi3ForCausalLM, got GPT2LMHeadModel"):
+    with pytest.raises(mk.GraphError, match="from_hf supports LlamaForCausalLM, .*GemmaForCausalLM, got GPT2LMHeadModel"):
         from_hf(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)), max_seq_len=8)
     partial = hf_model("llama")
     partial.model.rotary_emb.rope_type = "proportional"

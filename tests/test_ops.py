@@ -14,7 +14,7 @@ def _rms(x, w, eps):
     return w.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-@pytest.mark.parametrize("op", ["add", "mul", "silu_mul"])
+@pytest.mark.parametrize("op", ["add", "mul", "silu_mul", "gelu_tanh_mul"])
 @pytest.mark.parametrize("shape", [(1, 7), (9, 1000), (3, 1025), (17,)])
 def test_elementwise(op, shape):
     g = mk.Graph()
@@ -23,7 +23,8 @@ def test_elementwise(op, shape):
     inputs = random_inputs(g, seed=len(shape) + shape[0])
     out = run_checked(g, inputs)["y"]
     x, y = inputs["a"].double(), inputs["b"].double()
-    expected = {"add": x + y, "mul": x * y, "silu_mul": torch.nn.functional.silu(x) * y}[op]
+    expected = {"add": x + y, "mul": x * y, "silu_mul": torch.nn.functional.silu(x) * y,
+                "gelu_tanh_mul": torch.nn.functional.gelu(x, approximate="tanh") * y}[op]
     assert out.shape == expected.shape
     assert_close(out, expected, tolerance(torch.float32), op)
 
@@ -65,6 +66,19 @@ def test_rms_norm(shape, dtype):
     out = run_checked(g, inputs)["y"]
     assert out.dtype == dtype and out.shape == shape
     assert_close(out, _rms(inputs["x"], inputs["w"], 1e-5), tolerance(dtype), "rms_norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_unit_offset_rounds_once_like_gemma(dtype):
+    g = mk.Graph()
+    x, w = g.input("x", (3, 100), dtype), g.input("w", (100,), dtype)
+    g.output("y", g.rms_norm(x, w, 1e-6, unit_offset=True))
+    inputs = random_inputs(g, seed=4)
+    out = run_checked(g, inputs)["y"]
+    v = inputs["x"].float()
+    gemma = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + inputs["w"].float())).to(dtype)
+    assert torch.allclose(out.float(), gemma.float(), rtol=tolerance(dtype), atol=tolerance(dtype))
+    assert_close(out, _rms(inputs["x"], 1 + inputs["w"].double(), 1e-6), tolerance(dtype), "unit-offset rms_norm")
 
 
 @pytest.mark.parametrize("m,k,n,split_k", [

@@ -33,6 +33,7 @@ class DecoderConfig:
     o_bias: bool = False       # Llama's attention_bias: a bias on the output projection
     mlp_bias: bool = False     # Llama's mlp_bias: biases on the gate, up and down projections
     windows: tuple[int | None, ...] = ()  # per layer: a sliding attention window, or None (all positions)
+    gemma: bool = False        # Gemma: norms scale by 1 + w, embeddings by sqrt(hidden), GELU-tanh gates
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     hd, q_cols, kv_cols = c.head_dim, s.heads * c.head_dim, s.kv_heads * c.head_dim
     w = lambda name, shape: g.input(f"layers.{i}.{name}", shape, c.dtype)  # noqa: E731
     bias = lambda name, cols: g.input(f"layers.{i}.{name}", (c.batch, cols), c.dtype)  # noqa: E731 (per batch row)
-    h = g.rms_norm(x, w("input_norm", (c.hidden,)), c.eps)
+    h = g.rms_norm(x, w("input_norm", (c.hidden,)), c.eps, unit_offset=c.gemma)
     qkv = g.linear(h, w("qkv", (q_cols + 2 * kv_cols, c.hidden)))
     if c.qkv_bias:
         qkv = g.add(qkv, bias("qkv_bias", q_cols + 2 * kv_cols))
@@ -131,11 +132,11 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     attn = g.decode_attention(q, k_cache, v_cache, pos, c.batch, hd, window=c.windows[i] if c.windows else None)
     out = _row_parallel(g, s, g.linear(attn, w("o", (c.hidden, q_cols))))
     x = g.add(x, g.add(out, bias("o_bias", c.hidden)) if c.o_bias else out)  # a row-parallel bias: once, after
-    h = g.rms_norm(x, w("post_norm", (c.hidden,)), c.eps)
+    h = g.rms_norm(x, w("post_norm", (c.hidden,)), c.eps, unit_offset=c.gemma)
     gate_up = g.linear(h, w("gate_up", (2 * s.intermediate, c.hidden)))
     if c.mlp_bias:
         gate_up = g.add(gate_up, bias("gate_up_bias", 2 * s.intermediate))
-    act = g.silu_mul(gate_up[:, :s.intermediate], gate_up[:, s.intermediate:])
+    act = (g.gelu_tanh_mul if c.gemma else g.silu_mul)(gate_up[:, :s.intermediate], gate_up[:, s.intermediate:])
     out = _row_parallel(g, s, g.linear(act, w("down", (c.hidden, s.intermediate))))
     return g.add(x, g.add(out, bias("down_bias", c.hidden)) if c.mlp_bias else out)
 
@@ -156,11 +157,13 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     pos = g.input("pos", (1,), torch.int64)
     inv_freq = g.input("inv_freq", (c.head_dim // 2,), torch.float32)
     x = g.embedding(tokens, g.input("embed", (c.vocab, c.hidden), c.dtype))
+    if c.gemma:  # times sqrt(hidden) as the model's dtype holds it
+        x = g.mul(x, g.input("embed_scale", (c.batch, c.hidden), c.dtype))
     for i in range(c.layers):
         with g.scope(f"layer{i}"):
             x = decoder_layer(g, c, s, x, pos, inv_freq, i)
     with g.scope("head"):
-        h = g.rms_norm(x, g.input("norm", (c.hidden,), c.dtype), c.eps)
+        h = g.rms_norm(x, g.input("norm", (c.hidden,), c.dtype), c.eps, unit_offset=c.gemma)
         logits = g.linear(h, g.input("lm_head", (s.vocab, c.hidden), c.dtype))
         g.output("logits", g.all_gather(logits, dim=1) if s.world > 1 else logits)
     return g

@@ -25,7 +25,8 @@ from ..graph import Graph
 from ..runtime import Megakernel
 from .decoder import DecoderConfig, Shard, decode_step
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+             "GemmaForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")  # frequencies that follow the sequence length
 
@@ -53,7 +54,7 @@ def config_of(model, max_seq_len: int, max_batch: int) -> DecoderConfig:
                          qk_norm=name == "Qwen3ForCausalLM", max_seq_len=max_seq_len, batch=max_batch,
                          dtype=model.dtype, rope_scaling=float(model.model.rotary_emb.attention_scaling),
                          qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
-                         windows=windows if any(windows) else ())
+                         windows=windows if any(windows) else (), gemma=name == "GemmaForCausalLM")
 
 
 def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_freq: torch.Tensor
@@ -70,6 +71,8 @@ def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_fr
     weights = {"embed": tensors["model.embed_tokens.weight"], "norm": tensors["model.norm.weight"],
                "lm_head": s.lm.take(tensors["model.embed_tokens.weight"] if lm_head is None else lm_head),
                "inv_freq": inv_freq.float()}
+    if c.gemma:  # the embedding's scale, sqrt(hidden), as the model's dtype holds it, for every batch row
+        weights["embed_scale"] = torch.full((c.batch, c.hidden), c.hidden ** 0.5, dtype=c.dtype)
     per_row = lambda bias: bias.reshape(1, -1).expand(c.batch, -1)  # noqa: E731 (a bias input is per batch row)
     for i in range(c.layers):
         layer = lambda name: tensors.get(f"model.layers.{i}.{name}")  # noqa: E731
