@@ -160,6 +160,21 @@ def test_architectures_match_transformers(name):
         m.close()
 
 
+@pytest.mark.parametrize("name", ["qwen2", "phi3", "llama_biases", "mistral_window", "llama_tied", "gemma"])
+def test_architectures_over_three_ranks(name):
+    """Each architecture sharded over 3 virtual ranks (4 query heads and 2 KV heads padded to 3 groups,
+    intermediate 200 and vocabulary 301 padded): transformers' tokens, and its logits at the first step."""
+    model = architecture(name)
+    ids = torch.randint(0, 301, (1, 4), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        first = model(ids[:, :1]).logits[:, 0].float()
+    results = mk.launch(functools.partial(_padded_rank, model, ids), world_size=3, virtual=True, timeout=600)
+    for rank, (tokens, logits) in enumerate(results):
+        assert torch.equal(tokens, expected), f"{name}: rank {rank} of 3"
+        assert_close(logits, first, 1e-4, f"{name}: rank {rank} of 3")
+
+
 def _padded_rank(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m = from_hf(model, max_seq_len=16, workers=1)
     try:
@@ -219,6 +234,10 @@ def test_tensor_parallel_generation_matches_transformers(family, world, batch):
     # GPU-shaped at batch 1: the one-row GEMV tiles and attention with 16-byte vectors (aligned, whole blocks)
     (DecoderConfig(hidden=1024, heads=8, kv_heads=2, head_dim=128, intermediate=2048, layers=1, vocab=512,
                    eps=1e-6, qk_norm=False, max_seq_len=256, batch=1, dtype=torch.bfloat16), 64),
+    # Gemma-shaped: head_dim 256, 1 + w norms, GELU-tanh gates, a sliding window, q/k/v biases
+    (DecoderConfig(hidden=512, heads=2, kv_heads=1, head_dim=256, intermediate=512, layers=1, vocab=256, eps=1e-6,
+                   qk_norm=False, max_seq_len=64, batch=1, dtype=torch.bfloat16, gemma=True, qkv_bias=True,
+                   windows=(32,)), 1),
 ])
 def test_decode_graph_compiles_ahead_of_time(config, parallelism):
     g = decode_step(config, mk.Graph(world_size=1, rank=0, parallelism=parallelism))
