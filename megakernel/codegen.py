@@ -18,7 +18,8 @@ import threading
 import types
 from pathlib import Path
 
-from .device import CLOCKS, PROTOCOLS, default_protocol
+from . import device
+from .device import CLOCKS, PROTOCOLS
 from .errors import BackendError, GraphError
 from .files import private_dir, replace_with
 from .layout import HeapLayout
@@ -57,8 +58,8 @@ def _constexpr_source(name: str, value) -> str:
 
 def kernel_source(specs: list[Spec], target: str, protocol: str | None = None) -> str:
     """The kernel module for ``specs`` on ``target``, with the wait/signal ``protocol``
-    (``device.PROTOCOLS``; by default ``device.default_protocol()``)."""
-    protocol = protocol or default_protocol()
+    (``device.PROTOCOLS``; by default ``device.protocol()``)."""
+    protocol = device.protocol(protocol)
     if target not in CLOCKS:
         raise ValueError(f"unknown target {target!r}; expected one of {', '.join(TARGETS)}")
     tiles = sorted({(TASK_TYPES[s.task_type].tile.fn.__module__, TASK_TYPES[s.task_type].tile.fn.__name__)

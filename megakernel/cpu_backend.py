@@ -129,36 +129,39 @@ class _Worker:
                                        stdin=subprocess.DEVNULL).result()
         child.close()
         self.conn = Connection(parent.detach())
-        self.sent = 0  # messages sent; the worker's first message (ready) answers number 0
+        self.sent = 0     # messages numbered so far; the worker's first message (ready) answers number 0
+        self.inbox = {}   # replies read while waiting for another: number -> (status, value)
 
-    def send(self, command: str, payload) -> None:
+    def send(self, command: str, payload) -> int:
+        """Send a message; its number, which its reply repeats (numbered before it goes: an interrupt
+        after the send cannot leave the next message the same number)."""
+        self.sent += 1
         try:
-            self.conn.send((self.sent + 1, command, payload))
+            self.conn.send((self.sent, command, payload))
         except OSError:
             raise BackendError(f"worker process {self.process.pid} died "
                                f"(exit code {self.process.poll()})") from None
-        self.sent += 1
+        return self.sent
 
     def request(self, command: str, payload, timeout: float | None = None):
-        self.send(command, payload)
-        return self.reply(timeout)
+        return self.reply(self.send(command, payload), timeout)
 
-    def reply(self, timeout: float | None = None):
-        """The reply to the last message sent; replies to earlier ones (abandoned by an interrupt) are dropped."""
+    def reply(self, number: int, timeout: float | None = None):
+        """The reply to message ``number``; replies to other messages read meanwhile are kept for them."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
+        while number not in self.inbox:
             while not self.conn.poll(0.05):
                 if self.process.poll() is not None:
                     raise BackendError(f"worker process {self.process.pid} died (exit code {self.process.returncode})")
                 if deadline is not None and time.monotonic() > deadline:
                     raise BackendError(f"worker process {self.process.pid} did not answer within {timeout} s")
             try:
-                number, status, value = self.conn.recv()
+                answered, status, value = self.conn.recv()
             except (EOFError, OSError):
                 raise BackendError(f"worker process {self.process.pid} closed its pipe "
                                    f"(exit code {self.process.poll()})") from None
-            if number == self.sent:
-                break
+            self.inbox[answered] = (status, value)
+        status, value = self.inbox.pop(number)
         if status == "error":
             raise BackendError(f"worker process {self.process.pid} failed:\n{value}")
         return value
@@ -195,7 +198,7 @@ class WorkerPool:
         self.workers = [w for w in self.workers if w.alive()]
         fresh = [_Worker() for _ in range(count - len(self.workers))]
         for worker in fresh:
-            worker.reply(self.START_TIMEOUT)
+            worker.reply(0, self.START_TIMEOUT)
         self.workers.extend(fresh)
         return self.workers[:count]
 
@@ -288,38 +291,38 @@ class CpuBackend:
     def launch(self, args: dict[str, int], abort: torch.Tensor) -> float:
         with self.pool.lock:
             start = time.perf_counter()
-            failure, running = None, []
+            failure, running = None, {}  # worker -> its run message's number, until answered
             try:
                 for w, worker in enumerate(self.processes):
+                    running[w] = worker.sent + 1  # before the send: an interrupt after it still waits for it
                     try:
                         worker.send("run", Launch(self.key, str(self.kernel_path), w, self.group.rank, args))
-                        running.append((w, worker))
                     except BackendError as error:
                         failure = failure or BackendError(f"worker {w}: {error}")
-                while running:
-                    w, worker = running[0]
+                        del running[w]
+                for w in list(running):
                     if failure is not None:
                         abort.fill_(1)  # the other workers stop at their next wait
                     try:
-                        worker.reply()
+                        self.processes[w].reply(running[w])
                     except BackendError as error:
                         failure = failure or BackendError(f"worker {w}: {error}")
-                    running.pop(0)
+                    del running[w]
             except BaseException:  # an interrupt: stop the run before it goes on
                 abort.fill_(1)
-                self._stop(worker for _, worker in running)
+                self._stop({self.processes[w]: number for w, number in running.items()})
                 raise
             if failure is not None:
                 raise failure
             return time.perf_counter() - start
 
-    def _stop(self, workers) -> None:
-        """Wait a little for ``workers`` (told to abort) to finish their run; kill those that do not
-        (the pool replaces them, and this kernel then refuses to run)."""
+    def _stop(self, running: dict) -> None:
+        """Wait a little for the ``running`` workers (told to abort) to answer their run message; kill
+        those that do not (the pool replaces them for new kernels; this one then refuses to run)."""
         deadline = time.monotonic() + self.STOP_SECONDS
-        for worker in workers:
+        for worker, number in running.items():
             try:
-                worker.reply(max(deadline - time.monotonic(), 0.0))
+                worker.reply(number, max(deadline - time.monotonic(), 0.0))
             except BaseException:  # no answer in time, a second interrupt, a dead worker
                 worker.kill()
                 self.lost_workers = True

@@ -123,13 +123,15 @@ if hasattr(tl, "atomic_poll"):  # triton >= 3.9
 PROTOCOLS = {"poll": "wait_polled", "spin": "wait_spinning"}  # protocol -> its wait
 
 
-def default_protocol() -> str:
-    """``MEGAKERNEL_PROTOCOL`` if set, else "poll" where Triton has ``tl.atomic_poll``, else "spin"."""
-    chosen = os.environ.get("MEGAKERNEL_PROTOCOL") or ("poll" if hasattr(tl, "atomic_poll") else "spin")
+def protocol(chosen: str | None = None) -> str:
+    """``chosen``, else ``MEGAKERNEL_PROTOCOL``, else "poll" where Triton has ``tl.atomic_poll``, else
+    "spin"; one this Triton cannot build is a ``BackendError``."""
+    from .errors import BackendError
+    chosen = chosen or os.environ.get("MEGAKERNEL_PROTOCOL") or ("poll" if hasattr(tl, "atomic_poll") else "spin")
     if chosen not in PROTOCOLS or (chosen == "poll" and not hasattr(tl, "atomic_poll")):
-        raise ValueError(f"MEGAKERNEL_PROTOCOL={chosen!r}: expected 'spin'"
-                         + (" or 'poll'" if hasattr(tl, "atomic_poll") else f" (triton {triton.__version__} has no "
-                            f"tl.atomic_poll for 'poll')"))
+        raise BackendError(f"wait/signal protocol {chosen!r}: expected 'spin'"
+                           + (" or 'poll'" if hasattr(tl, "atomic_poll") else f" (triton {triton.__version__} has no "
+                              f"tl.atomic_poll for 'poll')"))
     return chosen
 
 

@@ -195,7 +195,11 @@ class GpuBackend:
                 end.record()
             self._wait(end)
         except KeyboardInterrupt:  # the programs' waits time out by themselves: let them end before going on
-            end.synchronize()
+            try:
+                self.stream.synchronize()
+            except BaseException:  # interrupted again: the launch may still be running on this heap
+                self.lost_workers = True
+                raise
             raise
         except Exception as error:  # a fault makes the CUDA/HIP context unusable: say where it happened
             raise BackendError(f"rank {self.group.rank}: the {self.name} launch of {self.workers} programs on "

@@ -184,7 +184,8 @@ class Megakernel:
         if self.tracing:
             every = self.group.all_gather(rank_trace(self.tables, self._stamps()))
             self.trace = Trace([s for spans, _ in every for s in spans], [e for _, edges in every for e in edges])
-        faults = diagnosis.index_faults(self.tables, status)
+        # every rank raises for a fault anywhere: a peer's clamped data may be in this rank's outputs
+        faults = [line for lines in self.group.all_gather(diagnosis.index_faults(self.tables, status)) for line in lines]
         if faults:  # the run finished (the tiles clamped): the kernel stays usable, its outputs are not valid
             raise GraphError(f"run {self.epoch} read an index out of range (clamped; the outputs are not valid):\n"
                              + "\n".join(faults))

@@ -40,9 +40,12 @@ def kv_append_tile(base, status,
                    cols,           # elements per row
                    cache_stride,   # the cache's row stride, in elements
                    DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Copy the row into cache row ``*pos`` of the batch row (a position past the cache: its last row, reported)."""
-    row = checked_index(status, tl.load(heap_ptr(base, pos, tl.int64)), seq_len)
-    copy_row(base, cache + row * cache_stride * DTYPE.primitive_bitwidth // 8, x, cols, DTYPE, BLOCK_N)
+    """Copy the row into cache row ``*pos`` of the batch row (a position outside the cache: no copy, reported;
+    the cache keeps every row it had)."""
+    position = tl.load(heap_ptr(base, pos, tl.int64))
+    row = checked_index(status, position, seq_len)
+    if row == position:
+        copy_row(base, cache + row * cache_stride * DTYPE.primitive_bitwidth // 8, x, cols, DTYPE, BLOCK_N)
 
 
 def _append_reference(heap, task) -> None:

@@ -87,6 +87,13 @@ def test_malformed_checkpoints_are_named(tmp_path):
         from_pretrained(tmp_path / "gpt2", max_seq_len=8)
     with pytest.raises(mk.GraphError, match="no config.json"):
         from_pretrained(tmp_path, max_seq_len=8)
+    from safetensors.torch import save_file
+    (tmp_path / "holed").mkdir()
+    (tmp_path / "holed" / "config.json").write_text((tmp_path / "sharded" / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in model().state_dict().items() if k != "model.layers.1.mlp.down_proj.weight"},
+              str(tmp_path / "holed" / "model.safetensors"))
+    with pytest.raises(mk.GraphError, match="the checkpoint has no tensor model.layers.1.mlp.down_proj.weight"):
+        from_pretrained(tmp_path / "holed", max_seq_len=8)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text((tmp_path / "wrong" / "config.json").read_text())
     with pytest.raises(mk.GraphError, match="no model.safetensors or model.safetensors.index.json"):

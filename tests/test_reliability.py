@@ -150,6 +150,7 @@ def test_a_position_past_the_cache_writes_nothing_outside_it():
             with pytest.raises(mk.GraphError, match=rf"kv_append.*index {bad} is outside \[0, 4\)"):
                 kernel.run({**values, "pos": torch.tensor([bad])})
             assert torch.equal(kernel.tensor(g.inputs["after"]), values["after"])
+            assert torch.equal(kernel.tensor(g.inputs["cache"]), values["cache"]), "no cache row was overwritten"
 
 
 # -- 5. integer tensors ---------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ class DecoderConfig:
 
 
 @dataclass(frozen=True)
-class Span:
+class Share:
     """A rank's share of a dimension split among ranks: entries ``start .. start + real`` of the whole,
     then zeros up to ``size`` entries, so that every rank has the same shapes whatever the division
     leaves (a zero head, intermediate column or vocabulary row adds nothing)."""
@@ -47,7 +47,7 @@ class Span:
     size: int
 
     @classmethod
-    def even(cls, total: int, rank: int, world: int) -> "Span":
+    def even(cls, total: int, rank: int, world: int) -> "Share":
         size = -(-total // world)
         return cls(rank * size, max(0, min(size, total - rank * size)), size)
 
@@ -75,10 +75,10 @@ class Shard:
 
     rank: int
     world: int
-    q: Span       # query heads
-    kv: Span      # KV heads
-    mlp: Span     # intermediate columns
-    lm: Span      # vocabulary rows
+    q: Share       # query heads
+    kv: Share      # KV heads
+    mlp: Share     # intermediate columns
+    lm: Share      # vocabulary rows
 
     @property
     def heads(self) -> int:
@@ -103,12 +103,12 @@ class Shard:
             share = world // c.kv_heads
             kv_head, part = divmod(rank, share)
             per_rank = -(-group // share)
-            kv = Span(kv_head, 1, 1)
-            q = Span(kv_head * group + part * per_rank, max(0, min(per_rank, group - part * per_rank)), per_rank)
+            kv = Share(kv_head, 1, 1)
+            q = Share(kv_head * group + part * per_rank, max(0, min(per_rank, group - part * per_rank)), per_rank)
         else:
-            kv = Span.even(c.kv_heads, rank, world)
-            q = Span(kv.start * group, kv.real * group, kv.size * group)
-        return cls(rank, world, q, kv, Span.even(c.intermediate, rank, world), Span.even(c.vocab, rank, world))
+            kv = Share.even(c.kv_heads, rank, world)
+            q = Share(kv.start * group, kv.real * group, kv.size * group)
+        return cls(rank, world, q, kv, Share.even(c.intermediate, rank, world), Share.even(c.vocab, rank, world))
 
 
 def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, inv_freq: Tensor, i: int) -> Tensor:

@@ -57,53 +57,65 @@ def config_of(model, max_seq_len: int, max_batch: int) -> DecoderConfig:
                          windows=windows if any(windows) else (), gemma=name == "GemmaForCausalLM")
 
 
-def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_freq: torch.Tensor
+def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_freq: torch.Tensor, tied: bool
                   ) -> dict[str, torch.Tensor]:
     """This rank's slices of a model's weights, named as the decode graph's inputs.
 
     ``tensors``: the model's weights by their ``transformers`` state-dict names, as tensors (``from_hf``)
-    or as lazy slices of a checkpoint (``from_pretrained``: only what is taken here is read). q/k/v and
-    gate/up may be apart or fused (Phi-3's ``qkv_proj``: q rows, then k, then v; ``gate_up_proj``: gate,
-    then up); an absent ``lm_head.weight`` is the embedding's (tied).
+    or as lazy slices of a checkpoint (``from_pretrained``: only what is taken here is read; a missing
+    tensor is a ``GraphError`` naming it). q/k/v and gate/up may be apart or fused (Phi-3's
+    ``qkv_proj``: q rows, then k, then v; ``gate_up_proj``: gate, then up); ``tied``: the LM head is
+    the embedding.
     """
-    hd, q_rows, kv_rows = c.head_dim, c.heads * c.head_dim, c.kv_heads * c.head_dim
-    lm_head = tensors.get("lm_head.weight")
-    weights = {"embed": tensors["model.embed_tokens.weight"], "norm": tensors["model.norm.weight"],
-               "lm_head": s.lm.take(tensors["model.embed_tokens.weight"] if lm_head is None else lm_head),
-               "inv_freq": inv_freq.float()}
+    hd = c.head_dim
+    embed = tensors["model.embed_tokens.weight"]
+    weights = {"embed": embed, "norm": tensors["model.norm.weight"],
+               "lm_head": s.lm.take(embed if tied else tensors["lm_head.weight"]), "inv_freq": inv_freq.float()}
     if c.gemma:  # the embedding's scale, sqrt(hidden), as the model's dtype holds it, for every batch row
         weights["embed_scale"] = torch.full((c.batch, c.hidden), c.hidden ** 0.5, dtype=c.dtype)
     per_row = lambda bias: bias.reshape(1, -1).expand(c.batch, -1)  # noqa: E731 (a bias input is per batch row)
     for i in range(c.layers):
-        layer = lambda name: tensors.get(f"model.layers.{i}.{name}")  # noqa: E731
-        for part in ("weight", "bias"):
-            fused = layer(f"self_attn.qkv_proj.{part}")
-            q, k, v = ((fused.narrow(0, 0, q_rows), fused.narrow(0, q_rows, kv_rows),
-                        fused.narrow(0, q_rows + kv_rows, kv_rows)) if fused is not None
-                       else (layer(f"self_attn.{n}_proj.{part}") for n in "qkv"))
-            fused = layer(f"mlp.gate_up_proj.{part}")
-            gate, up = ((fused.narrow(0, 0, c.intermediate), fused.narrow(0, c.intermediate, c.intermediate))
-                        if fused is not None else (layer(f"mlp.{n}_proj.{part}") for n in ("gate", "up")))
-            if part == "weight":
-                weights[f"layers.{i}.qkv"] = torch.cat([s.q.take(q, hd), s.kv.take(k, hd), s.kv.take(v, hd)])
-                weights[f"layers.{i}.gate_up"] = torch.cat([s.mlp.take(gate), s.mlp.take(up)])
-            if part == "bias" and c.qkv_bias:
-                weights[f"layers.{i}.qkv_bias"] = per_row(torch.cat([s.q.take(q, hd), s.kv.take(k, hd),
-                                                                     s.kv.take(v, hd)]))
-            if part == "bias" and c.mlp_bias:
-                weights[f"layers.{i}.gate_up_bias"] = per_row(torch.cat([s.mlp.take(gate), s.mlp.take(up)]))
+        layer = lambda name: tensors[f"model.layers.{i}.{name}"]  # noqa: E731
+        qkv = lambda part: _qkv(tensors, f"model.layers.{i}.self_attn.", part, c)  # noqa: E731
+        gate_up = lambda part: _gate_up(tensors, f"model.layers.{i}.mlp.", part, c)  # noqa: E731
+        q, k, v = qkv("weight")
+        gate, up = gate_up("weight")
         weights[f"layers.{i}.input_norm"] = layer("input_layernorm.weight")
+        weights[f"layers.{i}.qkv"] = torch.cat([s.q.take(q, hd), s.kv.take(k, hd), s.kv.take(v, hd)])
         weights[f"layers.{i}.o"] = s.q.take(layer("self_attn.o_proj.weight"), hd, dim=1)
         weights[f"layers.{i}.post_norm"] = layer("post_attention_layernorm.weight")
+        weights[f"layers.{i}.gate_up"] = torch.cat([s.mlp.take(gate), s.mlp.take(up)])
         weights[f"layers.{i}.down"] = s.mlp.take(layer("mlp.down_proj.weight"), dim=1)
+        if c.qkv_bias:
+            q, k, v = qkv("bias")
+            weights[f"layers.{i}.qkv_bias"] = per_row(torch.cat([s.q.take(q, hd), s.kv.take(k, hd), s.kv.take(v, hd)]))
         if c.o_bias:
             weights[f"layers.{i}.o_bias"] = per_row(layer("self_attn.o_proj.bias"))
         if c.mlp_bias:
+            gate, up = gate_up("bias")
+            weights[f"layers.{i}.gate_up_bias"] = per_row(torch.cat([s.mlp.take(gate), s.mlp.take(up)]))
             weights[f"layers.{i}.down_bias"] = per_row(layer("mlp.down_proj.bias"))
         if c.qk_norm:
             weights[f"layers.{i}.q_norm"] = layer("self_attn.q_norm.weight")
             weights[f"layers.{i}.k_norm"] = layer("self_attn.k_norm.weight")
     return {name: w.detach().contiguous() for name, w in weights.items()}
+
+
+def _qkv(tensors: Mapping[str, Any], prefix: str, part: str, c: DecoderConfig) -> tuple:
+    """The q, k and v projections' ``part`` ("weight" or "bias"), apart or fused (Phi-3)."""
+    fused = tensors.get(f"{prefix}qkv_proj.{part}")
+    if fused is None:
+        return tuple(tensors[f"{prefix}{n}_proj.{part}"] for n in "qkv")
+    q_rows, kv_rows = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    return fused.narrow(0, 0, q_rows), fused.narrow(0, q_rows, kv_rows), fused.narrow(0, q_rows + kv_rows, kv_rows)
+
+
+def _gate_up(tensors: Mapping[str, Any], prefix: str, part: str, c: DecoderConfig) -> tuple:
+    """The gate and up projections' ``part``, apart or fused (Phi-3: gate rows, then up)."""
+    fused = tensors.get(f"{prefix}gate_up_proj.{part}")
+    if fused is None:
+        return tensors[f"{prefix}gate_proj.{part}"], tensors[f"{prefix}up_proj.{part}"]
+    return fused.narrow(0, 0, c.intermediate), fused.narrow(0, c.intermediate, c.intermediate)
 
 
 class DecodeModel:
@@ -180,7 +192,8 @@ def from_hf(model, *, max_seq_len: int, max_batch: int = 1, parallelism: int | s
     rope_at = None
     if model.model.rotary_emb.rope_type in LENGTH_DEPENDENT_ROPE:
         rope_at = _rope_frequencies(copy.deepcopy(model.model.rotary_emb))
-    weights = shard_weights(model.state_dict(), config, Shard.of(config, rank, world), model.model.rotary_emb.inv_freq)
+    weights = shard_weights(model.state_dict(), config, Shard.of(config, rank, world), model.model.rotary_emb.inv_freq,
+                            tied=bool(model.config.tie_word_embeddings))
     return DecodeModel(config, weights, parallelism, rope_at, **kernel_options)
 
 
@@ -210,7 +223,8 @@ def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, parallelism: 
     world, rank = current_world()
     decoder = config_of(skeleton, max_seq_len, max_batch)
     rotary = type(skeleton.model.rotary_emb)(config)  # on the host: the frequencies for real
-    weights = shard_weights(checkpoint, decoder, Shard.of(decoder, rank, world), rotary.inv_freq)
+    weights = shard_weights(checkpoint, decoder, Shard.of(decoder, rank, world), rotary.inv_freq,
+                            tied=bool(config.tie_word_embeddings))
     rope_at = _rope_frequencies(rotary) if rotary.rope_type in LENGTH_DEPENDENT_ROPE else None
     model = DecodeModel(decoder, weights, parallelism, rope_at, **kernel_options)
     model.bytes_read = checkpoint.bytes_read
