@@ -4,7 +4,12 @@
 
 Part 1 runs a small random Llama (the demo's) for a few decode steps on one rank and prints tasks per
 step, bytes of weights each step reads, and the time per step (the Triton interpreter: a CPU number,
-not a GPU one). Part 2 prints, for a Llama-3-8B-shaped decoder layer (hidden 4096, 32 heads, 8 KV
+not a GPU one). Part 2 generates with the whole decode loop on the device, one token per launch
+against every token in one launch, and prints the launches and the host's time per generated token
+(the generation's wall time less the launches' own: what the host adds), and their ratio. Part 3
+counts, for mixture-of-experts models, the bytes of weights one step reads (attention, routers, the
+k chosen experts' slices: what the expert tiles stream) against the dense equivalent (every
+expert), for a Qwen3-30B-A3B shape and the tests' small Qwen3-MoE, from the graph's tasks. Part 4 prints, for a Llama-3-8B-shaped decoder layer (hidden 4096, 32 heads, 8 KV
 heads, head dim 128, intermediate 14336, bfloat16, batch 1), the bytes one decode step of the layer
 must move, which sets its memory-bandwidth floor: a GPU run reports its fraction of that floor.
 """
@@ -56,8 +61,84 @@ def cpu_steps(steps: int = 6) -> None:
         model.close()
 
 
+def host_per_token(prompt: int = 4, new_tokens: int = 12) -> None:
+    model = from_hf(random_llama(), max_seq_len=32, workers=2)
+    kernel = model.kernel
+    run, launched = kernel.run, []
+
+    def timed_run(*args, **kwargs):  # the launch alone, as the backend measured it
+        out = run(*args, **kwargs)
+        launched.append(kernel.launch_seconds)
+        return out
+
+    kernel.run = timed_run
+    try:
+        ids = torch.arange(3, 3 + prompt).reshape(1, -1)
+        model.generate(ids, 2, tokens_per_launch=1)  # warm: the kernel's first launch meets the ranks
+        print(f"generation on the device: prompt {prompt}, {new_tokens} new tokens, cpu backend, 2 workers:")
+        host = {}
+        for per_launch in (1, None):
+            launched.clear()
+            start = time.perf_counter()
+            tokens = model.generate(ids, new_tokens, tokens_per_launch=per_launch)
+            wall = time.perf_counter() - start
+            host[per_launch] = (wall - sum(launched)) / new_tokens
+            print(f"  tokens per launch {per_launch or 'all'}: {len(launched)} launches, host {host[per_launch] * 1e3:.2f} "
+                  f"ms per generated token (wall {wall:.2f} s, launches {sum(launched):.2f} s), "
+                  f"{kernel.host_barriers} host meetings in all")
+            assert tokens.shape[1] == prompt + new_tokens
+        print(f"  host time per token, one token per launch / all in one launch: {host[1] / host[None]:.1f}x")
+    finally:
+        model.close()
+
+
+QWEN3_30B_A3B = DecoderConfig(hidden=2048, heads=32, kv_heads=4, head_dim=128, intermediate=6144, layers=48,
+                              vocab=151936, eps=1e-6, qk_norm=True, max_seq_len=4096, dtype=torch.bfloat16,
+                              moe=(True,) * 48, experts=128, top_k=8, moe_intermediate=768, norm_topk=True,
+                              router_weight_dtype=torch.bfloat16)
+
+
+def moe_bytes(c: DecoderConfig) -> tuple[int, int]:
+    """(bytes of weights a decode step reads, the dense equivalent's), from one layer's graph: the expert
+    tiles' own bytes (each streams its slice of one chosen expert) against every expert's."""
+    from megakernel.graph import Graph
+    from megakernel.models.decoder import Shard, decoder_layer
+    from megakernel.tasks.moe import EXPERT_LINEAR
+
+    one = DecoderConfig(**{**c.__dict__, "layers": 1, "moe": (True,)})
+    g = Graph(world_size=1, rank=0)
+    decoder_layer(g, one, Shard.of(one, 0, 1), g.input("x", (1, c.hidden), c.dtype), g.input("pos", (1,), torch.int64),
+                  g.input("inv_freq", (c.head_dim // 2,), torch.float32), 0)
+    size = c.dtype.itemsize
+    expert_op = {i for i, spec in enumerate(g.specs) if spec.task_type == EXPERT_LINEAR.name}
+    n, k = EXPERT_LINEAR.arg_names.index("n"), EXPERT_LINEAR.arg_names.index("k")
+    streamed = sum(g.tasks.args[t][n] * g.tasks.args[t][k] for t in range(len(g.tasks))  # each expert tile's rows
+                   if g.tasks.opcode[t] in expert_op) * size
+    every_expert = c.experts * 3 * c.moe_intermediate * c.hidden * size
+    others = weight_bytes(DecoderConfig(**{**one.__dict__, "intermediate": 0}), lm_head=False) - c.hidden * size
+    others += c.experts * c.hidden * size  # the router
+    return c.layers * (others + streamed) + c.vocab * c.hidden * size, \
+        c.layers * (others + every_expert) + c.vocab * c.hidden * size
+
+
+def moe_fraction() -> None:
+    small = DecoderConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=96, layers=2, vocab=100,
+                          eps=1e-6, qk_norm=True, max_seq_len=16, moe=(True, True), experts=8, top_k=2,
+                          moe_intermediate=44, norm_topk=True)
+    print("mixture of experts, weights one decode step reads (batch 1), from the graph's expert tiles:")
+    for name, c in (("Qwen3-30B-A3B shape (48 layers, 128 experts, top-8, bf16)", QWEN3_30B_A3B),
+                    ("the tests' Qwen3-MoE (2 layers, 8 experts, top-2, float32)", small)):
+        active, dense = moe_bytes(c)
+        print(f"  {name}: {active / 2**20:,.1f} MiB of {dense / 2**20:,.1f} MiB dense-equivalent "
+              f"({active / dense:.1%} active)")
+
+
 def main() -> None:
     cpu_steps()
+    print()
+    host_per_token()
+    print()
+    moe_fraction()
     print()
     print("Llama-3-8B-shaped layer (bfloat16, batch 1): bytes one decode step must move")
     for context in (1, 1024, 4096):

@@ -9,7 +9,13 @@
    here, in the same run);
 4. per-task dispatch overhead (many empty tasks);
 5. cross-rank signal latency and small all-reduces between two virtual ranks (two persistent
-   kernels resident at once on one GPU).
+   kernels resident at once on one GPU);
+6. a Qwen3-30B-A3B-shaped layer (hidden 2048, 128 experts, top-8, expert intermediate 768, bf16) as
+   one launch, against the reference executor, with its fraction of the bandwidth floor of the bytes
+   it must read (attention, router, the 8 chosen experts, the KV cache);
+7. a stack of two Llama-3-8B-shaped layers as a decode loop (the stream fed back, the position
+   advanced on the device): tokens per second for STEPS steps in one launch against one step per
+   launch, the two bitwise equal.
 
 A section named ``NAME:spin`` runs NAME with the old wait/signal protocol (``MEGAKERNEL_PROTOCOL=spin``:
 every thread spinning on scalar atomics, system-scope signals) instead of the default ``poll``, so one
@@ -55,6 +61,13 @@ from megakernel.tools.examples import every_task_type, example_inputs
 
 LLAMA3_8B = DecoderConfig(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, layers=1,
                           vocab=128256, eps=1e-5, qk_norm=False, max_seq_len=4096, dtype=torch.bfloat16)
+QWEN3_30B_A3B = DecoderConfig(hidden=2048, heads=32, kv_heads=4, head_dim=128, intermediate=6144, layers=1,
+                              vocab=151936, eps=1e-6, qk_norm=False, max_seq_len=4096, dtype=torch.bfloat16,
+                              moe=(True,), experts=128, top_k=8, moe_intermediate=768, norm_topk=True,
+                              router_weight_dtype=torch.bfloat16)
+SMOKE_MOE = DecoderConfig(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, layers=1, vocab=256,
+                          eps=1e-6, qk_norm=False, max_seq_len=64, dtype=torch.bfloat16, moe=(True,), experts=8,
+                          top_k=2, moe_intermediate=48, norm_topk=True, router_weight_dtype=torch.bfloat16)
 SMOKE_LAYER = DecoderConfig(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, layers=1, vocab=256,
                             eps=1e-5, qk_norm=False, max_seq_len=64, dtype=torch.bfloat16)
 
@@ -66,6 +79,7 @@ class Setup:
     backend: str
     device: str
     layer: DecoderConfig
+    moe: DecoderConfig       # a mixture-of-experts layer
     pos: int                 # the layer's decode position: the KV cache holds that many earlier rows
     repeats: int
     per_worker: int          # dispatch: empty tasks per worker (and 4x that)
@@ -73,8 +87,8 @@ class Setup:
     timeout: float           # seconds any wait may take: a hang shows fast
 
 
-GPU = Setup("auto", "cuda", LLAMA3_8B, 1023, 20, 16, (4096, 65536), timeout=10.0)
-SMOKE = Setup("cpu", "cpu", SMOKE_LAYER, 9, 2, 2, (256,), timeout=60.0)
+GPU = Setup("auto", "cuda", LLAMA3_8B, QWEN3_30B_A3B, 1023, 20, 16, (4096, 65536), timeout=10.0)
+SMOKE = Setup("cpu", "cpu", SMOKE_LAYER, SMOKE_MOE, 9, 2, 2, (256,), timeout=60.0)
 
 
 @dataclass
@@ -103,6 +117,18 @@ def median_launch(kernel: mk.Megakernel, repeats: int) -> tuple[float, float]:
         wall.append(time.perf_counter() - start)
         device.append(kernel.launch_seconds)
     return statistics.median(device), statistics.median(wall)
+
+
+def sized_kernel(build, s: "Setup") -> tuple[tuple, mk.Megakernel]:
+    """``build(parallelism)`` (a tuple whose first item is the graph) and its kernel, its tiles sized for
+    every worker this device holds: the first kernel, built for one, says how many that is."""
+    built = build(1)
+    kernel = mk.Megakernel(built[0], backend=s.backend, timeout=s.timeout)
+    if kernel.workers > 1:
+        kernel.close()
+        built = build(kernel.workers)
+        kernel = mk.Megakernel(built[0], backend=s.backend, timeout=s.timeout)
+    return built, kernel
 
 
 def timed(fn, repeats: int, device: str) -> float:
@@ -163,6 +189,104 @@ def check_decode(s: Setup) -> list[Row]:
         model.close()
     return [Row(f"decode, random Llama ({hf.config.num_hidden_layers} layers), {steps} steps vs transformers",
                 f"max rel. error {worst:.1e}", "<= 1e-3 (fp32)", worst <= 1e-3)]
+
+
+# -- 6. a mixture-of-experts layer -----------------------------------------------------------------------
+def moe_floor_bytes(c: DecoderConfig, pos: int) -> int:
+    """What the MoE layer must read at least: attention weights, the router, the k chosen experts, the cache."""
+    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    attention = (q + 2 * kv) * c.hidden + c.hidden * q + 2 * c.hidden
+    experts = c.top_k * 3 * c.moe_intermediate * c.hidden
+    return (attention + c.experts * c.hidden + experts + 2 * (pos + 1) * kv) * c.dtype.itemsize
+
+
+def check_moe(s: Setup) -> list[Row]:
+    c, pos = s.moe, s.pos
+    gen = torch.Generator().manual_seed(11)
+    (g,), kernel = sized_kernel(lambda parallelism: (layer_graph(c, parallelism),), s)
+    inputs = {name: ((1 + 0.1 * torch.randn(t.shape, generator=gen)) if t.ndim == 1 else
+                     torch.randn(t.shape, generator=gen) / math.sqrt(t.shape[1])).to(t.dtype)
+              for name, t in g.inputs.items() if t.dtype.is_floating_point}
+    inputs["pos"] = torch.tensor([pos])
+    inputs["inv_freq"] = 1.0 / 10000.0 ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+    try:
+        kernel.bind(inputs)
+        heap = kernel.heap.cpu().clone()
+        y = kernel.run()["y"].cpu()
+        mk_device, mk_wall = median_launch(kernel, s.repeats)
+        tables, tasks, workers = deserialize(serialize(kernel.tables)), len(g.tasks), kernel.workers
+    finally:
+        kernel.close()
+    execute(tables, heap)
+    t = g.outputs["y"]
+    error = relative_error(y, HeapView(heap).tensor(t.addr(0, 0), t.dtype, t.rows, t.cols, t.row_stride))
+    rows = [Row(f"MoE layer {c.experts} experts top-{c.top_k} x {c.moe_intermediate} bf16 ({tasks} tasks, {workers} "
+                f"workers) vs reference", f"max rel. error {error:.1e}", "<= 1e-2 (bf16)", error <= 1e-2)]
+    if s.device == "cpu":
+        return rows + [Row("MoE layer: megakernel (cpu interpreter, wall)", f"{mk_wall * 1e3:.1f} ms")]
+    floor = moe_floor_bytes(c, pos) / copy_bandwidth(s.device, 2048)
+    return rows + [Row(f"MoE layer floor ({moe_floor_bytes(c, pos) / 2**20:.0f} MiB at copy bandwidth)",
+                       f"{floor * 1e6:.1f} us"),
+                   Row("MoE layer: megakernel launch", f"{mk_device * 1e6:.1f} us"),
+                   Row("MoE layer: fraction of the bandwidth floor", f"{floor / mk_device:.0%}", ">= 75%",
+                       floor / mk_device >= 0.75, timing=True)]
+
+
+# -- 7. many steps per launch -----------------------------------------------------------------------------
+STEPS = 8
+
+
+def step_loop(c: DecoderConfig, parallelism: int, layers: int) -> tuple[mk.Graph, mk.graph.Tensor]:
+    """``layers`` decoder layers whose output is the next step's input, the position advanced at the end."""
+    g = mk.Graph(world_size=1, rank=0, parallelism=parallelism)
+    x = g.new_tensor((c.batch, c.hidden), c.dtype, name="stream")
+    pos = g.input("pos", (1,), torch.int64)
+    inv_freq = g.input("inv_freq", (c.head_dim // 2,), torch.float32)
+    y = x
+    for i in range(layers):
+        with g.scope(f"layer{i}"):
+            y = decoder_layer(g, c, Shard.of(c, 0, 1), y, pos, inv_freq, i)
+    g.output("y", g.put(g.rms_norm(y, g.input("norm", (c.hidden,), c.dtype), c.eps), to_rank=0, into=x))
+    g.advance(pos)
+    return g, x
+
+
+def check_steps(s: Setup) -> list[Row]:
+    c, device = s.layer, s.device
+    layers, steps = (2, STEPS) if device != "cpu" else (1, 2)  # the smoke run: just enough to check
+    gen = torch.Generator().manual_seed(7)
+    weights = {name.replace("layers.0.", f"layers.{i}."): w for i in range(layers)
+               for name, w in layer_weights(c, gen).items()}
+    weights["norm"] = torch.ones(c.hidden, dtype=c.dtype)
+    x0 = torch.randn(1, c.hidden, generator=gen).to(c.dtype)
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+    (g, x), kernel = sized_kernel(lambda parallelism: step_loop(c, parallelism, layers), s)
+    try:
+        kernel.bind({**weights, "inv_freq": inv_freq})
+
+        def loop(launches: int, steps: int) -> tuple[torch.Tensor, float]:
+            kernel.tensor(x).copy_(x0)
+            kernel.bind({"pos": torch.tensor([0])})
+            start = time.perf_counter()
+            for _ in range(launches):
+                y = kernel.run(steps=steps)["y"]
+            return y.cpu(), time.perf_counter() - start
+
+        if device != "cpu":
+            loop(1, steps), loop(steps, 1)  # warm
+        together, one_launch = loop(1, steps)
+        apart, per_step = loop(steps, 1)
+        tasks = len(g.tasks)
+    finally:
+        kernel.close()
+    same = torch.equal(together, apart)
+    where = "cpu interpreter, " if device == "cpu" else ""
+    return [Row(f"steps: {layers} layers, {steps} steps in one launch vs one per launch ({tasks} tasks a step)",
+                "bitwise equal" if same else "DIFFER", "equal", same),
+            Row(f"steps: {steps} steps in one launch ({where}wall)", f"{steps / one_launch:.1f} tokens/s"),
+            Row(f"steps: one step per launch ({where}wall)", f"{steps / per_step:.1f} tokens/s"),
+            Row("steps: many steps per launch vs one", f"{per_step / one_launch:.2f}x", "> 1x", per_step > one_launch,
+                timing=True)]
 
 
 # -- 3. the Llama-3-8B-shaped layer ----------------------------------------------------------------------
@@ -235,13 +359,7 @@ def check_layer(s: Setup) -> list[Row]:
     x = (torch.randn(1, c.hidden, generator=gen)).to(c.dtype)
     inv_freq = 1.0 / 500000.0 ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
     history = [(torch.randn(pos, c.kv_heads * c.head_dim, generator=gen) * 0.5).to(c.dtype) for _ in range(2)]
-    # Build for the workers this GPU can hold: the first kernel says how many that is.
-    g = layer_graph(c, parallelism=1)
-    kernel = mk.Megakernel(g, backend=s.backend, timeout=s.timeout)
-    if kernel.workers > 1:
-        kernel.close()
-        g = layer_graph(c, parallelism=kernel.workers)
-        kernel = mk.Megakernel(g, backend=s.backend, timeout=s.timeout)
+    (g,), kernel = sized_kernel(lambda parallelism: (layer_graph(c, parallelism),), s)
     try:
         kernel.bind({**weights, "x": x, "pos": torch.tensor([pos]), "inv_freq": inv_freq})
         kernel.poison()  # the cache rows past the position stay poisoned: no tile may read them
@@ -373,12 +491,12 @@ def check_virtual_ranks(s: Setup) -> list[Row]:
 
 
 SECTIONS = {"types": check_task_types, "decode": check_decode, "layer": check_layer, "dispatch": check_dispatch,
-            "virtual": check_virtual_ranks}
+            "virtual": check_virtual_ranks, "moe": check_moe, "steps": check_steps}
 SPIN = ":spin"  # a section with the old protocol
-DEFAULT = ["types", "decode", "layer", "dispatch", "dispatch" + SPIN, "virtual", "virtual" + SPIN]
+DEFAULT = ["types", "decode", "layer", "moe", "steps", "dispatch", "dispatch" + SPIN, "virtual", "virtual" + SPIN]
 # Seconds each section may take in its own process (a CUDA fault poisons the process that hit it, a
 # hang must not eat the GPU's time): all of them within BUDGET.
-LIMITS = {"types": 90, "decode": 90, "layer": 240, "dispatch": 60, "virtual": 90}
+LIMITS = {"types": 90, "decode": 90, "layer": 240, "moe": 150, "steps": 150, "dispatch": 60, "virtual": 90}
 BUDGET = 470
 
 

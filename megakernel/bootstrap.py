@@ -96,6 +96,7 @@ class Group:
 
     def __init__(self, world_size: int, rank: int):
         self.world_size, self.rank = world_size, rank
+        self.meetings = 0  # barriers and exchanges with the other ranks so far
         self.world: VirtualWorld | None = getattr(_thread, "world", None)
         self.virtual = self.world is not None
         self.slot = rank if self.virtual else 0
@@ -116,6 +117,7 @@ class Group:
         """Every rank's ``value``, in rank order (virtual ranks: the objects themselves, not copies)."""
         if self.world_size == 1:
             return [value]
+        self.meetings += 1
         if self.virtual:
             return self.world.all_gather(self.rank, value, self.EXCHANGE_TIMEOUT)
         import torch.distributed as dist
@@ -127,6 +129,7 @@ class Group:
         """Wait for every rank; a rank that does not arrive within ``timeout`` s is named in the error."""
         if self.world_size == 1:
             return
+        self.meetings += 1
         if self.virtual:
             return self.world.barrier(self.rank, timeout, why)
         import torch.distributed as dist

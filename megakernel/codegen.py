@@ -29,7 +29,7 @@ from .tasks import TASK_TYPES
 TARGETS = tuple(CLOCKS)  # "interpreter", "cuda", "hip"
 # Every argument is an int64, whatever its value (Triton would type a small int as int32), and none
 # is specialised (an epoch of 1 must not compile another kernel): one compiled kernel serves every launch.
-KERNEL_ARGS = ("bases_addr", "rank", "worker", "epoch", "timeout_ns", *HeapLayout.offset_names())
+KERNEL_ARGS = ("bases_addr", "rank", "worker", "epoch", "steps", "timeout_ns", *HeapLayout.offset_names())
 
 
 def cache_dir() -> Path:

@@ -151,15 +151,17 @@ def report_stall(status, abort, task, event, observed, target):
 @triton.jit
 def checked_index(status, index, bound):
     """``index`` clamped into [0, bound): a data-dependent index (a token id, a position) never leaves
-    its buffer. The first one out of range in a run takes note in the worker's status record: the
-    value, the bound and the task (its queue position: the tasks the worker finished before it); the
-    host raises after the run."""
+    its buffer. The first one out of range in a step takes note in the worker's status record: the
+    value, the bound, the task (its queue position: the tasks the worker finished before it) and the
+    step's epoch (FAULT; a later step's fault overwrites an earlier one's); the host raises after the
+    run."""
     if (index < 0) | (index >= bound):
-        if tl.load(status + FAULT) == 0:
+        epoch = tl.load(status + EPOCH)
+        if tl.load(status + FAULT) < epoch:
             tl.store(status + FAULT_VALUE, index)
             tl.store(status + FAULT_BOUND, bound)
             tl.store(status + FAULT_AT, tl.load(status + DONE))
-            tl.store(status + FAULT, 1)
+            tl.store(status + FAULT, epoch)
     return tl.minimum(tl.maximum(index, 0), bound - 1)
 
 
@@ -175,16 +177,17 @@ def signal_event(bases, rank, dst, events_off, event, increment, SCOPED: tl.cons
 
 
 # The task row layout (scheduler.tables), as constexprs for the kernel.
-ROW_OPCODE, ROW_WAIT_EVENT, ROW_FAN_IN, ROW_SIGNAL_START, ROW_SIGNAL_COUNT, ROW_ARG0 = (
-    tl.constexpr(i) for i in (tables.OPCODE, tables.WAIT_EVENT, tables.FAN_IN, tables.SIGNAL_START,
-                              tables.SIGNAL_COUNT, tables.ARG0))
+ROW_OPCODE, ROW_WAIT_EVENT, ROW_FAN_IN, ROW_CARRY_EVENT, ROW_CARRY_FAN_IN, ROW_SIGNAL_START, ROW_SIGNAL_COUNT, ROW_ARG0 = (
+    tl.constexpr(i) for i in (tables.OPCODE, tables.WAIT_EVENT, tables.FAN_IN, tables.CARRY_EVENT, tables.CARRY_FAN_IN,
+                              tables.SIGNAL_START, tables.SIGNAL_COUNT, tables.ARG0))
 SIGNAL_WORDS = tl.constexpr(tables.SIGNAL_WORDS)
 
 
 @triton.jit
 def task_header(tasks, queue, i, last, ROW: tl.constexpr):
     """Queue entry ``i``'s task and the words of its row the loop needs: (task, wait event, fan-in,
-    opcode, first signal, signal count); an empty header (no wait, no signal) past ``last``.
+    carried wait's event, its fan-in, opcode, first signal, signal count); an empty header (no wait, no
+    signal) past ``last``.
 
     The tables do not change during a run, so the loop loads the next task's header before running
     the current one: its latency hides behind the current task, and it is not re-fetched after the
@@ -194,22 +197,41 @@ def task_header(tasks, queue, i, last, ROW: tl.constexpr):
     task = tl.load(queue + i, mask=more, other=0)
     row = tasks + task * ROW
     return (task, tl.load(row + ROW_WAIT_EVENT, mask=more, other=-1), tl.load(row + ROW_FAN_IN, mask=more, other=0),
+            tl.load(row + ROW_CARRY_EVENT, mask=more, other=-1), tl.load(row + ROW_CARRY_FAN_IN, mask=more, other=0),
             tl.load(row + ROW_OPCODE, mask=more, other=0), tl.load(row + ROW_SIGNAL_START, mask=more, other=0),
             tl.load(row + ROW_SIGNAL_COUNT, mask=more, other=0))
 
 
 @triton.jit
-def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, signals_off, queue_off, index_off,
+def wait_for(events, event, target, abort, status, task, timeout_ns, WAIT: tl.constexpr, CLOCK: tl.constexpr):
+    """Wait until ``event`` counts ``target`` (no wait for a target of 0); whether it did. A wait that times
+    out writes this worker's status record and stops every worker of the rank."""
+    reached = 1
+    if (event >= 0) & (target > 0):
+        if not WAIT(events + event, target, abort, timeout_ns, status + CLOCK_SLOT, CLOCK):
+            observed = tl.atomic_add(events + event, 0, sem="relaxed", scope="sys")  # for the report alone
+            report_stall(status, abort, task, event, observed, target)
+            reached = 0
+    return reached
+
+
+@triton.jit
+def persistent_loop(bases_addr, rank, worker, epoch, steps, timeout_ns, tasks_off, signals_off, queue_off, index_off,
                     events_off, status_off, trace_off, ROW: tl.constexpr, RUN_TILE: tl.constexpr,
                     CLOCK: tl.constexpr, WAIT: tl.constexpr, SCOPED_SIGNALS: tl.constexpr, TRACE: tl.constexpr):
-    """One worker's whole run: for each task of its queue, wait, run the tile, signal.
+    """One worker's whole launch: ``steps`` steps (epochs ``epoch``, ``epoch + 1``, ...), each running the
+    worker's queue: for each task, wait, run the tile, signal.
 
-    ``WAIT`` and ``SCOPED_SIGNALS`` are the protocol's (see the module docstring).
+    A task waits for its event to count ``epoch * fan_in`` (its producers of this step) and for its
+    carried event to count ``(epoch - 1) * carry_fan_in`` (those of the previous step, which the host
+    no longer separates from this one). ``WAIT`` and ``SCOPED_SIGNALS`` are the protocol's (see the
+    module docstring).
 
     ``RUN_TILE(opcode, base, bases, status, args)`` dispatches to the tile functions (generated per graph). A wait
     that times out writes this worker's status record and stops every worker of the rank. With
     ``TRACE``, each task records when it started waiting, started running and finished (its stores
-    done, just before its signals) at ``trace[task * TRACE_WORDS]``; without it no clock is read and nothing is stored.
+    done, just before its signals) at ``trace[task * TRACE_WORDS]``, the last step's; without it no
+    clock is read and nothing is stored.
     """
     bases = bases_addr.to(tl.pointer_type(tl.int64))
     base = tl.load(bases + rank)
@@ -221,36 +243,37 @@ def persistent_loop(bases_addr, rank, worker, epoch, timeout_ns, tasks_off, sign
     status = abort + STATUS_WORDS * (worker + 1)
     first = tl.load(heap_ptr(base, index_off, tl.int64) + worker)
     last = tl.load(heap_ptr(base, index_off, tl.int64) + worker + 1)
-    tl.store(status + DONE, 0)
-    tl.store(status + FAULT, 0)
-    tl.store(status + EPOCH, epoch)  # DONE counts tasks of this run; peers' reports read both
-    i = first
     running = 1
-    task, event, fan_in, opcode, first_signal, signal_count = task_header(tasks, queue, i, last, ROW)
-    while (i < last) & (running == 1):
-        row = tasks + task * ROW
-        next_header = task_header(tasks, queue, i + 1, last, ROW)
-        if TRACE:
-            stamp = heap_ptr(base, trace_off, tl.int64) + task * TRACE_WORDS
-            tl.store(stamp, CLOCK())
-        if event >= 0:
-            target = epoch * fan_in
-            if not WAIT(events + event, target, abort, timeout_ns, status + CLOCK_SLOT, CLOCK):
-                observed = tl.atomic_add(events + event, 0, sem="relaxed", scope="sys")  # for the report alone
-                report_stall(status, abort, task, event, observed, target)
-                running = 0
+    for step in range(0, steps):
         if running == 1:
-            tl.debug_barrier()
-            if TRACE:
-                tl.store(stamp + 1, CLOCK())
-            RUN_TILE(opcode, base, bases, status, row + ROW_ARG0)
-            tl.debug_barrier()
-            if TRACE:  # before the signals: a consumer may start as soon as they are sent
-                tl.store(stamp + 2, CLOCK())
-            for s in range(first_signal, first_signal + signal_count):
-                signal = signals + s * SIGNAL_WORDS
-                signal_event(bases, rank, tl.load(signal), events_off, tl.load(signal + 1), tl.load(signal + 2),
-                             SCOPED_SIGNALS)
-            tl.store(status + DONE, i - first + 1)
-        task, event, fan_in, opcode, first_signal, signal_count = next_header
-        i += 1
+            now = epoch + step
+            tl.store(status + DONE, 0)
+            tl.store(status + EPOCH, now)  # DONE counts tasks of this step; peers' reports read both
+            i = first
+            task, event, fan_in, carry, carry_fan_in, opcode, first_signal, signal_count = task_header(
+                tasks, queue, i, last, ROW)
+            while (i < last) & (running == 1):
+                row = tasks + task * ROW
+                next_header = task_header(tasks, queue, i + 1, last, ROW)
+                if TRACE:
+                    stamp = heap_ptr(base, trace_off, tl.int64) + task * TRACE_WORDS
+                    tl.store(stamp, CLOCK())
+                running = wait_for(events, event, now * fan_in, abort, status, task, timeout_ns, WAIT, CLOCK)
+                if running == 1:
+                    running = wait_for(events, carry, (now - 1) * carry_fan_in, abort, status, task, timeout_ns, WAIT,
+                                       CLOCK)
+                if running == 1:
+                    tl.debug_barrier()
+                    if TRACE:
+                        tl.store(stamp + 1, CLOCK())
+                    RUN_TILE(opcode, base, bases, status, row + ROW_ARG0)
+                    tl.debug_barrier()
+                    if TRACE:  # before the signals: a consumer may start as soon as they are sent
+                        tl.store(stamp + 2, CLOCK())
+                    for s in range(first_signal, first_signal + signal_count):
+                        signal = signals + s * SIGNAL_WORDS
+                        signal_event(bases, rank, tl.load(signal), events_off, tl.load(signal + 1),
+                                     tl.load(signal + 2), SCOPED_SIGNALS)
+                    tl.store(status + DONE, i - first + 1)
+                task, event, fan_in, carry, carry_fan_in, opcode, first_signal, signal_count = next_header
+                i += 1

@@ -34,45 +34,52 @@ def task_label(t: QueueTables, task: int) -> str:
     return f"{t.op_names[op]} op {op}, {t.specs[int(t.rows[task, OPCODE])].task_type}"
 
 
-def index_faults(t: QueueTables, status: np.ndarray) -> list[str]:
-    """One line per worker whose tile met a data-dependent index out of range (``device.checked_index``)."""
+def index_faults(t: QueueTables, status: np.ndarray, since: int, rank: int | None = None) -> list[str]:
+    """One line per worker whose tile met a data-dependent index out of range (``device.checked_index``)
+    in step ``since`` or later: of this rank (``t``'s), or of peer ``rank`` (whose tasks ``t`` cannot name)."""
     lines = []
-    for w in np.flatnonzero(status[:, FAULT]).tolist():
+    for w in np.flatnonzero(status[:, FAULT] >= since).tolist():
         record = status[w]
-        task = int(t.worker_queue(w)[record[FAULT_AT]])
-        lines.append(f"rank {t.rank} worker {w} task {task} ({task_label(t, task)}): index {int(record[FAULT_VALUE])} "
-                     f"is outside [0, {int(record[FAULT_BOUND])})")
+        where = f"rank {t.rank if rank is None else rank} worker {w} step {int(record[FAULT])}"
+        if rank is None:
+            task = int(t.worker_queue(w)[record[FAULT_AT]])
+            where += f" task {task} ({task_label(t, task)})"
+        else:
+            where += f" queue position {int(record[FAULT_AT])}"
+        lines.append(f"{where}: index {int(record[FAULT_VALUE])} is outside [0, {int(record[FAULT_BOUND])})")
     return lines
 
 
-def deadlock_report(t: QueueTables, status: np.ndarray, epoch: int, peer_status: Mapping[int, np.ndarray]) -> str:
-    """The report of run ``epoch`` from this rank's records ``status`` and the records of the peers
-    (``peer_status[rank]``) whose tasks raise this rank's events."""
+def deadlock_report(t: QueueTables, status: np.ndarray, peer_status: Mapping[int, np.ndarray]) -> str:
+    """The report of a stopped launch from this rank's records ``status`` and the records of the peers
+    (``peer_status[rank]``) whose tasks raise this rank's events: per worker, the step (epoch) it was in."""
     owner, position = t.worker_of(), t.queue_position()
     done = status[:, DONE]
     lines = []
     for w, record in enumerate(status):
+        step = int(record[EPOCH])
         if record[STATE] == RUNNING:
-            lines.append(f"rank {t.rank} worker {w}: finished {int(done[w])} of {len(t.worker_queue(w))} tasks")
+            lines.append(f"rank {t.rank} worker {w}: step {step}: finished {int(done[w])} of {len(t.worker_queue(w))} "
+                         f"tasks")
             continue
         task, event = int(record[TASK]), int(record[EVENT])
         why = "timed out" if record[STATE] == TIMED_OUT else "stopped (another worker timed out)"
-        lines.append(f"rank {t.rank} worker {w}: {why} at task {task} ({task_label(t, task)}), queue position "
+        lines.append(f"rank {t.rank} worker {w}: step {step}: {why} at task {task} ({task_label(t, task)}), queue position "
                      f"{int(position[task])}: event {event} observed {int(record[OBSERVED])}, "
                      f"expected {int(record[EXPECTED])}")
         local = t.producers_of(event)
-        for p in local:
-            ran = position[p] < done[owner[p]]
+        for p in local:  # (a producer of the previous step, for a carried wait, ran if its worker is past it)
+            ran = status[owner[p], EPOCH] > step or position[p] < done[owner[p]]
             lines.append(f"    producer task {p} ({task_label(t, p)}) on rank {t.rank} worker {int(owner[p])} "
                          f"queue position {int(position[p])}: {'ran' if ran else 'did not run'}")
-        for rank, task_id, worker, pos in t.remote_producers.get(event, []):
+        for rank, task_id, worker, pos, op in t.remote_producers.get(event, []):
             peer = peer_status[rank][worker]
-            if peer[EPOCH] < epoch:
-                ran, progress = False, f"rank {rank} worker {worker} has not started run {epoch}"
+            if peer[EPOCH] < step:
+                ran, progress = False, f"rank {rank} worker {worker} is at step {int(peer[EPOCH])}"
             else:
-                ran, progress = pos < peer[DONE], f"rank {rank} worker {worker} finished {int(peer[DONE])} tasks"
-            lines.append(f"    producer task {task_id} ({t.op_names[int(t.task_op[task_id])]}) on rank {rank} "
-                         f"worker {worker} queue position {pos}: {'ran' if ran else 'did not run'} ({progress})")
+                ran = peer[EPOCH] > step or pos < peer[DONE]
+                progress = f"rank {rank} worker {worker} finished {int(peer[DONE])} tasks of step {int(peer[EPOCH])}"
+            lines.append(f"    producer task {task_id} ({t.op_names[op]} op {op}) on rank {rank} worker {worker} queue position {pos}: {'ran' if ran else 'did not run'} ({progress})")
         if not local and event not in t.remote_producers:
             lines.append("    no task signals this event")
     return "\n".join(lines)
@@ -80,7 +87,7 @@ def deadlock_report(t: QueueTables, status: np.ndarray, epoch: int, peer_status:
 
 def write_hang_files(report: str, t: QueueTables, epoch: int, stamps: np.ndarray | None) -> list[Path]:
     """The report, and with tracing (``stamps``) the partial trace of what finished, as new files of this
-    user's reports folder (``files.reports_dir``)."""
+    user's reports folder (``files.reports_dir``); ``epoch``: the launch's last step."""
     folder, prefix = reports_dir(), f"hang-rank{t.rank}-pid{os.getpid()}-run{epoch}-"
     files = [write_new(folder, prefix, ".txt", report + "\n")]
     if stamps is not None:

@@ -152,6 +152,7 @@ class Graph:
         self.heap_bytes = 0
         self._spec_index: dict[tuple, int] = {}
         self._words: list[tuple[Callable[[dict], tuple], int]] = []  # per opcode: keywords -> words, how many
+        self.results: dict[str, Tensor] | None = None  # once sealed: where each output is read after a run
 
     # -- user API ---------------------------------------------------------------------------------
     def input(self, name: str, shape, dtype: torch.dtype) -> Tensor:
@@ -164,6 +165,7 @@ class Graph:
 
     def output(self, name: str, tensor: Tensor) -> None:
         """Return ``tensor`` from ``run`` under ``name``."""
+        self._require_open(f"output {name!r}")
         self._own(tensor, f"output {name!r}")
         if name in self.outputs:
             raise GraphError(f"output {name!r} is defined twice")
@@ -175,6 +177,7 @@ class Graph:
             raise AttributeError(f"Graph has no op {name!r}; ops: {', '.join(sorted(OPS))}")
 
         def op(*args: Any, **kwargs: Any):
+            self._require_open(name)
             for value in (*args, *kwargs.values()):
                 if isinstance(value, Tensor):
                     self._own(value, name)
@@ -194,6 +197,41 @@ class Graph:
 
     def __dir__(self):
         return [*super().__dir__(), *OPS]
+
+    def seal(self, remote_targets: set[int]) -> dict[str, Tensor]:
+        """Close the graph to new ops (a kernel is built from it) and return where each output is read.
+
+        ``remote_targets``: the buffers that some rank's tasks write on another rank (every rank's
+        view, the same on every rank). Such an output is copied, at the end of each step, into a buffer
+        of this rank alone: a peer that already runs the next step may write the output again while
+        the host reads this one, but never the copy (its own writes into the output wait, across the
+        wrap, for the copy tiles to have read it). An input that peers write is refused: the host
+        writes inputs while peers may run.
+        """
+        if self.results is None:
+            for name, t in self.inputs.items():
+                if t.buffer.index in remote_targets:
+                    raise GraphError(f"input {name!r} is written by other ranks' puts; inputs are written by the host "
+                                     f"between runs, when peers may already run the next one: put into a new tensor")
+            from .tasks.comm import put_tiles
+            results = {}
+            for name, t in self.outputs.items():
+                if t.buffer.index in remote_targets:
+                    self.op_names.append(f"outputs/{name}.copy")
+                    results[name] = self.new_tensor(t.shape, t.dtype, name=f"{name}.copy")
+                    put_tiles(self, t.block(), self.rank, results[name].block())
+                else:
+                    results[name] = t
+            self.results = results
+        return self.results
+
+    def remote_targets(self) -> set[int]:
+        """The buffers this rank's tasks write on other ranks."""
+        return {region[0] for remote in self.tasks.remote for _, region in remote}
+
+    def _require_open(self, what: str) -> None:
+        if self.results is not None:
+            raise GraphError(f"{what}: the graph is sealed (a kernel was built from it); build a new graph")
 
     # -- builder API (used by the task library) ---------------------------------------------------
     def check(self, condition: bool, message: str) -> None:

@@ -5,12 +5,12 @@ the task tables and, with tracing, the timestamps. ``device.py`` wraps the recor
 constexprs for the kernel; the runtime and the hang diagnosis read the same numbers.
 
 Status region: word 0 is the rank's abort flag (a whole record wide), then one record of
-STATUS_WORDS per worker. A worker writes DONE (tasks finished this run) and EPOCH (the run it is in)
-as it goes, and on a stall the rest: STATE, the TASK it waited for, that task's EVENT, the count it
+STATUS_WORDS per worker. A worker writes DONE (tasks finished in this step) and EPOCH (the step it
+is in: run ``e`` of a kernel that ran one step per launch) as it goes, and on a stall the rest: STATE, the TASK it waited for, that task's EVENT, the count it
 OBSERVED and the count it EXPECTED. CLOCK_SLOT is the kernel's own scratch word. A tile that met a
-data-dependent index out of range (a token id, a position) sets FAULT and records the VALUE, the
-BOUND it had to stay below, and FAULT_AT: the worker's DONE count then, i.e. the queue position of
-the task that met it.
+data-dependent index out of range (a token id, a position) sets FAULT to the step's epoch and records
+the VALUE, the BOUND it had to stay below, and FAULT_AT: the worker's DONE count then, i.e. the queue
+position of the task that met it. Nothing here is reset between runs: epochs tell runs apart.
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """The reference executor: deserialized task tables run in global order with torch, no Triton.
 
 An oracle for the kernel and for the scheduler at once: it runs each row's torch reference tile, and
-it replays the events, checking that every task's wait is already met by the signals of the tasks
-before it in the global order (the order any interleaving of workers and ranks must respect). With
-several ranks the global order is (op, rank, row): ranks advance op by op.
+it replays the events, checking that every task's waits (in its step and on the previous one) are
+already met by the signals of the tasks before it in the global order (the order any interleaving
+of workers and ranks must respect). With several ranks the global order is (step, op, rank, row):
+ranks advance op by op.
 """
 from __future__ import annotations
 
@@ -14,33 +15,37 @@ import torch
 
 from .errors import GraphError
 from .heap import HeapView
-from .scheduler import ARG0, FAN_IN, NO_EVENT, OPCODE, SIGNAL_COUNT, SIGNAL_START, WAIT_EVENT, QueueTables
+from .scheduler import ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, NO_EVENT, OPCODE, SIGNAL_COUNT, SIGNAL_START, WAIT_EVENT, QueueTables
 from .tasks import TASK_TYPES
 
 
-def execute(tables: QueueTables, heap: torch.Tensor) -> None:
-    """Run one epoch of a single rank's ``tables`` on ``heap`` (a flat uint8 tensor laid out like the kernel's)."""
-    execute_ranks([tables], [heap])
+def execute(tables: QueueTables, heap: torch.Tensor, steps: int = 1) -> None:
+    """Run ``steps`` steps of a single rank's ``tables`` on ``heap`` (a flat uint8 tensor laid out like the kernel's)."""
+    execute_ranks([tables], [heap], steps)
 
 
-def execute_ranks(tables: list[QueueTables], heaps: list[torch.Tensor]) -> None:
-    """Run one epoch of every rank's tables (``tables[r]`` is rank r's, or a world of one) on its heap."""
+def execute_ranks(tables: list[QueueTables], heaps: list[torch.Tensor], steps: int = 1) -> None:
+    """Run ``steps`` steps of every rank's tables (``tables[r]`` is rank r's, or a world of one) on its heap,
+    one after another: the order (step, op, rank, row)."""
     views = {t.rank: HeapView(h) for t, h in zip(tables, heaps)}
     raised = {t.rank: np.zeros(max(t.num_events, 1), dtype=np.int64) for t in tables}
-    rows = [t.rows.tolist() for t in tables]
-    steps = sorted((int(op), t.rank, row) for t in tables for row, op in enumerate(t.task_op.tolist()))
     by_rank = {t.rank: t for t in tables}
-    for _, rank, tid in steps:
-        t, row = by_rank[rank], rows[tables.index(by_rank[rank])][tid]
-        event = row[WAIT_EVENT]
-        if event != NO_EVENT and raised[rank][event] < row[FAN_IN]:
-            raise GraphError(f"rank {rank} task {tid} waits for event {event} to reach {row[FAN_IN]}, but the "
-                             f"tasks before it in the global order raise it only to {raised[rank][event]}")
-        spec = t.specs[row[OPCODE]]
-        task_type = TASK_TYPES[spec.task_type]
-        task = SimpleNamespace(**dict(zip(spec.arg_names, row[ARG0:])), **dict(spec.constexprs))
-        task_type.reference(views[rank], task, *([views] if task_type.needs_peers else []))
-        start = row[SIGNAL_START]
-        for dst, ev, increment in t.signals[start:start + row[SIGNAL_COUNT]].tolist():
-            if dst in raised:
-                raised[dst][ev] += increment
+    rows = {t.rank: t.rows.tolist() for t in tables}
+    order = sorted((int(op), t.rank, row) for t in tables for row, op in enumerate(t.task_op.tolist()))
+    for step in range(1, steps + 1):
+        for _, rank, tid in order:
+            t, row = by_rank[rank], rows[rank][tid]
+            for event, fan_in, target in ((row[WAIT_EVENT], row[FAN_IN], step), (row[CARRY_EVENT], row[CARRY_FAN_IN],
+                                                                                   step - 1)):
+                if event != NO_EVENT and raised[rank][event] < target * fan_in:
+                    raise GraphError(f"rank {rank} task {tid} waits in step {step} for event {event} to reach "
+                                     f"{target * fan_in}, but the tasks before it in the global order raise it only to "
+                                     f"{raised[rank][event]}")
+            spec = t.specs[row[OPCODE]]
+            task_type = TASK_TYPES[spec.task_type]
+            task = SimpleNamespace(**dict(zip(spec.arg_names, row[ARG0:])), **dict(spec.constexprs))
+            task_type.reference(views[rank], task, *([views] if task_type.needs_peers else []))
+            start = row[SIGNAL_START]
+            for dst, ev, increment in t.signals[start:start + row[SIGNAL_COUNT]].tolist():
+                if dst in raised:
+                    raised[dst][ev] += increment

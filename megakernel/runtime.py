@@ -17,7 +17,7 @@ from .errors import BackendError, DeadlockError, GraphError, check_timeout, is_c
 from .graph import Graph, Tensor
 from .heap import HeapView
 from .layout import STATUS_WORDS, TRACE_WORDS, HeapLayout
-from .scheduler import ARG0, schedule, serialize
+from .scheduler import ARG0, check_periodic, schedule, serialize
 from .trace import Trace, rank_trace
 
 
@@ -52,6 +52,7 @@ class Megakernel:
         self.group = Group(graph.world_size, graph.rank)
         self.group.barrier(timeout=self.timeout, why="build the kernel")  # names a rank that never comes
         check_agreement(self.group, "op", graph.op_calls)
+        self.results = graph.seal(set().union(*self.group.all_gather(graph.remote_targets())))
         check_agreement(self.group, "buffer", graph.buffer_layout())
         self.backend: Backend = _make_backend(resolve(backend), self.group, graph, workers, trace, self.timeout,
                                               pool)
@@ -64,17 +65,33 @@ class Megakernel:
                                workers=self.workers, policy=policy, rank=graph.rank,
                                world_size=graph.world_size, describe=graph.describe_task,
                                exchange=self.group.all_gather)
+        self._check_periodic()
         sizes = [max(column) for column in zip(*self.group.all_gather(HeapLayout.sizes(self.tables, self.tracing)))]
         self.layout = HeapLayout.of(graph.heap_bytes, sizes)
-        self.epoch = 0
+        self.epoch = 0          # steps run so far: the last step's epoch
+        self.launches = 0       # launches so far (each runs one or more steps)
         self._broken: str | None = None  # why this kernel can run no more
         self._bound: set[str] = set()
+        self._meet = graph.world_size > 1  # before the first launch, and after a collective poison
         self._lock = threading.Lock()      # one run at a time, whichever thread calls
         self._finalizer = weakref.finalize(self, self.backend.close)
         heaps = self.backend.allocate(self.layout.size)
         self.heap, self.peers = heaps.local, heaps.peers
         self.view = HeapView(self.heap)
         self.upload_tables()
+
+    def _check_periodic(self) -> None:
+        """The periodic-schedule check over every rank's tables, made once (by rank 0) for all of them."""
+        every = self.group.all_gather(self.tables)
+        verdict = None
+        if self.graph.rank == 0:
+            try:
+                check_periodic(every)
+            except GraphError as error:
+                verdict = str(error)
+        verdict = self.group.all_gather(verdict)[0]
+        if verdict:
+            raise GraphError(verdict)
 
     # -- heap access ------------------------------------------------------------------------------
     def words(self, offset: int, count: int, heap: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,8 +123,15 @@ class Megakernel:
 
     def poison(self, value: float = float("nan")) -> None:
         """Fill every buffer that is not an input, so that an element no task wrote stands out
-        (integer buffers get the most negative value)."""
+        (integer buffers get the most negative value).
+
+        With several ranks after the first run, a collective: peers may already be writing this rank's
+        buffers for the next run, so the ranks meet before (a host barrier) and again at the next run.
+        """
         self._require_open()
+        if self.launches and self.graph.world_size > 1:
+            self.group.barrier(timeout=self.timeout, why="poison the buffers")
+            self._meet = True
         inputs = {t.buffer.index for t in self.graph.inputs.values()}
         for b in self.graph.buffers:
             if b.index not in inputs:
@@ -135,21 +159,30 @@ class Megakernel:
             self.tensor(self.graph.inputs[name]).copy_(value.detach())
             self._bound.add(name)
 
-    def run(self, inputs: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Bind ``inputs``, launch once (one message per worker), return copies of the outputs.
+    @property
+    def host_barriers(self) -> int:
+        """Times this rank met the others on the host (barriers and exchanges), building included."""
+        return self.group.meetings
 
-        With several ranks, the ranks wait for each other before launching (a peer's remote stores
-        must not land in a buffer this rank is still reading from its previous run, or writing from
-        the host: inputs, ``poison``) and after (a peer's stores into this rank's outputs, which no
-        task here waits for, must have landed before they are copied). A rank that does not arrive
-        within ``timeout`` is named. Runs from several threads take turns. A run interrupted in the host
-        (KeyboardInterrupt) stops its workers first: a one-rank kernel stays usable, a multi-rank one
-        refuses further runs.
+    def run(self, inputs: Mapping[str, torch.Tensor] | None = None, steps: int = 1) -> dict[str, torch.Tensor]:
+        """Bind ``inputs``, launch once (one message per worker) to run the graph ``steps`` times (the
+        epoch advances on the device), return copies of the outputs of the last step.
+
+        The steps of a launch, and successive launches, are separated by the device protocol alone
+        (``scheduler.events``): every rank calls ``run`` with the same ``steps``, and no rank waits
+        for another on the host, except before the first launch (a peer's stores must not land
+        while this rank's host still writes its buffers: inputs, ``poison``). Outputs that peers
+        write are read from copies of this rank alone (``Graph.seal``). A rank that stops or hangs
+        is named by the watchdog's report within ``timeout``. Runs from several threads take turns.
+        A run interrupted in the host (KeyboardInterrupt) stops its workers first: a one-rank kernel
+        stays usable, a multi-rank one refuses further runs.
         """
+        if not is_count(steps):
+            raise GraphError(f"steps must be a positive integer, got {steps!r}")
         with self._lock:
-            return self._run({} if inputs is None else inputs)
+            return self._run({} if inputs is None else inputs, steps)
 
-    def _run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _run(self, inputs: Mapping[str, torch.Tensor], steps: int) -> dict[str, torch.Tensor]:
         self.bind(inputs)
         missing = [name for name in self.graph.inputs if name not in self._bound]
         if missing:
@@ -158,9 +191,13 @@ class Megakernel:
         if self.tracing:
             self.words(self.layout.trace_off, TRACE_WORDS * len(self.tables.rows)).zero_()
         self.backend.settle()
-        self.group.barrier(timeout=self.timeout)
-        self.epoch += 1
-        args = dict(epoch=self.epoch, timeout_ns=int(self.timeout * 1e9), **self.layout.offsets(),
+        if self._meet:
+            self.group.barrier(timeout=self.timeout)
+            self._meet = False
+        first = self.epoch + 1
+        self.epoch += steps
+        self.launches += 1
+        args = dict(epoch=first, steps=steps, timeout_ns=int(self.timeout * 1e9), **self.layout.offsets(),
                     ROW=self.tables.row_words, TRACE=self.tracing)
         failure = None
         try:
@@ -168,28 +205,32 @@ class Megakernel:
         except BackendError as error:
             failure = error
         except BaseException:
-            self._after_failure(f"run {self.epoch} was interrupted")
+            self._after_failure(f"launch {self.launches} was interrupted")
             raise
         status = self._status() if failure is None else None
         if failure is None and diagnosis.stalled(status):
             report = self.deadlock_report()
             files = diagnosis.write_hang_files(report, self.tables, self.epoch,
                                                self._stamps() if self.tracing else None)
-            failure = DeadlockError(f"rank {self.graph.rank}: the watchdog stopped run {self.epoch}: a wait "
-                                    f"exceeded {self.timeout} s (report: {', '.join(map(str, files))})", report)
+            failure = DeadlockError(f"rank {self.graph.rank}: the watchdog stopped launch {self.launches} (steps "
+                                    f"{first} to {self.epoch}): a wait exceeded {self.timeout} s (report: "
+                                    f"{', '.join(map(str, files))})", report)
         if failure is not None:
-            self._after_failure(f"run {self.epoch} failed")
+            self._after_failure(f"launch {self.launches} failed")
             raise failure
-        self.group.barrier(timeout=max(self.timeout, 60.0), why="finish the run")
-        if self.tracing:
+        if self.tracing:  # a debugging mode: the ranks exchange their spans (a host meeting per run)
             every = self.group.all_gather(rank_trace(self.tables, self._stamps()))
             self.trace = Trace([s for spans, _ in every for s in spans], [e for _, edges in every for e in edges])
-        # every rank raises for a fault anywhere: a peer's clamped data may be in this rank's outputs
-        faults = [line for lines in self.group.all_gather(diagnosis.index_faults(self.tables, status)) for line in lines]
+        # A fault anywhere counts: a peer's clamped data may be in this rank's outputs. Every task whose
+        # results reach them finished before this launch did, its record written (a peer's record may
+        # also tell of a fault in its next launch, which will raise there too).
+        faults = diagnosis.index_faults(self.tables, status, first)
+        for rank, heap in sorted(self.peers.items()):
+            faults += diagnosis.index_faults(self.tables, self._status(heap), first, rank)
         if faults:  # the run finished (the tiles clamped): the kernel stays usable, its outputs are not valid
-            raise GraphError(f"run {self.epoch} read an index out of range (clamped; the outputs are not valid):\n"
-                             + "\n".join(faults))
-        return {name: self.tensor(t).clone() for name, t in self.graph.outputs.items()}
+            raise GraphError(f"launch {self.launches} (steps {first} to {self.epoch}) read an index out of range "
+                             f"(clamped; the outputs are not valid):\n" + "\n".join(faults))
+        return {name: self.tensor(t).clone() for name, t in self.results.items()}
 
     def _after_failure(self, what: str) -> None:
         """After a run that did not finish (no worker runs any more): one rank starts again from a clean
@@ -219,7 +260,7 @@ class Megakernel:
         """Write the tables and the heap as it is now (inputs bound), for ``megakernel disasm --execute``."""
         self._require_open()
         outputs = {name: [t.addr(0, 0), str(t.dtype).removeprefix("torch."), t.rows, t.cols, t.row_stride]
-                   for name, t in self.graph.outputs.items()}
+                   for name, t in self.results.items()}
         np.savez(path, tables=np.frombuffer(serialize(self.tables), dtype=np.uint8),
                  heap=self.heap.cpu().numpy(), outputs=np.frombuffer(json.dumps(outputs).encode(), dtype=np.uint8))
 
@@ -232,7 +273,7 @@ class Megakernel:
     def deadlock_report(self) -> str:
         """What each worker was doing when the run stopped; for a stalled wait, who should have signalled."""
         peers = {rank: self._status(heap) for rank, heap in self.peers.items()}
-        return diagnosis.deadlock_report(self.tables, self._status(), self.epoch, peers)
+        return diagnosis.deadlock_report(self.tables, self._status(), peers)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

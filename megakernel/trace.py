@@ -53,7 +53,7 @@ def producer_map(t: QueueTables) -> dict[int, list[tuple[int, int]]]:
             if dst == t.rank:
                 raisers[event].append((t.rank, task))
     for event, remote in t.remote_producers.items():
-        raisers[event].extend((rank, task) for rank, task, _, _ in remote)
+        raisers[event].extend((rank, task) for rank, task, *_ in remote)
     return raisers
 
 

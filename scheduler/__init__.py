@@ -9,12 +9,12 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .checks import Capacity, check_acyclic, check_tables, find_cycle
-from .deps import infer_dependencies
+from .checks import Capacity, check_acyclic, check_periodic, check_tables, find_cycle
+from .deps import infer_dependencies, infer_periodic
 from .events import NO_EVENT, Events, encode_events, queue_positions
-from .remote import Exchange, RemoteWrite, incoming_writes, split_producers, with_remote_producers
+from .remote import Exchange, Split, incoming_writes, split_producers, with_remote_producers
 from .placement import POLICIES, Placement, bottom_levels, place, task_cost
-from .tables import (ARG0, FAN_IN, OPCODE, SIGNAL_COUNT, SIGNAL_START, VERSION, WAIT_EVENT, FormatError,
+from .tables import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, OPCODE, SIGNAL_COUNT, SIGNAL_START, VERSION, WAIT_EVENT, FormatError,
                      QueueTables, Spec, build_tables, deserialize, disassemble, serialize)
 from .task import Region, Task, Tasks
 
@@ -61,43 +61,59 @@ def _schedule(tasks: Tasks, shapes: dict[int, tuple[int, int]], *, specs: list[S
     if world_size > 1:
         incoming = incoming_writes(tasks, rank, exchange)
         merged, origin = with_remote_producers(tasks, incoming)
-        producers, remote = split_producers(infer_dependencies(merged, shapes), origin, incoming, describe)
+        split = split_producers(*infer_periodic(merged, shapes), origin, incoming, tasks.op, describe)
+        _receive_credits(split, rank, exchange)
+        producers, carried = split.local, split.carried
     else:
-        incoming, producers, remote = [], infer_dependencies(tasks, shapes), None
+        producers, carried = infer_periodic(tasks, shapes)
+        split = None
     check_acyclic(producers, describe)
     placement = place(tasks, producers, workers, policy)
-    events = encode_events(placement, producers, workers, rank, remote)
+    events = encode_events(placement, producers, workers, rank, split and split.remote, carried,
+                           split and split.remote_carried)
     remote_producers = {}
     if world_size > 1:
-        remote_producers = _connect_ranks(tasks, placement, events, incoming, rank, exchange)
+        remote_producers = _connect_ranks(tasks, placement, events, split, rank, exchange)
     return build_tables(tasks, placement, events, specs=specs, op_names=op_names, workers=workers,
                         rank=rank, world_size=world_size, remote_producers=remote_producers)
 
 
-def _connect_ranks(tasks: Tasks, placement: Placement, events: Events, incoming: list[RemoteWrite], rank: int,
-                   exchange: Exchange) -> dict[int, list[tuple[int, int, int, int]]]:
-    """Second exchange: tell each remote writer which of this rank's events to raise, and learn where
-    this rank's remote producers run. Appends the remote signals to ``events.signals``."""
+def _receive_credits(split: Split, rank: int, exchange: Exchange) -> None:
+    """Exchange the credits: each writer's task learns the remote tasks it waits for (``split.remote``)."""
+    remote = [list(r) for r in split.remote]
+    remote_carried = [list(r) for r in split.remote_carried]
+    for reader, asks in enumerate(exchange(split.credits)):
+        for writer, task, local, is_carried in asks:
+            if writer == rank:
+                (remote_carried if is_carried else remote)[task].append((reader, local))
+    split.remote = [tuple(sorted(r)) for r in remote]
+    split.remote_carried = [tuple(sorted(r)) for r in remote_carried]
+
+
+def _connect_ranks(tasks: Tasks, placement: Placement, events: Events, split: Split, rank: int,
+                   exchange: Exchange) -> dict[int, list[tuple[int, int, int, int, int]]]:
+    """Last exchange: tell each remote producer which of this rank's events to raise, and learn where
+    it runs. Appends the remote signals to ``events.signals``."""
     position = queue_positions(placement)
-    requests = [(incoming[j].src_rank, incoming[j].src_task, evs) for j, evs in events.remote_signals.items()]
-    writers = {tid: (placement.worker[tid], position[tid]) for tid, remote in enumerate(tasks.remote) if remote}
-    every = exchange((requests, writers))
+    signalling = {tid for tid, remote in enumerate(tasks.remote) if remote}  # puts, and readers owing credits
+    signalling.update(local for _, _, local, _ in split.credits)
+    where = {tid: (placement.worker[tid], position[tid], tasks.op[tid]) for tid in signalling}
+    every = exchange((events.remote_signals, where))
     for dst, (asks, _) in enumerate(every):
-        for src, task, evs in asks:
+        for (src, task), evs in asks.items():
             if src == rank:
                 events.signals[task].extend((dst, event, 1) for event in evs)
-    remote_producers: dict[int, list[tuple[int, int, int, int]]] = {}
-    for j, evs in events.remote_signals.items():
-        w = incoming[j]
-        worker, pos = every[w.src_rank][1][w.src_task]
+    remote_producers: dict[int, list[tuple[int, int, int, int, int]]] = {}
+    for (src, task), evs in events.remote_signals.items():
+        worker, pos, op = every[src][1][task]
         for event in evs:
-            remote_producers.setdefault(event, []).append((w.src_rank, w.src_task, worker, pos))
+            remote_producers.setdefault(event, []).append((src, task, worker, pos, op))
     return remote_producers
 
 
 __all__ = [
-    "ARG0", "FAN_IN", "NO_EVENT", "OPCODE", "POLICIES", "SIGNAL_COUNT", "SIGNAL_START", "VERSION", "WAIT_EVENT",
+    "ARG0", "CARRY_EVENT", "CARRY_FAN_IN", "FAN_IN", "NO_EVENT", "OPCODE", "POLICIES", "SIGNAL_COUNT", "SIGNAL_START", "VERSION", "WAIT_EVENT",
     "Capacity", "Events", "FormatError", "Placement", "QueueTables", "Region", "Spec", "Task", "Tasks", "bottom_levels",
-    "build_tables", "check_acyclic", "check_tables", "deserialize", "disassemble", "encode_events", "find_cycle",
-    "infer_dependencies", "place", "schedule", "serialize", "task_cost",
+    "build_tables", "check_acyclic", "check_periodic", "check_tables", "deserialize", "disassemble", "encode_events", "find_cycle",
+    "infer_dependencies", "infer_periodic", "place", "schedule", "serialize", "task_cost",
 ]

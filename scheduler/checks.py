@@ -7,7 +7,8 @@ import numpy as np
 
 from ..errors import GraphError
 from .events import NO_EVENT
-from .tables import ARG0, FAN_IN, OPCODE, SIGNAL_COUNT, SIGNAL_START, WAIT_EVENT, QueueTables
+from .tables import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, OPCODE, SIGNAL_COUNT, SIGNAL_START, WAIT_EVENT,
+                     QueueTables)
 
 
 def find_cycle(producers: list[tuple[int, ...]]) -> list[int] | None:
@@ -73,10 +74,72 @@ def check_tables(t: QueueTables, capacity: Capacity = Capacity()) -> None:
     local = t.signals[t.signals[:, 0] == t.rank]
     raised = np.zeros(t.num_events, dtype=np.int64)
     np.add.at(raised, local[:, 1], local[:, 2])
-    waits = t.rows[t.rows[:, WAIT_EVENT] != NO_EVENT]
-    if t.world_size == 1 and len(waits):
-        short = waits[raised[waits[:, WAIT_EVENT]] < waits[:, FAN_IN]]
-        if len(short):
-            ev = int(short[0, WAIT_EVENT])
-            raise GraphError(f"event {ev} is raised by {int(raised[ev])} per run but a task waits for "
-                             f"{int(short[0, FAN_IN])}: the kernel would hang")
+    for event_word, fan_in_word in ((WAIT_EVENT, FAN_IN), (CARRY_EVENT, CARRY_FAN_IN)):
+        waits = t.rows[t.rows[:, event_word] != NO_EVENT]
+        if t.world_size == 1 and len(waits):
+            short = waits[raised[waits[:, event_word]] < waits[:, fan_in_word]]
+            if len(short):
+                ev = int(short[0, event_word])
+                raise GraphError(f"event {ev} is raised by {int(raised[ev])} per step but a task waits for "
+                                 f"{int(short[0, fan_in_word])}: the kernel would hang")
+
+
+def check_periodic(every: list[QueueTables]) -> None:
+    """Verify over two consecutive steps, on the tables of every rank (``every[r]`` is rank r's), what the
+    periodic schedule promises (``scheduler.events``); two steps are enough, because every later pair
+    of steps repeats the same waits and signals:
+
+    - progress: every wait is met by the signals of tasks before it in the global order (step, op,
+      rank, row), which every worker's queue follows;
+    - no lapping: a producer raises an event for step e + 1 only after every task that waits for the
+      event's step-e count has finished, so that a count, once it reaches a wait's target, stays there
+      until the waiter has seen it (``wait_polled`` polls for equality), and a producer that runs ahead
+      can never stand in for one of step e that has not signalled.
+
+    Happens-before is tracked with vector clocks: per worker of every rank, the number of tasks of each
+    worker (both steps in a row) known finished.
+    """
+    first = np.cumsum([0] + [t.workers for t in every])
+    length = np.concatenate([np.diff(t.queue_index) for t in every]).astype(np.int64)
+    owner = [first[r] + t.worker_of() for r, t in enumerate(every)]
+    position = [t.queue_position() for t in every]
+    # What each event's waiters need known before a producer raises the event for the next step: per
+    # worker, the count at which its last waiter (step 1 for a wait in the step, step 2 for a carried one) ends.
+    need = [np.zeros((max(t.num_events, 1), first[-1]), dtype=np.int64) for t in every]
+    for r, t in enumerate(every):
+        for event_word, carried in ((WAIT_EVENT, 0), (CARRY_EVENT, 1)):
+            waiters = np.flatnonzero(t.rows[:, event_word] != NO_EVENT)
+            ends = carried * length[owner[r][waiters]] + position[r][waiters] + 1
+            np.maximum.at(need[r], (t.rows[waiters, event_word], owner[r][waiters]), ends)
+    clock = np.zeros((first[-1], first[-1]), dtype=np.int64)
+    known: dict[tuple[int, int, int], np.ndarray] = {}   # (rank, event, step) -> what its signals tell
+    raised: dict[tuple[int, int, int], int] = {}
+    order = sorted((int(op), r, row) for r, t in enumerate(every) for row, op in enumerate(t.task_op.tolist()))
+    for step in (1, 2):
+        for _, r, row in order:
+            t, w = every[r], owner[r][row]
+            words = t.rows[row].tolist()
+            for event, fan_in, target_step in ((words[WAIT_EVENT], words[FAN_IN], step),
+                                               (words[CARRY_EVENT], words[CARRY_FAN_IN], step - 1)):
+                if event == NO_EVENT or target_step < 1:
+                    continue
+                if raised.get((r, event, target_step), 0) < fan_in:
+                    raise GraphError(f"rank {r} task {row} waits for event {event} in step {step}, but the tasks "
+                                     f"before it in the global order raise it only "
+                                     f"{raised.get((r, event, target_step), 0)} of {fan_in} times: the progress "
+                                     f"guarantee is lost")
+                np.maximum(clock[w], known[r, event, target_step], out=clock[w])
+            clock[w, w] = (step - 1) * length[w] + position[r][row] + 1
+            start = words[SIGNAL_START]
+            for dst, event, increment in t.signals[start:start + words[SIGNAL_COUNT]].tolist():
+                key = (dst, event, step)
+                raised[key] = raised.get(key, 0) + increment
+                known[key] = np.maximum(known[key], clock[w]) if key in known else clock[w].copy()
+                if step == 2:
+                    short = np.flatnonzero(clock[w] < need[dst][event])
+                    if len(short):
+                        waiter_rank = int(np.searchsorted(first, short[0], side="right")) - 1
+                        raise GraphError(f"rank {r} task {row} raises event {event} of rank {dst} for the next step "
+                                         f"before the waiters of the event on rank {waiter_rank} worker "
+                                         f"{int(short[0] - first[waiter_rank])} have finished: the event's count "
+                                         f"could be lapped")

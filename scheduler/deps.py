@@ -13,6 +13,11 @@ Tiles of one op often read the very same rectangle (every GEMV tile of a linear 
 input row), so consecutive reads of one rectangle with no write to its buffer in between form one
 *read group*: the cells hold the group once, and each later member costs O(1) instead of a visit to
 every cell. The dependencies come out the same as with one entry per read.
+
+A graph that runs again and again is a loop: ``infer_periodic`` runs the same analysis over two
+consecutive copies of the program, and the second copy's dependencies on the first are the ones
+that cross from step ``e`` to step ``e + 1``. Two copies are enough: the same task runs on the same
+worker in every step, so a dependency on step ``e - 1`` is implied by one on step ``e``.
 """
 from __future__ import annotations
 
@@ -54,13 +59,31 @@ def infer_dependencies(tasks: Tasks, shapes: dict[int, tuple[int, int]]) -> list
     ``shapes`` maps each buffer to its (rows, cols), so that a cell on the buffer's edge counts as
     covered by a write that reaches the edge.
     """
+    return _dependencies(tasks.reads, tasks.writes, shapes)
+
+
+def infer_periodic(tasks: Tasks, shapes: dict[int, tuple[int, int]]
+                   ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """For each task, its producers within a step (``infer_dependencies``) and the tasks of the previous
+    step it must wait for (read-after-write, write-after-read, write-after-write across the wrap).
+
+    Only tasks later in program order are kept: a task ``p`` before ``t`` that touches what ``t`` touches
+    is ordered before ``t`` in every step (directly or through the writes between them), and ``t`` of
+    step e + 1 runs after ``t`` of step e, on the same worker.
+    """
+    n = len(tasks.reads)
+    both = _dependencies(tasks.reads + tasks.reads, tasks.writes + tasks.writes, shapes)
+    return both[:n], [tuple(p for p in deps if t < p < n) for t, deps in enumerate(both[n:])]
+
+
+def _dependencies(reads_of: list, writes_of: list, shapes: dict[int, tuple[int, int]]) -> list[tuple[int, ...]]:
     # Cell (buffer b, row cell cr, column cell cc) has the integer key first[b] + cr * grid_cols[b] + cc:
     # each written buffer owns a disjoint range of keys (regions lie inside their buffer, as tensor views
     # do), so no key tuple is built per visit.
     first: dict[int, int] = {}
     grid_cols: dict[int, int] = {}
     next_key = 0
-    for writes in tasks.writes:
+    for writes in writes_of:
         for buffer, *_ in writes:
             if buffer not in first:
                 rows, cols = shapes[buffer]
@@ -73,7 +96,7 @@ def infer_dependencies(tasks: Tasks, shapes: dict[int, tuple[int, int]]) -> list
     cells: dict[int, _Cell] = {}
     open_group: dict[int, _ReadGroup] = {}  # per buffer: the read group a read of the same rectangle joins
     producers: list[tuple[int, ...]] = []
-    for tid, (reads, writes) in enumerate(zip(tasks.reads, tasks.writes)):
+    for tid, (reads, writes) in enumerate(zip(reads_of, writes_of)):
         deps: set[int] = set()
         for buffer, r0, r1, c0, c1 in reads:
             base = first.get(buffer)

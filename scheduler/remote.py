@@ -9,8 +9,11 @@ runs (for hang reports).
 
 All cross-rank edges thus point forward in op order, so one global order, (op, rank, position), is
 a topological order that every worker's queue follows: the multi-rank progress certificate. A remote
-write into a region the receiver accessed earlier in the same run (a cross-rank write-after-read)
-would need the writer to wait for the receiver; it is rejected instead.
+write into a region the receiver accessed earlier (a cross-rank write-after-read or -after-write)
+makes the receiver's task signal an event of the writer's rank that the writer waits on (a credit);
+it must come from an earlier op, so that the edge points forward in the global order too. Across the
+wrap of a periodic schedule (the next step's puts into a buffer the receiver read in this step) the
+same credits carry over to the next step.
 """
 from __future__ import annotations
 
@@ -66,27 +69,53 @@ def with_remote_producers(tasks: Tasks, incoming: list[RemoteWrite]) -> tuple[Ta
     return merged, origin
 
 
-def split_producers(merged_producers: list[tuple[int, ...]], origin: list[int | None], incoming: list[RemoteWrite],
-                    describe) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """Per local task: its local producers and its remote producers (indices into ``incoming``)."""
+@dataclass
+class Split:
+    """One rank's dependencies, local and cross-rank. Remote tasks are named ``(rank, task)``.
+
+    ``credits`` are the edges that point the other way: a remote write (a put of rank ``src_rank``'s
+    task ``src_task``) that must wait for a local task of this rank that reads or writes its target
+    earlier (``carried``: in the previous step). The writer's rank learns them in an exchange.
+    """
+
+    local: list[tuple[int, ...]]                    # per local task: its local producers in the step
+    carried: list[tuple[int, ...]]                  # ... and in the previous step
+    remote: list[tuple[tuple[int, int], ...]]       # per local task: the remote writes it waits for
+    remote_carried: list[tuple[tuple[int, int], ...]]
+    credits: list[tuple[int, int, int, bool]]       # (src_rank, src_task, local task, carried)
+
+
+def split_producers(deps: list[tuple[int, ...]], carried: list[tuple[int, ...]], origin: list[int | None],
+                    incoming: list[RemoteWrite], op: list[int], describe) -> Split:
+    """Per local task of the merged program: its local producers and its remote ones, in the step and
+    across the wrap; and the credits remote writes need (``Split``)."""
     local_id = {}
     for m, o in enumerate(origin):
         if o is None:
             local_id[m] = len(local_id)
-    local: list[tuple[int, ...]] = []
-    remote: list[tuple[int, ...]] = []
-    for m, deps in enumerate(merged_producers):
-        o = origin[m]
-        if o is not None:
-            if deps:
-                w, first = incoming[o], deps[0]
-                earlier = (describe(local_id[first]) if origin[first] is None
-                           else f"rank {incoming[origin[first]].src_rank}'s remote write")
-                raise GraphError(
-                    f"rank {w.src_rank}'s task {w.src_task} (op {w.op}) writes a region of this rank's buffer "
-                    f"{w.region[0]} that {earlier} accessed earlier in the same run; a remote write may "
-                    f"only target a region nothing else has used before it in the run")
+    writer = lambda m: (incoming[origin[m]].src_rank, incoming[origin[m]].src_task)  # noqa: E731
+    split = Split([], [], [], [], [])
+    for m, o in enumerate(origin):
+        if o is None:
+            for producers, into, remote_into in ((deps[m], split.local, split.remote),
+                                                 (carried[m], split.carried, split.remote_carried)):
+                into.append(tuple(local_id[d] for d in producers if origin[d] is None))
+                remote_into.append(tuple(sorted({writer(d) for d in producers if origin[d] is not None})))
             continue
-        local.append(tuple(local_id[d] for d in deps if origin[d] is None))
-        remote.append(tuple(origin[d] for d in deps if origin[d] is not None))
-    return local, remote
+        w = incoming[o]
+        for producers, is_carried in ((deps[m], False), (carried[m], True)):
+            for d in producers:
+                if origin[d] is not None:
+                    if writer(d) != writer(m):  # one writer's own puts are ordered by its queue
+                        raise GraphError(
+                            f"rank {w.src_rank}'s task {w.src_task} (op {w.op}) and rank {incoming[origin[d]].src_rank}'s "
+                            f"task {incoming[origin[d]].src_task} write overlapping regions of this rank's buffer "
+                            f"{w.region[0]}: nothing orders two remote writes into one region")
+                elif not is_carried and op[local_id[d]] >= w.op:
+                    raise GraphError(
+                        f"rank {w.src_rank}'s task {w.src_task} (op {w.op}) writes a region of this rank's buffer "
+                        f"{w.region[0]} that {describe(local_id[d])} uses in the same op; a remote write may only "
+                        f"follow this rank's accesses to its target from earlier ops")
+                else:
+                    split.credits.append((w.src_rank, w.src_task, local_id[d], is_carried))
+    return split

@@ -1,18 +1,21 @@
 """The queue format: task tables, signal tables and per-worker queues, as the kernel reads them.
 
-Version 1 layout of a serialized table (all integers little-endian int64):
+Version 2 layout of a serialized table (all integers little-endian int64):
 
     header   HEADER_WORDS words: MAGIC, VERSION, rank, world_size, workers, events,
              tasks, row_words, signals, metadata_bytes (each a count)
-    tasks    tasks x row_words: opcode, wait_event, fan_in, signal_start, signal_count, args...
+    tasks    tasks x row_words: opcode, wait_event, fan_in, carry_event, carry_fan_in, signal_start,
+             signal_count, args...
     signals  signals x 3: rank, event, increment
     queue    tasks: task ids, worker 0's queue, then worker 1's, ...
     index    workers + 1: where each worker's queue starts in ``queue``
     task_op  tasks: index of the graph op each task came from
     metadata UTF-8 JSON: opcode specs (task type, constexprs, argument names), op names, and the
-             other ranks' tasks that raise this rank's events
+             other ranks' tasks that raise this rank's events (rank, task, worker, position, op)
 
-A task's row number is its position in the global order: program order, the same key on every rank. Argument words that address memory are
+A task waits for ``wait_event`` to count ``epoch * fan_in`` (its producers in the step) and for
+``carry_event`` to count ``(epoch - 1) * carry_fan_in`` (its producers in the previous step, see
+``scheduler.events``). A task's row number is its position in the global order: program order, the same key on every rank. Argument words that address memory are
 byte offsets into the heap: every process maps the heap at its own address, so the kernel adds its
 local heap base (or a peer's, for a remote store or signal).
 """
@@ -30,9 +33,9 @@ from .placement import Placement
 from .task import Tasks
 
 MAGIC = 0x4D4B5154_41424C45  # "MKTABLE"
-VERSION = 1
+VERSION = 2
 HEADER_WORDS = 10
-OPCODE, WAIT_EVENT, FAN_IN, SIGNAL_START, SIGNAL_COUNT, ARG0 = range(6)
+OPCODE, WAIT_EVENT, FAN_IN, CARRY_EVENT, CARRY_FAN_IN, SIGNAL_START, SIGNAL_COUNT, ARG0 = range(8)
 SIGNAL_WORDS = 3
 
 
@@ -67,8 +70,8 @@ class QueueTables:
     task_op: np.ndarray      # int64 [tasks]
     specs: list[Spec] = field(default_factory=list)
     op_names: list[str] = field(default_factory=list)
-    # event -> the tasks of other ranks that raise it: (rank, task, worker, queue position)
-    remote_producers: dict[int, list[tuple[int, int, int, int]]] = field(default_factory=dict)
+    # event -> the tasks of other ranks that raise it: (rank, task, worker, queue position, op)
+    remote_producers: dict[int, list[tuple[int, int, int, int, int]]] = field(default_factory=dict)
 
     @property
     def row_words(self) -> int:
@@ -78,8 +81,8 @@ class QueueTables:
         return self.queue[self.queue_index[worker]:self.queue_index[worker + 1]]
 
     def producers_of(self, event: int) -> list[int]:
-        """Task ids that signal ``event`` on this rank's tables."""
-        signals = np.nonzero(self.signals[:, 1] == event)[0]
+        """Task ids of this rank that signal ``event`` of this rank."""
+        signals = np.nonzero((self.signals[:, 1] == event) & (self.signals[:, 0] == self.rank))[0]
         return sorted({int(t) for t in np.searchsorted(self.rows[:, SIGNAL_START], signals, side="right") - 1})
 
     def worker_of(self) -> np.ndarray:
@@ -99,7 +102,7 @@ class QueueTables:
 
 def build_tables(tasks: Tasks, placement: Placement, events: Events, *, specs: list[Spec],
                  op_names: list[str], workers: int, rank: int = 0, world_size: int = 1,
-                 remote_producers: dict[int, list[tuple[int, int, int, int]]] | None = None) -> QueueTables:
+                 remote_producers: dict[int, list[tuple[int, int, int, int, int]]] | None = None) -> QueueTables:
     # Built column by column with numpy, not row by row (a million small numpy assignments would cost
     # more than the rest of the scheduler). Task columns are read in task id order, the order their
     # values lie in memory, and then permuted to rows: reading them in the global order misses the cache.
@@ -112,6 +115,8 @@ def build_tables(tasks: Tasks, placement: Placement, events: Events, *, specs: l
     rows[:, OPCODE] = np.asarray(tasks.opcode, dtype=np.int64)[order]
     rows[:, WAIT_EVENT] = np.asarray(events.wait_event, dtype=np.int64)[order]
     rows[:, FAN_IN] = np.asarray(events.fan_in, dtype=np.int64)[order]
+    rows[:, CARRY_EVENT] = np.asarray(events.carry_event, dtype=np.int64)[order]
+    rows[:, CARRY_FAN_IN] = np.asarray(events.carry_fan_in, dtype=np.int64)[order]
     signal_counts = np.fromiter(map(len, events.signals), dtype=np.int64, count=n)[order]
     rows[:, SIGNAL_START] = np.cumsum(signal_counts) - signal_counts
     rows[:, SIGNAL_COUNT] = signal_counts
@@ -182,6 +187,7 @@ def _check_references(t: QueueTables) -> None:
     problems = [
         ("an opcode", rows[:, OPCODE], len(t.specs)),
         ("a wait event", rows[:, WAIT_EVENT][rows[:, WAIT_EVENT] != NO_EVENT], t.num_events),
+        ("a carried wait's event", rows[:, CARRY_EVENT][rows[:, CARRY_EVENT] != NO_EVENT], t.num_events),
         ("a task's op", t.task_op, len(t.op_names)),
         ("a queue entry", t.queue, n),
         ("a signal's rank", t.signals[:, 0], t.world_size),
@@ -210,7 +216,8 @@ def disassemble(t: QueueTables) -> str:
         for pos, tid in enumerate(q):
             row = t.rows[tid]
             spec = t.specs[row[OPCODE]]
-            wait = "-" if row[WAIT_EVENT] == NO_EVENT else f"ev{row[WAIT_EVENT]}>=e*{row[FAN_IN]}"
+            wait = " ".join([*([] if row[WAIT_EVENT] == NO_EVENT else [f"ev{row[WAIT_EVENT]}>=e*{row[FAN_IN]}"]),
+                             *([] if row[CARRY_EVENT] == NO_EVENT else [f"ev{row[CARRY_EVENT]}>=(e-1)*{row[CARRY_FAN_IN]}"])]) or "-"
             start, count = row[SIGNAL_START], row[SIGNAL_COUNT]
             sigs = " ".join(f"r{r}:ev{e}+{i}" for r, e, i in t.signals[start:start + count]) or "-"
             args = " ".join(f"{name}={int(v)}" for name, v in zip(spec.arg_names, row[ARG0:]))

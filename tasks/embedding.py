@@ -1,4 +1,5 @@
-"""Embedding lookup: row ``tokens[b]`` of the table, for each batch row b (token ids on the heap)."""
+"""Embedding lookup: row ``tokens[b]`` of the table, for each batch row b (token ids on the heap), or
+row ``history[b, pos]`` (a decode loop's token history and its position, both on the heap)."""
 from __future__ import annotations
 
 import torch
@@ -6,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..device import checked_index, heap_ptr
-from .common import TaskType, copy_row, heap_index
+from .common import TaskType, copy_row, heap_index, require_position
 
 MAX_BLOCK_N = 1024
 
@@ -23,21 +24,49 @@ def embedding_tile(base, status,
     copy_row(base, out, table + row * table_stride * DTYPE.primitive_bitwidth // 8, cols, DTYPE, BLOCK_N)
 
 
+@triton.jit
+def embedding_at_tile(base, status,
+                      out, table,     # heap offsets: the output row, the table's first row
+                      history,        # heap offset of the batch row's int64 token history
+                      pos,            # heap offset of the int64 position
+                      history_cols,   # positions of the history
+                      rows, cols,     # the table's shape
+                      table_stride,   # the table's row stride, in elements
+                      DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Copy table row ``history[*pos]`` to the output row (a position or a token out of range: entry or
+    row 0, reported)."""
+    at = checked_index(status, tl.load(heap_ptr(base, pos, tl.int64)), history_cols)
+    row = checked_index(status, tl.load(heap_ptr(base, history, tl.int64) + at), rows)
+    copy_row(base, out, table + row * table_stride * DTYPE.primitive_bitwidth // 8, cols, DTYPE, BLOCK_N)
+
+
 def _reference(heap, task) -> None:
-    row = heap_index(heap, task.token, task.rows)
+    _copy_row(heap, task, heap_index(heap, task.token, task.rows))
+
+
+def _at_reference(heap, task) -> None:
+    at = heap_index(heap, task.pos, task.history_cols)
+    _copy_row(heap, task, heap_index(heap, task.history + 8 * at, task.rows))
+
+
+def _copy_row(heap, task, row: int) -> None:
     size = getattr(torch, task.DTYPE).itemsize
     source = heap.tensor(task.table + row * task.table_stride * size, task.DTYPE, 1, task.cols, task.table_stride)
     heap.tensor(task.out, task.DTYPE, 1, task.cols, task.cols).copy_(source)
 
 
-def embedding(g, tokens, table):
-    """``table[tokens]``: tokens int64 [B], table [vocab, hidden] -> [B, hidden]."""
+def embedding(g, tokens, table, pos=None):
+    """``table[tokens]``: tokens int64 [B], table [vocab, hidden] -> [B, hidden]; with ``pos`` (one int64
+    element), ``table[tokens[:, pos]]`` for a history of tokens int64 [B, positions]."""
+    g.check(table.ndim == 2, f"embedding: table must be 2-D, got {table.shape}")
+    block_n = min(triton.next_power_of_2(table.cols), MAX_BLOCK_N)
+    if pos is not None:
+        return _embedding_at(g, tokens, table, pos, block_n)
     g.check(tokens.ndim == 1 and tokens.dtype == torch.int64,
             f"embedding: tokens must be 1-D int64, got {tokens.shape} {tokens.dtype}")
-    g.check(table.ndim == 2, f"embedding: table must be 2-D, got {table.shape}")
     batch = tokens.cols
     out = g.new_tensor((batch, table.cols), table.dtype)
-    opcode = g.opcode(EMBEDDING, DTYPE=table.dtype, BLOCK_N=min(triton.next_power_of_2(table.cols), MAX_BLOCK_N))
+    opcode = g.opcode(EMBEDDING, DTYPE=table.dtype, BLOCK_N=block_n)
     for b in range(batch):
         g.add_task(opcode, out=out.addr(b, 0), table=table.addr(0, 0), token=tokens.addr(0, b), rows=table.rows,
                    cols=table.cols,
@@ -48,11 +77,29 @@ def embedding(g, tokens, table):
     return out
 
 
+def _embedding_at(g, history, table, pos, block_n: int):
+    g.check(history.ndim == 2 and history.dtype == torch.int64,
+            f"embedding: a history must be 2-D int64 [batch, positions], got {history.shape} {history.dtype}")
+    require_position(g, "embedding", pos)
+    out = g.new_tensor((history.rows, table.cols), table.dtype)
+    opcode = g.opcode(EMBEDDING_AT, DTYPE=table.dtype, BLOCK_N=block_n)
+    for b in range(history.rows):
+        g.add_task(opcode, out=out.addr(b, 0), table=table.addr(0, 0), history=history.addr(b, 0), pos=pos.addr(0, 0),
+                   history_cols=history.cols, rows=table.rows, cols=table.cols, table_stride=table.row_stride,
+                   reads=(history.region(b, 1, 0, history.cols), pos.region(0, 1, 0, 1),
+                          table.region(0, table.rows, 0, table.cols)),
+                   writes=(out.region(b, 1, 0, table.cols),), bytes=2 * table.cols * table.element_size, flops=0)
+    return out
+
+
 def _example(g):
-    return (g.embedding(g.input("embedding.tokens", (2,), torch.int64),
-                        g.input("embedding.table", (50, 96), torch.bfloat16)),)
+    table = g.input("embedding.table", (50, 96), torch.bfloat16)
+    return (g.embedding(g.input("embedding.tokens", (2,), torch.int64), table),
+            g.embedding(g.input("embedding.history", (2, 45), torch.int64), table, pos=g.input("embedding.pos", (1,),
+                                                                                                torch.int64)))
 
 
 EMBEDDING = TaskType("embedding", embedding_tile, _reference, _example)
-TASK_TYPES = (EMBEDDING,)
+EMBEDDING_AT = TaskType("embedding_at", embedding_at_tile, _at_reference, _example)
+TASK_TYPES = (EMBEDDING, EMBEDDING_AT)
 OPS = {"embedding": embedding}

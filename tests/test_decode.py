@@ -16,16 +16,18 @@ SHAPES = dict(hidden_size=96, head_dim=48, intermediate_size=200, num_hidden_lay
               max_position_embeddings=64)
 
 
-def hf_model(family: str, heads: int = 4, kv_heads: int = 1, dtype=torch.float32, seed: int = 0):
+def hf_model(family: str, heads: int = 4, kv_heads: int = 1, dtype=torch.float32, seed: int = 0, layers: int = 2):
     torch.manual_seed(seed)
     if family == "llama":
-        config = LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=5000.0, **SHAPES)
+        config = LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=5000.0,
+                             **{**SHAPES, "num_hidden_layers": layers})
         model = LlamaForCausalLM(config)
     elif family == "mistral":
         config = MistralConfig(num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=1e6, **SHAPES)
         model = MistralForCausalLM(config)
     else:
-        config = Qwen3Config(num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=20000.0, **SHAPES)
+        config = Qwen3Config(num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=20000.0,
+                             **{**SHAPES, "num_hidden_layers": layers})
         model = Qwen3ForCausalLM(config)
     with torch.no_grad():  # norms start at one in transformers: make them random so that they are tested
         for name, p in model.named_parameters():
@@ -265,9 +267,66 @@ def test_bad_shapes_are_rejected():
     finally:
         m.close()
     from transformers import GPT2Config, GPT2LMHeadModel
-    with pytest.raises(mk.GraphError, match="from_hf supports LlamaForCausalLM, .*GemmaForCausalLM, got GPT2LMHeadModel"):
+    with pytest.raises(mk.GraphError, match="from_hf supports LlamaForCausalLM, .*MixtralForCausalLM, got GPT2LMHeadModel"):
         from_hf(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)), max_seq_len=8)
     partial = hf_model("llama")
     partial.model.rotary_emb.rope_type = "proportional"
     with pytest.raises(mk.GraphError, match="rope type 'proportional' is not supported; supported: default, linear"):
         from_hf(partial, max_seq_len=8)
+
+
+GENERATION_CASES = [(7, None), (7, 1), (7, 3), (1, None), (1, 3), (1, 1)]  # (prompt length, tokens per launch)
+NEW_TOKENS = 3
+
+
+def device_generation(model):
+    """Every case of GENERATION_CASES on one model: tokens, launches per case and host meetings after each."""
+    m = from_hf(model, max_seq_len=10, workers=1)
+    try:
+        results, barriers = [], []
+        for length, per_launch in GENERATION_CASES:
+            launches = m.kernel.launches
+            tokens = m.generate(prompt(1, length), max_new_tokens=NEW_TOKENS, tokens_per_launch=per_launch)
+            results.append((tokens, m.kernel.launches - launches))
+            barriers.append(m.kernel.host_barriers)
+        return results, barriers
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("family,world", [("llama", 1), ("qwen3", 2), ("llama", 4)])
+def test_generation_on_the_device_matches_transformers(family, world):
+    """The whole prompt and the new tokens in ceil((T + new - 1) / tokens_per_launch) launches, sampled on
+    the device: transformers' tokens, the same history on every rank, no host meeting after the first run."""
+    model = hf_model(family, kv_heads=1 if family == "llama" else 2, layers=1)  # one model: the ranks are threads
+    job = functools.partial(device_generation, model)
+    results = mk.launch(job, world_size=world, virtual=True, timeout=600) if world > 1 else [job()]
+    for (length, per_launch), *per_rank in zip(GENERATION_CASES, *(r[0] for r in results)):
+        with torch.no_grad():
+            expected = model.generate(prompt(1, length), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        steps = length + NEW_TOKENS - 1
+        for rank, (tokens, launches) in enumerate(per_rank):
+            what = f"{family} over {world} ranks, prompt {length}, {per_launch} tokens per launch, rank {rank}"
+            assert torch.equal(tokens, expected), what
+            assert launches == -(-steps // (per_launch or steps)), what
+    for rank, (_, barriers) in enumerate(results):
+        assert len(set(barriers)) == 1, f"rank {rank} met the others on the host after its first run: {barriers}"
+
+
+def test_generation_stops_after_the_end_of_sequence_token():
+    model = hf_model("llama", layers=1)
+    ids = prompt(1, 3)
+    with torch.no_grad():
+        free = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    eos = int(free[0, 5])  # the third new token
+    model.generation_config.eos_token_id = eos
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    m = from_hf(model, max_seq_len=12, workers=1)
+    try:
+        launches = m.kernel.launches
+        tokens = m.generate(ids, max_new_tokens=8, tokens_per_launch=2, eos_token_id=eos)
+        assert torch.equal(tokens, expected) and tokens[0, -1] == eos
+        assert m.kernel.launches - launches == 3  # steps 0-1, 2-3, then 4-5: step 4 samples the eos at 5, stop
+    finally:
+        m.close()

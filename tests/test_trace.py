@@ -234,7 +234,7 @@ def _hang(inputs: dict) -> dict:
             event = events[g.rank]
             return dict(elapsed=time.monotonic() - start, message=str(error), report=error.report,
                         consumers=np.nonzero(t.rows[:, WAIT_EVENT] == event)[0].tolist(),
-                        producers=[(rank, task) for rank, task, _, _ in t.remote_producers[event]])
+                        producers=[(rank, task) for rank, task, *_ in t.remote_producers[event]])
     return {}
 
 
@@ -271,7 +271,7 @@ def test_two_rank_trace_has_every_task_once_and_respects_cross_rank_edges(two_ra
     cross = [(p, c) for p, c in trace.edges if p[0] != c[0]]
     assert cross, "an all_reduce has cross-rank edges"
     expected = {((r, task), (t.rank, consumer)) for t in tables for event, remote in t.remote_producers.items()
-                for consumer in np.nonzero(t.rows[:, WAIT_EVENT] == event)[0].tolist() for r, task, _, _ in remote}
+                for consumer in np.nonzero(t.rows[:, WAIT_EVENT] == event)[0].tolist() for r, task, *_ in remote}
     assert set(cross) == expected
     _check_order(trace, trace.edges)
     spans = {s.key: s for s in trace.spans}
@@ -290,7 +290,9 @@ def test_two_rank_graph_joins_the_ranks(two_ranks, tmp_path, capsys):
     assert any(e.get_source().startswith("r1") and e.get_destination().startswith("r0") for e in graph.get_edges())
     alone = _graph_command(capsys, str(files[0]))
     stubs = {n.get_name() for n in alone.get_nodes() if "dashed" in (n.get("style") or "")}
-    assert stubs == {f"r1t{task}" for remote in tables[0].remote_producers.values() for _, task, _, _ in remote}
+    in_step = set(tables[0].rows[:, WAIT_EVENT].tolist())  # the graph of one step: no waits on the step before
+    assert stubs == {f"r1t{task}" for event, remote in tables[0].remote_producers.items() if event in in_step
+                     for _, task, *_ in remote}
 
 
 def test_injected_hang_names_consumer_and_producer_and_leaves_a_partial_trace(two_ranks, capsys):

@@ -3,7 +3,8 @@
 Nodes are tasks, one per table row of each image given (several images: one per rank, joined by
 their cross-rank edges). Edges are the orderings the kernel enforces:
 
-- a **wait** (solid): the tasks, local or on another rank, that raise the event a task waits on;
+- a **wait** (solid): the tasks, local or on another rank, that raise the event a task waits on in
+  its step (the drawing is one step: waits on the previous step's signals are left out);
 - the **queue order** (dotted grey): a worker runs its queue one task after another. The scheduler
   drops every wait that this order already implies, so without these edges the drawing would miss
   most same-worker dependencies.

@@ -1,9 +1,12 @@
 """Llama / Mistral / Qwen3 decoder layers and whole decode steps as megakernel graphs, tensor-parallel.
 
 Per rank: column-parallel fused QKV and gate/up projections (this rank's heads and intermediate
-columns), row-parallel O and down projections followed by a tile-granular all-reduce, and a
+columns; in a sparse MLP, every expert's share of its columns), row-parallel O and down projections
+followed by a tile-granular all-reduce, and a
 vocabulary-parallel LM head followed by an all-gather, so every rank ends with the full logits. The
-KV cache and the position are on the heap: one graph, compiled once, serves every decode step.
+KV cache, the token history and the position are on the heap: one graph, compiled once, serves every
+decode step, and a step feeds the next (it embeds ``history[pos]``, writes its greedy token into
+``history[pos + 1]`` once past the prompt, and advances ``pos``), so that one launch runs many steps.
 """
 from __future__ import annotations
 
@@ -34,6 +37,12 @@ class DecoderConfig:
     mlp_bias: bool = False     # Llama's mlp_bias: biases on the gate, up and down projections
     windows: tuple[int | None, ...] = ()  # per layer: a sliding attention window, or None (all positions)
     gemma: bool = False        # Gemma: norms scale by 1 + w, embeddings by sqrt(hidden), GELU-tanh gates
+    moe: tuple[bool, ...] = ()  # per layer: a sparse (mixture-of-experts) MLP instead of the dense one
+    experts: int = 0           # experts per sparse MLP, each of ``moe_intermediate`` columns
+    top_k: int = 0             # experts chosen per token
+    moe_intermediate: int = 0
+    norm_topk: bool = False    # the k weights divided by their sum (Qwen3-MoE's norm_topk_prob, Mixtral)
+    router_weight_dtype: torch.dtype = torch.float32  # the dtype the weights are applied in (Qwen3-MoE: the model's)
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,7 @@ class Shard:
     kv: Share      # KV heads
     mlp: Share     # intermediate columns
     lm: Share      # vocabulary rows
+    moe: Share     # each expert's intermediate columns
 
     @property
     def heads(self) -> int:
@@ -108,7 +118,8 @@ class Shard:
         else:
             kv = Share.even(c.kv_heads, rank, world)
             q = Share(kv.start * group, kv.real * group, kv.size * group)
-        return cls(rank, world, q, kv, Share.even(c.intermediate, rank, world), Share.even(c.vocab, rank, world))
+        return cls(rank, world, q, kv, Share.even(c.intermediate, rank, world), Share.even(c.vocab, rank, world),
+                   Share.even(c.moe_intermediate, rank, world))
 
 
 def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, inv_freq: Tensor, i: int) -> Tensor:
@@ -133,6 +144,11 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     out = _row_parallel(g, s, g.linear(attn, w("o", (c.hidden, q_cols))))
     x = g.add(x, g.add(out, bias("o_bias", c.hidden)) if c.o_bias else out)  # a row-parallel bias: once, after
     h = g.rms_norm(x, w("post_norm", (c.hidden,)), c.eps, unit_offset=c.gemma)
+    if c.moe and c.moe[i]:  # each rank: every expert's share of columns; the partial sums all-reduced
+        out = g.moe_mlp(h, w("router", (c.experts, c.hidden)), w("experts.gate_up", (c.experts * 2 * s.moe.size, c.hidden)),
+                        w("experts.down", (c.experts * c.hidden, s.moe.size)), c.top_k, c.norm_topk,
+                        c.router_weight_dtype)
+        return g.add(x, _row_parallel(g, s, out))
     gate_up = g.linear(h, w("gate_up", (2 * s.intermediate, c.hidden)))
     if c.mlp_bias:
         gate_up = g.add(gate_up, bias("gate_up_bias", 2 * s.intermediate))
@@ -146,17 +162,20 @@ def _row_parallel(g: Graph, s: Shard, partial: Tensor) -> Tensor:
 
 
 def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) -> Graph:
-    """Embedding -> layers -> final norm -> LM head: logits [batch, vocab] of one token per batch row.
+    """Embedding of ``history[:, pos]`` -> layers -> final norm -> LM head: logits [batch, vocab] of one
+    token per batch row (the output "logits"), their argmax into ``history[:, pos + 1]`` once ``pos + 1``
+    reaches the input ``prompt_len``, and ``pos + 1`` (the output "history" is the whole history).
 
     Built into ``g``, or a new ``Graph(parallelism=parallelism)``: the number of workers the step is
     meant for, which sizes its tiles (split-K linears, attention splits).
     """
     g = g or Graph(parallelism=parallelism)
     s = Shard.of(c, g.rank, g.world_size)
-    tokens = g.input("tokens", (c.batch,), torch.int64)
+    history = g.input("history", (c.batch, c.max_seq_len), torch.int64)
     pos = g.input("pos", (1,), torch.int64)
+    prompt_len = g.input("prompt_len", (1,), torch.int64)
     inv_freq = g.input("inv_freq", (c.head_dim // 2,), torch.float32)
-    x = g.embedding(tokens, g.input("embed", (c.vocab, c.hidden), c.dtype))
+    x = g.embedding(history, g.input("embed", (c.vocab, c.hidden), c.dtype), pos=pos)
     if c.gemma:  # times sqrt(hidden) as the model's dtype holds it
         x = g.mul(x, g.input("embed_scale", (c.batch, c.hidden), c.dtype))
     for i in range(c.layers):
@@ -165,5 +184,9 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     with g.scope("head"):
         h = g.rms_norm(x, g.input("norm", (c.hidden,), c.dtype), c.eps, unit_offset=c.gemma)
         logits = g.linear(h, g.input("lm_head", (s.vocab, c.hidden), c.dtype))
-        g.output("logits", g.all_gather(logits, dim=1) if s.world > 1 else logits)
+        logits = g.all_gather(logits, dim=1) if s.world > 1 else logits
+        g.output("logits", logits)
+    with g.scope("sample"):
+        g.output("history", g.sample_greedy(logits, history, pos, prompt_len, vocab=c.vocab))
+        g.advance(pos)
     return g

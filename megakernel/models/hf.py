@@ -26,7 +26,8 @@ from ..runtime import Megakernel
 from .decoder import DecoderConfig, Shard, decode_step
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-             "GemmaForCausalLM")
+             "GemmaForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")  # frequencies that follow the sequence length
 
@@ -48,13 +49,29 @@ def config_of(model, max_seq_len: int, max_batch: int) -> DecoderConfig:
     rope_type = model.model.rotary_emb.rope_type
     if rope_type not in ROPE_TYPES:
         raise GraphError(f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-    return DecoderConfig(hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
+    moe = _moe_config(model) if name in MOE else {}
+    return DecoderConfig(**moe, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
                          kv_heads=cfg.num_key_value_heads, head_dim=head_dim, intermediate=cfg.intermediate_size,
                          layers=cfg.num_hidden_layers, vocab=cfg.vocab_size, eps=float(cfg.rms_norm_eps),
-                         qk_norm=name == "Qwen3ForCausalLM", max_seq_len=max_seq_len, batch=max_batch,
+                         qk_norm=name in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), max_seq_len=max_seq_len,
+                         batch=max_batch,
                          dtype=model.dtype, rope_scaling=float(model.model.rotary_emb.attention_scaling),
                          qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
                          windows=windows if any(windows) else (), gemma=name == "GemmaForCausalLM")
+
+
+def _moe_config(model) -> dict:
+    """The sparse MLPs of a Qwen3-MoE or Mixtral model: which layers, how many experts, top-k, routing."""
+    cfg, layers = model.config, model.model.layers
+    shared = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "shared_expert")]
+    if shared:
+        raise GraphError(f"layer {shared[0]} has a shared expert: sparse MLPs with shared experts are not built")
+    mixtral = type(model).__name__ == "MixtralForCausalLM"
+    return dict(moe=tuple(hasattr(layer.mlp, "experts") for layer in layers),
+                experts=cfg.num_local_experts if mixtral else cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                moe_intermediate=cfg.intermediate_size if mixtral else cfg.moe_intermediate_size,
+                norm_topk=True if mixtral else bool(cfg.norm_topk_prob),
+                router_weight_dtype=torch.float32 if mixtral else model.dtype)  # as each model applies them
 
 
 def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_freq: torch.Tensor, tied: bool
@@ -79,13 +96,16 @@ def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_fr
         qkv = lambda part: _qkv(tensors, f"model.layers.{i}.self_attn.", part, c)  # noqa: E731
         gate_up = lambda part: _gate_up(tensors, f"model.layers.{i}.mlp.", part, c)  # noqa: E731
         q, k, v = qkv("weight")
-        gate, up = gate_up("weight")
         weights[f"layers.{i}.input_norm"] = layer("input_layernorm.weight")
         weights[f"layers.{i}.qkv"] = torch.cat([s.q.take(q, hd), s.kv.take(k, hd), s.kv.take(v, hd)])
         weights[f"layers.{i}.o"] = s.q.take(layer("self_attn.o_proj.weight"), hd, dim=1)
         weights[f"layers.{i}.post_norm"] = layer("post_attention_layernorm.weight")
-        weights[f"layers.{i}.gate_up"] = torch.cat([s.mlp.take(gate), s.mlp.take(up)])
-        weights[f"layers.{i}.down"] = s.mlp.take(layer("mlp.down_proj.weight"), dim=1)
+        if c.moe and c.moe[i]:
+            weights.update(_expert_weights(tensors, c, s, i))
+        else:
+            gate, up = gate_up("weight")
+            weights[f"layers.{i}.gate_up"] = torch.cat([s.mlp.take(gate), s.mlp.take(up)])
+            weights[f"layers.{i}.down"] = s.mlp.take(layer("mlp.down_proj.weight"), dim=1)
         if c.qkv_bias:
             q, k, v = qkv("bias")
             weights[f"layers.{i}.qkv_bias"] = per_row(torch.cat([s.q.take(q, hd), s.kv.take(k, hd), s.kv.take(v, hd)]))
@@ -99,6 +119,34 @@ def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_fr
             weights[f"layers.{i}.q_norm"] = layer("self_attn.q_norm.weight")
             weights[f"layers.{i}.k_norm"] = layer("self_attn.k_norm.weight")
     return {name: w.detach().contiguous() for name, w in weights.items()}
+
+
+def _expert_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, i: int) -> dict[str, torch.Tensor]:
+    """A sparse MLP's router (whole) and every expert's share of columns, stacked expert after expert:
+    ``experts.gate_up [E * 2 I_rank, hidden]`` (each expert's gate rows, then its up rows) and
+    ``experts.down [E * hidden, I_rank]``. ``tensors`` name them as ``transformers`` holds them in
+    memory (``mlp.experts.gate_up_proj [E, 2 I, hidden]``, ``mlp.experts.down_proj [E, hidden, I]``) or as
+    checkpoints store them, expert by expert (Qwen3-MoE: ``mlp.experts.{e}.gate_proj``, ``up_proj``,
+    ``down_proj``; Mixtral: ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down))."""
+    prefix, inter = f"model.layers.{i}.", c.moe_intermediate
+    fused = tensors.get(f"{prefix}mlp.experts.gate_up_proj")
+    if fused is not None:
+        gates = [fused.narrow(0, e, 1).narrow(1, 0, inter).reshape(inter, c.hidden) for e in range(c.experts)]
+        ups = [fused.narrow(0, e, 1).narrow(1, inter, inter).reshape(inter, c.hidden) for e in range(c.experts)]
+        down = tensors[f"{prefix}mlp.experts.down_proj"]
+        downs = [down.narrow(0, e, 1).reshape(c.hidden, inter) for e in range(c.experts)]
+        router = tensors[f"{prefix}mlp.gate.weight"]
+    else:
+        mixtral = tensors.get(f"{prefix}block_sparse_moe.gate.weight") is not None
+        block, (gate, up, down) = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else \
+            ("mlp", ("gate_proj", "up_proj", "down_proj"))
+        expert = lambda e, name: tensors[f"{prefix}{block}.experts.{e}.{name}.weight"]  # noqa: E731
+        gates, ups = [expert(e, gate) for e in range(c.experts)], [expert(e, up) for e in range(c.experts)]
+        downs = [expert(e, down) for e in range(c.experts)]
+        router = tensors[f"{prefix}{block}.gate.weight"]
+    return {f"layers.{i}.router": router,
+            f"layers.{i}.experts.gate_up": torch.cat([t for g, u in zip(gates, ups) for t in (s.moe.take(g), s.moe.take(u))]),
+            f"layers.{i}.experts.down": torch.cat([s.moe.take(d, dim=1) for d in downs])}
 
 
 def _qkv(tensors: Mapping[str, Any], prefix: str, part: str, c: DecoderConfig) -> tuple:
@@ -142,9 +190,13 @@ class DecodeModel:
             self.graph = decode_step(config, Graph(parallelism=self.kernel.workers))
             self.kernel = Megakernel(self.graph, **kernel_options)
         self.kernel.bind(weights)
+        self.kernel.bind({"history": torch.zeros(config.batch, config.max_seq_len, dtype=torch.int64)})
 
     def decode(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
-        """Logits [B, vocab] (float32) for ``tokens`` [B] at position ``pos``; the KV cache keeps the step."""
+        """Logits [B, vocab] (float32) for ``tokens`` [B] at position ``pos``; the KV cache keeps the step.
+
+        One launch of one step: the tokens go into the history at ``pos``, and the step writes no token
+        (the prompt length is set past the history)."""
         c = self.config
         tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
         if tokens.numel() != c.batch:
@@ -154,28 +206,74 @@ class DecodeModel:
             raise GraphError(f"decode: token id {int(bad[0])} is outside the vocabulary [0, {c.vocab})")
         if not 0 <= pos < c.max_seq_len:
             raise GraphError(f"decode: position {pos} is outside [0, {c.max_seq_len}) (max_seq_len)")
-        inputs = {"tokens": tokens, "pos": torch.tensor([pos], dtype=torch.int64)}
-        if self.rope_at is not None:
-            inv_freq = self.rope_at(pos)
-            if not torch.equal(inv_freq, self.inv_freq):
-                inputs["inv_freq"] = self.inv_freq = inv_freq
-        return self.kernel.run(inputs)["logits"][:, :c.vocab].float()  # without the padding of the last ranks
+        self.kernel.tensor(self.graph.inputs["history"])[:, pos] = tokens  # the host's write, between launches
+        inputs = {"pos": torch.tensor([pos]), "prompt_len": torch.tensor([c.max_seq_len])}
+        return self.kernel.run({**inputs, **self._frequencies(pos)})["logits"][:, :c.vocab].float()
 
-    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy decoding: the prompt fed one decode step per token, then ``max_new_tokens`` argmax tokens.
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, tokens_per_launch: int | None = None,
+                 eos_token_id: int | None = None) -> torch.Tensor:
+        """Greedy decoding on the device: the prompt and ``max_new_tokens`` argmax tokens in
+        ``ceil((T + max_new_tokens - 1) / tokens_per_launch)`` launches of ``tokens_per_launch`` steps each
+        (by default all in one; fewer tokens per launch where the RoPE frequencies change with the
+        position, ``rope_at``). After ``eos_token_id`` a row's tokens are dropped: generation stops (checked
+        between launches) once every row has produced it, and a row that ends earlier than others is
+        filled with it.
 
-        ``prompt_ids`` [B, T] (or [T] for batch 1); returns [B, T + max_new_tokens].
+        ``prompt_ids`` [B, T] (or [T] for batch 1); returns [B, T + new tokens], prompt included.
         """
+        c = self.config
         ids = torch.as_tensor(prompt_ids, dtype=torch.int64)
         ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
-        if ids.shape[1] + max_new_tokens > self.config.max_seq_len:
-            raise GraphError(f"generate: {ids.shape[1]} prompt + {max_new_tokens} new tokens exceed max_seq_len "
-                             f"{self.config.max_seq_len}")
-        for pos in range(ids.shape[1] + max_new_tokens - 1):
-            logits = self.decode(ids[:, pos], pos)
-            if pos + 1 >= ids.shape[1]:
-                ids = torch.cat([ids, logits.argmax(-1, keepdim=True).to(ids.device)], dim=1)
-        return ids
+        prompt = ids.shape[1]
+        if ids.ndim != 2 or ids.shape[0] != c.batch or prompt < 1:
+            raise GraphError(f"generate: prompt_ids must be [{c.batch}, T >= 1] (the model's batch), got "
+                             f"{tuple(ids.shape)}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise GraphError(f"generate: max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        if tokens_per_launch is not None and not (isinstance(tokens_per_launch, int) and tokens_per_launch >= 1):
+            raise GraphError(f"generate: tokens_per_launch must be a positive int, got {tokens_per_launch!r}")
+        if prompt + max_new_tokens > c.max_seq_len:
+            raise GraphError(f"generate: {prompt} prompt + {max_new_tokens} new tokens exceed max_seq_len "
+                             f"{c.max_seq_len}")
+        bad = ids[(ids < 0) | (ids >= c.vocab)]
+        if bad.numel():
+            raise GraphError(f"generate: token id {int(bad[0])} is outside the vocabulary [0, {c.vocab})")
+        if max_new_tokens == 0:
+            return ids.clone()
+        steps = prompt + max_new_tokens - 1  # step p embeds the token at p and samples the one at p + 1
+        history = torch.zeros(c.batch, c.max_seq_len, dtype=torch.int64)
+        history[:, :prompt] = ids
+        self.kernel.bind({"history": history, "pos": torch.tensor([0]), "prompt_len": torch.tensor([prompt])})
+        pos = 0
+        while pos < steps:
+            count = min(tokens_per_launch or steps, steps - pos)
+            frequencies = self._frequencies(pos)
+            if self.rope_at is not None:  # the steps of one launch share the frequencies bound for its first
+                count = next((k for k in range(1, count) if not torch.equal(self.rope_at(pos + k), self.inv_freq)),
+                             count)
+            history = self.kernel.run(frequencies, steps=count)["history"]
+            pos += count
+            if eos_token_id is not None and pos >= prompt and bool((history[:, prompt:pos + 1] == eos_token_id)
+                                                                   .any(dim=1).all()):
+                break
+        tokens = history[:, :pos + 1].clone()
+        if eos_token_id is not None:
+            ended = (tokens[:, prompt:] == eos_token_id).cumsum(dim=1) > 0
+            after = torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], dim=1)  # past each row's first eos
+            tokens[:, prompt:][after] = eos_token_id
+            if ended.all(dim=0).any():  # every row ended: drop the columns after the last row's eos
+                tokens = tokens[:, :prompt + int(ended.all(dim=0).nonzero()[0]) + 1]
+        return tokens
+
+    def _frequencies(self, pos: int) -> dict[str, torch.Tensor]:
+        """The RoPE frequencies to bind for a launch starting at ``pos`` (none when they did not change)."""
+        if self.rope_at is None:
+            return {}
+        inv_freq = self.rope_at(pos)
+        if torch.equal(inv_freq, self.inv_freq):
+            return {}
+        self.inv_freq = inv_freq
+        return {"inv_freq": inv_freq}
 
     def close(self) -> None:
         self.kernel.close()

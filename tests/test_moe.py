@@ -1,0 +1,144 @@
+"""Mixture-of-experts decode: the router, expert tiles addressed by it, and Qwen3-MoE / Mixtral end to end."""
+import functools
+
+import pytest
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+import megakernel as mk
+from megakernel.models import from_hf, from_pretrained
+
+from helpers import assert_close, run_checked
+
+
+def moe_graph(tokens: int, hidden: int, experts: int, inter: int, k: int, normalize: bool):
+    g = mk.Graph(world_size=1, rank=0)
+    x = g.input("x", (tokens, hidden), torch.float32)
+    router = g.input("router", (experts, hidden), torch.float32)
+    gate_up = g.input("gate_up", (experts * 2 * inter, hidden), torch.float32)
+    down = g.input("down", (experts * hidden, inter), torch.float32)
+    chosen, weights = g.route(g.linear(x, router), k, normalize)
+    both = g.expert_rows(x, gate_up, chosen, experts)
+    g.output("y", g.moe_sum(g.expert_rows(g.silu_mul(both[:, :inter], both[:, inter:]), down, chosen, experts), weights))
+    g.output("experts", chosen)
+    return g
+
+
+def moe_float64(inputs: dict, experts: int, inter: int, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    x, router = inputs["x"].double(), inputs["router"].double()
+    gate_up = inputs["gate_up"].double().reshape(experts, 2 * inter, -1)
+    down = inputs["down"].double().reshape(experts, x.shape[1], inter)
+    top, chosen = torch.sort(torch.softmax(x @ router.T, dim=-1), dim=-1, descending=True, stable=True)
+    top, chosen = top[:, :k], chosen[:, :k]  # equal probabilities: the lowest expert first
+    if normalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    y = torch.zeros_like(x)
+    for b in range(x.shape[0]):
+        for s in range(k):
+            gate, up = (gate_up[chosen[b, s]] @ x[b]).split(inter)
+            y[b] += top[b, s] * (down[chosen[b, s]] @ (torch.nn.functional.silu(gate) * up))
+    return y, chosen
+
+
+def _inputs(tokens, hidden, experts, inter, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(tokens, hidden, generator=gen), "router": torch.randn(experts, hidden, generator=gen),
+            "gate_up": torch.randn(experts * 2 * inter, hidden, generator=gen) * hidden ** -0.5,
+            "down": torch.randn(experts * hidden, inter, generator=gen) * inter ** -0.5}
+
+
+@pytest.mark.parametrize("tokens,k,normalize", [(1, 2, True), (3, 3, False)])
+def test_sparse_mlp_matches_float64_and_the_reference_executor(tokens, k, normalize):
+    hidden, experts, inter = 48, 8, 41  # an odd expert width
+    inputs = _inputs(tokens, hidden, experts, inter)
+    out = run_checked(moe_graph(tokens, hidden, experts, inter, k, normalize), inputs, workers=2)
+    y, chosen = moe_float64(inputs, experts, inter, k, normalize)
+    assert torch.equal(out["experts"], chosen)  # the kernel's choice, the reference executor's and torch's
+    assert_close(out["y"], y, 1e-5, "sparse MLP vs float64")
+
+
+def test_a_router_can_pick_one_expert_for_every_token_or_each_expert_once():
+    hidden, experts, inter = 8, 8, 16
+    gen = torch.Generator().manual_seed(3)
+    inputs = _inputs(8, hidden, experts, inter)
+    inputs["x"] = torch.eye(8) * 10 + torch.rand(8, 8, generator=gen) * 0.1  # token t leans on dimension t
+    inputs["router"] = torch.eye(8)                                          # ... so it picks expert t
+    once = run_checked(moe_graph(8, hidden, experts, inter, 1, True), inputs, workers=2)
+    assert once["experts"][:, 0].tolist() == list(range(8))
+    inputs["router"] = -torch.ones(8, 8)                                     # the others tie: lowest first
+    inputs["router"][5] = 3.0                                                # positive x: expert 5 always first
+    same = run_checked(moe_graph(8, hidden, experts, inter, 2, True), inputs, workers=2)
+    assert same["experts"][:, 0].tolist() == [5] * 8
+    for out, k in ((once, 1), (same, 2)):
+        y, chosen = moe_float64(inputs if k == 2 else {**inputs, "router": torch.eye(8)}, experts, inter, k, True)
+        assert torch.equal(out["experts"], chosen)
+        assert_close(out["y"], y, 1e-5, f"top-{k}")
+
+
+def moe_model(family: str, k: int):
+    torch.manual_seed(0)
+    shapes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                  max_position_embeddings=64, num_experts_per_tok=k)
+    # expert widths 44 and 36, not powers of two (transformers' grouped matmuls need 16-byte strides)
+    if family == "qwen3_moe":  # layer 1 dense (mlp_only_layers): both kinds of MLP in one model
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shapes, head_dim=16, intermediate_size=96, moe_intermediate_size=44,
+                                                   num_experts=8, norm_topk_prob=True, mlp_only_layers=[1]))
+    else:
+        model = MixtralForCausalLM(MixtralConfig(**shapes, intermediate_size=36, num_local_experts=8))
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def _moe_rank(model, ids):
+    m = from_hf(model, max_seq_len=12, max_batch=ids.shape[0], workers=1)
+    try:
+        return m.generate(ids, max_new_tokens=4), m.decode(ids[:, 0], 0)
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("family,k,world,batch", [("qwen3_moe", 2, 1, 3), ("qwen3_moe", 2, 2, 1),
+                                                  ("mixtral", 3, 1, 1), ("mixtral", 3, 2, 3)])
+def test_moe_models_generate_what_transformers_generates(family, k, world, batch):
+    model = moe_model(family, k)
+    ids = torch.randint(0, 100, (batch, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        first = model(ids[:, :1]).logits[:, 0].float()
+    job = functools.partial(_moe_rank, model, ids)
+    results = mk.launch(job, world_size=world, virtual=True, timeout=600) if world > 1 else [job()]
+    for rank, (tokens, logits) in enumerate(results):
+        assert torch.equal(tokens, expected), f"{family} top-{k}, rank {rank} of {world}, batch {batch}"
+        assert_close(logits, first, 1e-4, f"{family} top-{k}, rank {rank} of {world}, batch {batch}")
+
+
+def test_shared_experts_are_refused_by_name():
+    from megakernel.models.hf import _moe_config
+    model = moe_model("qwen3_moe", 2)
+    model.model.layers[0].mlp.shared_expert = torch.nn.Identity()
+    with pytest.raises(mk.GraphError, match="layer 0 has a shared expert"):
+        _moe_config(model)
+
+
+def _pretrained_rank(path, ids):
+    m = from_pretrained(path, max_seq_len=10, workers=1)
+    try:
+        return m.generate(ids, max_new_tokens=3), m.bytes_read
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_checkpoints_load_expert_by_expert(family, tmp_path):
+    """Checkpoints store each expert apart (``mlp.experts.{e}.gate_proj``, Mixtral's ``block_sparse_moe``
+    ``w1``/``w3``/``w2``): loaded straight into the heap, each of two ranks reading about half."""
+    model = moe_model(family, 2)
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, 100, (1, 4), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    alone = _pretrained_rank(tmp_path, ids)
+    pair = mk.launch(functools.partial(_pretrained_rank, tmp_path, ids), world_size=2, virtual=True, timeout=600)
+    for tokens, _ in [alone, *pair]:
+        assert torch.equal(tokens, expected)
+    assert all(read < 0.75 * alone[1] for _, read in pair)
