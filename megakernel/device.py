@@ -165,6 +165,18 @@ def checked_index(status, index, bound):
     return tl.minimum(tl.maximum(index, 0), bound - 1)
 
 
+NO_SEQUENCE = tl.constexpr(-1)  # the position of a batch row that holds no sequence (a free slot)
+
+
+@triton.jit
+def row_position(status, pos, bound):
+    """A batch row's position, read at heap pointer ``pos``: NO_SEQUENCE for a row that holds no sequence
+    (its tiles do no work), else ``checked_index`` into [0, bound)."""
+    position = tl.load(pos)
+    checked = checked_index(status, tl.where(position == NO_SEQUENCE, 0, position), bound)
+    return tl.where(position == NO_SEQUENCE, NO_SEQUENCE, checked)
+
+
 @triton.jit
 def signal_event(bases, rank, dst, events_off, event, increment, SCOPED: tl.constexpr):
     """Release-add ``increment`` to ``event`` on rank ``dst`` (this rank or a peer): with ``SCOPED``, at gpu

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import checked_index, heap_ptr
-from .common import TaskType, copy_row, heap_index, require_float, require_position, rounded
+from ..device import NO_SEQUENCE, heap_ptr, row_position
+from .common import TaskType, copy_row, heap_index, require_float, rounded, row_positions
 
 SPLIT = 64           # positions per partial tile: at most, and at parallelism 1 (``split_size``)
 BLOCK_S = 32         # positions per step of a partial tile (K and V: 2 x 32 x head_dim elements, 16 KiB at
@@ -41,14 +41,16 @@ def kv_append_tile(base, status,
                    cache_stride,   # the cache's row stride, in elements
                    DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Copy the row into cache row ``*pos`` of the batch row (a position outside the cache: no copy, reported;
-    the cache keeps every row it had)."""
+    the cache keeps every row it had; a row of no sequence: no copy)."""
     position = tl.load(heap_ptr(base, pos, tl.int64))
-    row = checked_index(status, position, seq_len)
-    if row == position:
+    row = row_position(status, heap_ptr(base, pos, tl.int64), seq_len)
+    if (row == position) & (row >= 0):
         copy_row(base, cache + row * cache_stride * DTYPE.primitive_bitwidth // 8, x, cols, DTYPE, BLOCK_N)
 
 
 def _append_reference(heap, task) -> None:
+    if _no_sequence(heap, task.pos):
+        return
     row = heap_index(heap, task.pos, task.seq_len)
     x = heap.tensor(task.x, task.DTYPE, 1, task.cols, task.cols)
     stride = task.cache_stride
@@ -77,7 +79,7 @@ def attention_partial_tile(base, status,
     group find K and V in cache. A split wholly past the current position, or wholly before the window,
     runs no step: it writes the empty partial (m = -inf, l = 0, o = 0) and is done.
     """
-    position = checked_index(status, tl.load(heap_ptr(base, pos, tl.int64)), seq_len)
+    position = row_position(status, heap_ptr(base, pos, tl.int64), seq_len)  # no sequence: -1, no work
     end = tl.minimum(start + length, position + 1)
     first = tl.maximum(start, position + 1 - window)
     q_ptr = (base + q).to(tl.pointer_type(DTYPE))
@@ -118,7 +120,7 @@ def attention_partial_tile(base, status,
 
 def _partial_reference(heap, task) -> None:
     group, hd, dtype, stride = task.GROUP, task.HEAD_DIM, task.DTYPE, task.cache_stride
-    position = heap_index(heap, task.pos, task.seq_len)
+    position = -1 if _no_sequence(heap, task.pos) else heap_index(heap, task.pos, task.seq_len)
     start, end = max(task.start, position + 1 - task.window), min(task.start + task.length, position + 1)
     q = heap.tensor(task.q, dtype, group, hd, hd).float() * task.SCALE
     o = heap.tensor(task.o, torch.float32, group, hd, hd)
@@ -150,12 +152,14 @@ def attention_combine_tile(base, status,
                            DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_P: tl.constexpr, ALIGNED: tl.constexpr):
     """One query head: ``out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s``, M = max_s m_s, over the
-    splits that reach the current position (``*pos // split + 1`` of them; the others are empty).
+    splits that reach the current position (``*pos // split + 1`` of them; the others are empty); zero
+    for a row of no sequence.
 
     The head's partials are ``o_s`` at ``o + s * GROUP * HEAD_DIM`` floats, ``m_s`` at ``ml + s * 2 * GROUP``
     and ``l_s`` GROUP floats after it; BLOCK_P splits are read per step.
     """
-    active = tl.minimum(splits, checked_index(status, tl.load(heap_ptr(base, pos, tl.int64)), seq_len) // split + 1)
+    position = row_position(status, heap_ptr(base, pos, tl.int64), seq_len)
+    active = tl.where(position < 0, 0, tl.minimum(splits, position // split + 1))
     o_ptr = (base + o).to(tl.pointer_type(tl.float32))
     if ALIGNED:
         o_ptr = tl.multiple_of(o_ptr, 16)
@@ -176,11 +180,14 @@ def attention_combine_tile(base, status,
                        other=0.0)
         acc += tl.sum(weight[:, None] * part, axis=0)
     dd = tl.arange(0, BLOCK_D)
-    tl.store(heap_ptr(base, out, DTYPE) + dd, rounded(acc / total, DTYPE), mask=dd < HEAD_DIM)
+    tl.store(heap_ptr(base, out, DTYPE) + dd, rounded(acc / tl.where(active > 0, total, 1.0), DTYPE), mask=dd < HEAD_DIM)
 
 
 def _combine_reference(heap, task) -> None:
     group, hd = task.GROUP, task.HEAD_DIM
+    if _no_sequence(heap, task.pos):
+        heap.tensor(task.out, task.DTYPE, 1, hd, hd).zero_()
+        return
     splits = min(task.splits, heap_index(heap, task.pos, task.seq_len) // task.split + 1)
     o = heap.tensor(task.o, torch.float32, splits, hd, group * hd)                   # [splits, hd]
     m = heap.tensor(task.ml, torch.float32, splits, 1, 2 * group)[:, 0]             # [splits]
@@ -189,19 +196,23 @@ def _combine_reference(heap, task) -> None:
     heap.tensor(task.out, task.DTYPE, 1, hd, hd).copy_((weight[:, None] * o).sum(0) / (weight * l).sum())
 
 
+def _no_sequence(heap, offset: int) -> bool:
+    return int(heap.tensor(offset, torch.int64, 1, 1, 1)) == NO_SEQUENCE.value
+
+
 def kv_append(g, cache, x, pos, batch: int):
-    """Write row b of ``x`` [batch, cols] at cache row ``b * max_seq + *pos``; returns ``cache``."""
+    """Write row b of ``x`` [batch, cols] at cache row ``b * max_seq + *pos`` (``pos``: one position, or one
+    per row, ``common.row_positions``); returns ``cache``."""
     g.check(cache.ndim == 2 and x.ndim == 2 and x.rows == batch and cache.rows % batch == 0 and cache.cols == x.cols
             and cache.dtype == x.dtype,
             f"kv_append: cache {cache.shape} {cache.dtype} and x {x.shape} {x.dtype} do not match for batch {batch}")
     require_float(g, "kv_append", x=x)
-    require_position(g, "kv_append", pos)
     max_seq = cache.rows // batch
     opcode = g.opcode(KV_APPEND, DTYPE=x.dtype, BLOCK_N=min(triton.next_power_of_2(x.cols), 1024))
-    for b in range(batch):
-        g.add_task(opcode, cache=cache.addr(b * max_seq, 0), x=x.addr(b, 0), pos=pos.addr(0, 0), seq_len=max_seq,
+    for b, (position, position_region) in enumerate(row_positions(g, "kv_append", pos, batch)):
+        g.add_task(opcode, cache=cache.addr(b * max_seq, 0), x=x.addr(b, 0), pos=position, seq_len=max_seq,
                    cols=x.cols, cache_stride=cache.row_stride,
-                   reads=(x.region(b, 1, 0, x.cols), pos.region(0, 1, 0, 1)),
+                   reads=(x.region(b, 1, 0, x.cols), position_region),
                    writes=(cache.region(b * max_seq, max_seq, 0, cache.cols),),
                    bytes=2 * x.cols * x.element_size, flops=0)
     return cache
@@ -221,7 +232,8 @@ def split_size(rows: int, max_seq: int, parallelism: int) -> int:
 
 def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, window: int | None = None):
     """Attention of ``q`` [batch, heads * head_dim] over cache rows 0 ..= ``*pos`` of every batch row, or
-    over the last ``window`` of them (a sliding window).
+    over the last ``window`` of them (a sliding window). ``pos``: one position, or one per row
+    (``common.row_positions``; a row of no sequence does no work and gets zeros).
 
     The caches hold ``kv_heads`` heads; each KV head serves ``heads / kv_heads`` query heads. The
     sequence is cut into splits of ``split_size`` positions (one partial tile per batch row, KV head
@@ -234,7 +246,7 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
     g.check(k_cache.shape == v_cache.shape and k_cache.rows % batch == 0 and q.rows == batch,
             f"decode_attention: caches {k_cache.shape}, {v_cache.shape} and q {q.shape} for batch {batch}")
     require_float(g, "decode_attention", q=q, k_cache=k_cache, v_cache=v_cache)
-    require_position(g, "decode_attention", pos)
+    positions = row_positions(g, "decode_attention", pos, batch)
     g.check(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
             f"decode_attention: window must be None or a positive integer, got {window!r}")
     group = heads // kv_heads
@@ -251,7 +263,7 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
     block_d = triton.next_power_of_2(head_dim)
     partial = g.opcode(PARTIAL, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, SCALE=1.0 / math.sqrt(head_dim),
                        BLOCK_D=block_d, BLOCK_S=BLOCK_S, ALIGNED=aligned)
-    for b in range(batch):
+    for b, (position, position_region) in enumerate(positions):
         for h in range(kv_heads):
             q_rows = q.region(b, 1, h * group * head_dim, group * head_dim)
             for s in range(splits):
@@ -259,10 +271,10 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
                 cols = h * head_dim
                 g.add_task(partial, o=partial_o.addr(slot * group, 0), ml=partial_ml.addr(slot * 2, 0),
                            q=q.addr(b, h * group * head_dim), k=k_cache.addr(b * max_seq, cols),
-                           v=v_cache.addr(b * max_seq, cols), pos=pos.addr(0, 0), seq_len=max_seq,
+                           v=v_cache.addr(b * max_seq, cols), pos=position, seq_len=max_seq,
                            window=min(window or max_seq, max_seq), start=s * split, length=split,
                            cache_stride=k_cache.row_stride,
-                           reads=(q_rows, pos.region(0, 1, 0, 1), k_cache.region(b * max_seq, max_seq, cols, head_dim),
+                           reads=(q_rows, position_region, k_cache.region(b * max_seq, max_seq, cols, head_dim),
                                   v_cache.region(b * max_seq, max_seq, cols, head_dim)),
                            writes=(partial_o.region(slot * group, group, 0, head_dim),
                                    partial_ml.region(slot * 2, 2, 0, group)),
@@ -271,15 +283,15 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
     g.phase("decode_attention.combine")
     combine = g.opcode(COMBINE, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
                        BLOCK_P=min(COMBINE_SPLITS, triton.next_power_of_2(splits)), ALIGNED=head_dim % 4 == 0)
-    for b in range(batch):
+    for b, (position, position_region) in enumerate(positions):
         for h in range(kv_heads):
             slot = (b * kv_heads + h) * splits
             reads = (partial_o.region(slot * group, splits * group, 0, head_dim),
-                     partial_ml.region(slot * 2, splits * 2, 0, group), pos.region(0, 1, 0, 1))
+                     partial_ml.region(slot * 2, splits * 2, 0, group), position_region)
             for j in range(group):
                 head = h * group + j
                 g.add_task(combine, out=out.addr(b, head * head_dim), o=partial_o.addr(slot * group + j, 0),
-                           ml=partial_ml.addr(slot * 2, j), splits=splits, pos=pos.addr(0, 0), seq_len=max_seq,
+                           ml=partial_ml.addr(slot * 2, j), splits=splits, pos=position, seq_len=max_seq,
                            split=split,
                            reads=reads, writes=(out.region(b, 1, head * head_dim, head_dim),),
                            bytes=splits * (head_dim + 2) * 4, flops=2 * splits * head_dim)

@@ -81,9 +81,15 @@ def require_float(g, op: str, **tensors) -> None:
         g.check(t.dtype.is_floating_point, f"{op}: {name} is {t.dtype}; {op} takes floating-point tensors only")
 
 
-def require_position(g, op: str, pos) -> None:
-    g.check(pos.shape in ((1,), (1, 1)) and pos.dtype == torch.int64,
-            f"{op}: pos must be one int64 element, got {pos.shape} {pos.dtype}")
+def row_positions(g, op: str, pos, rows: int) -> list[tuple[int, tuple]]:
+    """Per batch row, the heap offset of its position and the region read: ``pos`` is one int64 element
+    (every row at that position) or one per row (``[rows]``: sequences at positions of their own; -1
+    marks a row that holds no sequence, ``device.row_position``)."""
+    g.check(pos.dtype == torch.int64 and pos.shape in ((1,), (1, 1), (rows,)),
+            f"{op}: pos must be one int64 element or one per row ({rows},), got {pos.shape} {pos.dtype}")
+    flat = pos.block()
+    per_row = flat.cols == rows and rows > 1
+    return [(flat.addr(0, r if per_row else 0), flat.region(0, 1, r if per_row else 0, 1)) for r in range(rows)]
 
 
 def heap_index(heap, offset: int, bound: int) -> int:

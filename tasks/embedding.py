@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import checked_index, heap_ptr
-from .common import TaskType, copy_row, heap_index, require_position
+from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
+from .common import TaskType, copy_row, heap_index, row_positions
 
 MAX_BLOCK_N = 1024
 
@@ -34,9 +34,10 @@ def embedding_at_tile(base, status,
                       table_stride,   # the table's row stride, in elements
                       DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Copy table row ``history[*pos]`` to the output row (a position or a token out of range: entry or
-    row 0, reported)."""
-    at = checked_index(status, tl.load(heap_ptr(base, pos, tl.int64)), history_cols)
-    row = checked_index(status, tl.load(heap_ptr(base, history, tl.int64) + at), rows)
+    row 0, reported; a row of no sequence: row 0)."""
+    at = row_position(status, heap_ptr(base, pos, tl.int64), history_cols)
+    token = tl.load(heap_ptr(base, history, tl.int64) + tl.maximum(at, 0))
+    row = checked_index(status, tl.where(at < 0, 0, token), rows)
     copy_row(base, out, table + row * table_stride * DTYPE.primitive_bitwidth // 8, cols, DTYPE, BLOCK_N)
 
 
@@ -45,6 +46,8 @@ def _reference(heap, task) -> None:
 
 
 def _at_reference(heap, task) -> None:
+    if int(heap.tensor(task.pos, torch.int64, 1, 1, 1)) == NO_SEQUENCE.value:
+        return _copy_row(heap, task, 0)
     at = heap_index(heap, task.pos, task.history_cols)
     _copy_row(heap, task, heap_index(heap, task.history + 8 * at, task.rows))
 
@@ -57,7 +60,8 @@ def _copy_row(heap, task, row: int) -> None:
 
 def embedding(g, tokens, table, pos=None):
     """``table[tokens]``: tokens int64 [B], table [vocab, hidden] -> [B, hidden]; with ``pos`` (one int64
-    element), ``table[tokens[:, pos]]`` for a history of tokens int64 [B, positions]."""
+    element, or one per row: ``common.row_positions``), ``table[tokens[b, pos_b]]`` for a history of
+    tokens int64 [B, positions]."""
     g.check(table.ndim == 2, f"embedding: table must be 2-D, got {table.shape}")
     block_n = min(triton.next_power_of_2(table.cols), MAX_BLOCK_N)
     if pos is not None:
@@ -80,13 +84,12 @@ def embedding(g, tokens, table, pos=None):
 def _embedding_at(g, history, table, pos, block_n: int):
     g.check(history.ndim == 2 and history.dtype == torch.int64,
             f"embedding: a history must be 2-D int64 [batch, positions], got {history.shape} {history.dtype}")
-    require_position(g, "embedding", pos)
     out = g.new_tensor((history.rows, table.cols), table.dtype)
     opcode = g.opcode(EMBEDDING_AT, DTYPE=table.dtype, BLOCK_N=block_n)
-    for b in range(history.rows):
-        g.add_task(opcode, out=out.addr(b, 0), table=table.addr(0, 0), history=history.addr(b, 0), pos=pos.addr(0, 0),
+    for b, (position, position_region) in enumerate(row_positions(g, "embedding", pos, history.rows)):
+        g.add_task(opcode, out=out.addr(b, 0), table=table.addr(0, 0), history=history.addr(b, 0), pos=position,
                    history_cols=history.cols, rows=table.rows, cols=table.cols, table_stride=table.row_stride,
-                   reads=(history.region(b, 1, 0, history.cols), pos.region(0, 1, 0, 1),
+                   reads=(history.region(b, 1, 0, history.cols), position_region,
                           table.region(0, table.rows, 0, table.cols)),
                    writes=(out.region(b, 1, 0, table.cols),), bytes=2 * table.cols * table.element_size, flops=0)
     return out

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import TaskType, require_float, require_position, rounded
+from .common import TaskType, require_float, rounded, row_positions
 
 
 @triton.jit
@@ -57,8 +57,8 @@ def _reference(heap, task) -> None:
 def rope(g, x, inv_freq, pos, head_dim: int, scaling: float = 1.0):
     """Rotate every ``head_dim`` head of each row of ``x`` [B, heads * head_dim] by position ``*pos``.
 
-    ``inv_freq`` is float32 [head_dim / 2]; ``pos`` an int64 tensor of one element; ``scaling`` multiplies
-    cos and sin.
+    ``inv_freq`` is float32 [head_dim / 2]; ``pos`` an int64 tensor of one element, or one per row
+    (``common.row_positions``); ``scaling`` multiplies cos and sin.
     """
     g.check(isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and 0 < scaling < float("inf"),
             f"rope: scaling must be a positive number, got {scaling!r}")
@@ -67,17 +67,15 @@ def rope(g, x, inv_freq, pos, head_dim: int, scaling: float = 1.0):
     require_float(g, "rope", x=x)
     g.check(inv_freq.shape == (head_dim // 2,) and inv_freq.dtype == torch.float32,
             f"rope: inv_freq must be float32 of shape ({head_dim // 2},), got {inv_freq.shape} {inv_freq.dtype}")
-    require_position(g, "rope", pos)
     heads = x.cols // head_dim
     out = g.new_tensor(x.shape, x.dtype)
     opcode = g.opcode(ROPE, DTYPE=x.dtype, HEAD_DIM=head_dim, SCALING=float(scaling),
                       BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim // 2))
     rows = x.block()
-    for r in range(rows.rows):
+    for r, (position, position_region) in enumerate(row_positions(g, "rope", pos, rows.rows)):
         g.add_task(opcode, out=out.block().addr(r, 0), x=rows.addr(r, 0), inv_freq=inv_freq.addr(0, 0),
-                   pos=pos.addr(0, 0), heads=heads,
-                   reads=(rows.region(r, 1, 0, rows.cols), inv_freq.region(0, 1, 0, head_dim // 2),
-                          pos.region(0, 1, 0, 1)),
+                   pos=position, heads=heads,
+                   reads=(rows.region(r, 1, 0, rows.cols), inv_freq.region(0, 1, 0, head_dim // 2), position_region),
                    writes=(out.block().region(r, 1, 0, rows.cols),),
                    bytes=2 * x.cols * x.element_size, flops=6 * x.cols)
     return out

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import heap_ptr
-from .common import TaskType, require_float, require_position
+from ..device import NO_SEQUENCE, heap_ptr
+from .common import TaskType, require_float, row_positions
 
 MAX_BLOCK_N = 1024
 
@@ -38,57 +38,68 @@ def argmax_tile(base,
         first = tl.min(tl.where(block == top, c0 + c, cols), axis=0).to(tl.int64)
         if top > best:  # strictly: an equal maximum in a later block keeps the earlier index
             best, best_index = top, first
-    target = tl.load(heap_ptr(base, pos, tl.int64)) + 1
-    write = (target >= tl.load(heap_ptr(base, prompt_len, tl.int64))) & (target >= 0) & (target < history_cols)
+    target = tl.load(heap_ptr(base, pos, tl.int64)) + 1  # position 0 is the prompt's: a row of no sequence writes nothing
+    write = (target >= tl.load(heap_ptr(base, prompt_len, tl.int64))) & (target >= 1) & (target < history_cols)
     tl.store(heap_ptr(base, history, tl.int64) + target, best_index, mask=write)
 
 
 def _argmax_reference(heap, task) -> None:
     target = int(heap.tensor(task.pos, torch.int64, 1, 1, 1)) + 1
-    if int(heap.tensor(task.prompt_len, torch.int64, 1, 1, 1)) <= target < task.history_cols and target >= 0:
+    if int(heap.tensor(task.prompt_len, torch.int64, 1, 1, 1)) <= target < task.history_cols and target >= 1:
         logits = heap.tensor(task.logits, task.DTYPE, 1, task.cols, task.cols).float()
         heap.tensor(task.history, torch.int64, 1, task.history_cols, task.history_cols)[0, target] = logits.argmax()
 
 
 def sample_greedy(g, logits, history, pos, prompt_len, vocab: int | None = None):
-    """Per batch row b: ``history[b, pos + 1] = argmax(logits[b, :vocab])`` once past the prompt
-    (``pos + 1 >= prompt_len``) and inside the history; returns ``history``. ``vocab``: the logits to
-    consider (the first ones; all by default: tensor-parallel logits may end with padding)."""
+    """Per batch row b: ``history[b, pos_b + 1] = argmax(logits[b, :vocab])`` once past the prompt
+    (``pos_b + 1 >= prompt_len_b``) and inside the history; returns ``history``. ``pos`` and ``prompt_len``:
+    one int64 element, or one per row (``common.row_positions``); ``vocab``: the logits to consider (the
+    first ones; all by default: tensor-parallel logits may end with padding)."""
     require_float(g, "sample_greedy", logits=logits)
     vocab = logits.cols if vocab is None else vocab
     g.check(logits.ndim == 2 and history.ndim == 2 and history.dtype == torch.int64 and history.rows == logits.rows,
             f"sample_greedy: logits must be [batch, vocab] and history int64 [batch, positions], got {logits.shape} "
             f"and {history.shape} {history.dtype}")
     g.check(0 < vocab <= logits.cols, f"sample_greedy: vocab {vocab} is outside [1, {logits.cols}]")
-    require_position(g, "sample_greedy", pos)
-    require_position(g, "sample_greedy", prompt_len)
+    positions = row_positions(g, "sample_greedy", pos, logits.rows)
+    lengths = row_positions(g, "sample_greedy", prompt_len, logits.rows)
     opcode = g.opcode(ARGMAX, DTYPE=logits.dtype, BLOCK_N=min(triton.next_power_of_2(vocab), MAX_BLOCK_N))
-    for b in range(logits.rows):
-        g.add_task(opcode, history=history.addr(b, 0), logits=logits.addr(b, 0), pos=pos.addr(0, 0),
-                   prompt_len=prompt_len.addr(0, 0), cols=vocab, history_cols=history.cols,
-                   reads=(logits.region(b, 1, 0, vocab), pos.region(0, 1, 0, 1), prompt_len.region(0, 1, 0, 1)),
+    for b, ((position, position_region), (length, length_region)) in enumerate(zip(positions, lengths)):
+        g.add_task(opcode, history=history.addr(b, 0), logits=logits.addr(b, 0), pos=position,
+                   prompt_len=length, cols=vocab, history_cols=history.cols,
+                   reads=(logits.region(b, 1, 0, vocab), position_region, length_region),
                    writes=(history.region(b, 1, 0, history.cols),), bytes=vocab * logits.element_size, flops=vocab)
     return history
 
 
 @triton.jit
 def advance_tile(base,
-                 counter,   # heap offset of the int64 counter
-                 by):       # what to add
-    """``*counter += by``: the position of a decode loop, at the end of its step."""
+                 counter,   # heap offset of the int64 position
+                 by,        # what to add
+                 limit):    # a position that reaches it ends its sequence
+    """``*counter += by``, the position of a decode loop's row at the end of its step; a row of no sequence
+    (-1) stays so, and one that reaches ``limit`` becomes one (it has no room left)."""
     ptr = heap_ptr(base, counter, tl.int64)
-    tl.store(ptr, tl.load(ptr) + by)
+    position = tl.load(ptr)
+    moved = tl.where(position + by >= limit, NO_SEQUENCE, position + by)
+    tl.store(ptr, tl.where(position == NO_SEQUENCE, NO_SEQUENCE, moved))
 
 
 def _advance_reference(heap, task) -> None:
-    heap.tensor(task.counter, torch.int64, 1, 1, 1).add_(task.by)
+    position = heap.tensor(task.counter, torch.int64, 1, 1, 1)
+    if int(position) != NO_SEQUENCE.value:
+        position.fill_(NO_SEQUENCE.value if int(position) + task.by >= task.limit else int(position) + task.by)
 
 
-def advance(g, pos, by: int = 1):
-    """``pos += by`` (one int64 element), after every task of the step that reads ``pos``; returns ``pos``."""
-    require_position(g, "advance", pos)
-    g.add_task(g.opcode(ADVANCE), counter=pos.addr(0, 0), by=by, reads=(), writes=(pos.region(0, 1, 0, 1),),
-               bytes=16, flops=1)
+def advance(g, pos, by: int = 1, limit: int = 2**62):
+    """``pos += by`` for each element of ``pos`` (int64 positions, one per batch row or one for all), after
+    every task of the step that reads it: -1 (a row of no sequence) stays -1, and a position that
+    reaches ``limit`` becomes -1 (the sequence has no room left). Returns ``pos``."""
+    g.check(pos.ndim == 1 and pos.dtype == torch.int64, f"advance: pos must be 1-D int64, got {pos.shape} {pos.dtype}")
+    opcode = g.opcode(ADVANCE)
+    for r in range(pos.cols):
+        g.add_task(opcode, counter=pos.addr(0, r), by=by, limit=limit, reads=(), writes=(pos.region(0, 1, r, 1),),
+                   bytes=16, flops=1)
     return pos
 
 

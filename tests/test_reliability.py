@@ -146,11 +146,13 @@ def test_a_position_past_the_cache_writes_nothing_outside_it():
     g.output("out", g.decode_attention(q, g.kv_append(cache, x, pos, batch=1), cache, pos, batch=1, head_dim=16))
     values = {"x": torch.randn(1, 16), "cache": torch.randn(4, 16), "after": torch.randn(4, 16), "q": torch.randn(1, 16)}
     with mk.Megakernel(g, workers=2) as kernel:
-        for bad in (4, 1000, -1):
+        for bad in (4, 1000, -2):
             with pytest.raises(mk.GraphError, match=rf"kv_append.*index {bad} is outside \[0, 4\)"):
                 kernel.run({**values, "pos": torch.tensor([bad])})
             assert torch.equal(kernel.tensor(g.inputs["after"]), values["after"])
             assert torch.equal(kernel.tensor(g.inputs["cache"]), values["cache"]), "no cache row was overwritten"
+        out = kernel.run({**values, "pos": torch.tensor([-1])})["out"]  # -1: a row of no sequence, no fault
+        assert torch.equal(out, torch.zeros(1, 16)) and torch.equal(kernel.tensor(g.inputs["cache"]), values["cache"])
 
 
 # -- 5. integer tensors ---------------------------------------------------------------------------------

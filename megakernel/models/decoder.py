@@ -162,9 +162,12 @@ def _row_parallel(g: Graph, s: Shard, partial: Tensor) -> Tensor:
 
 
 def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) -> Graph:
-    """Embedding of ``history[:, pos]`` -> layers -> final norm -> LM head: logits [batch, vocab] of one
-    token per batch row (the output "logits"), their argmax into ``history[:, pos + 1]`` once ``pos + 1``
-    reaches the input ``prompt_len``, and ``pos + 1`` (the output "history" is the whole history).
+    """Embedding of ``history[b, pos_b]`` -> layers -> final norm -> LM head: logits [batch, vocab] of one
+    token per batch row (the output "logits"), their argmax into ``history[b, pos_b + 1]`` once
+    ``pos_b + 1`` reaches ``prompt_len_b``, and ``pos_b + 1`` (the output "history" is the whole history).
+    Every row has its own position and prompt length (the inputs ``pos`` and ``prompt_len``, [batch]);
+    a row at position -1 holds no sequence and does no attention work, and one that reaches
+    ``max_seq_len`` ends (-1).
 
     Built into ``g``, or a new ``Graph(parallelism=parallelism)``: the number of workers the step is
     meant for, which sizes its tiles (split-K linears, attention splits).
@@ -172,8 +175,8 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     g = g or Graph(parallelism=parallelism)
     s = Shard.of(c, g.rank, g.world_size)
     history = g.input("history", (c.batch, c.max_seq_len), torch.int64)
-    pos = g.input("pos", (1,), torch.int64)
-    prompt_len = g.input("prompt_len", (1,), torch.int64)
+    pos = g.input("pos", (c.batch,), torch.int64)
+    prompt_len = g.input("prompt_len", (c.batch,), torch.int64)
     inv_freq = g.input("inv_freq", (c.head_dim // 2,), torch.float32)
     x = g.embedding(history, g.input("embed", (c.vocab, c.hidden), c.dtype), pos=pos)
     if c.gemma:  # times sqrt(hidden) as the model's dtype holds it
@@ -188,5 +191,5 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
         g.output("logits", logits)
     with g.scope("sample"):
         g.output("history", g.sample_greedy(logits, history, pos, prompt_len, vocab=c.vocab))
-        g.advance(pos)
+        g.advance(pos, limit=c.max_seq_len)
     return g

@@ -14,6 +14,7 @@ sequence length: before each step the module is asked for the frequencies at tha
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -166,6 +167,20 @@ def _gate_up(tensors: Mapping[str, Any], prefix: str, part: str, c: DecoderConfi
     return fused.narrow(0, 0, c.intermediate), fused.narrow(0, c.intermediate, c.intermediate)
 
 
+@dataclass
+class Sequence:
+    """A sequence of continuous batching (``DecodeModel.add``): its batch row, prompt and new tokens."""
+
+    id: int
+    slot: int
+    prompt: torch.Tensor
+    max_new: int
+    eos: int | None
+    pos: int = 0                                   # the position its row is at (the device's, mirrored)
+    tokens: list[int] = field(default_factory=list)
+    done: bool = False
+
+
 class DecodeModel:
     """One rank's share of a model, compiled into one megakernel: one launch per decode step."""
 
@@ -190,7 +205,11 @@ class DecodeModel:
             self.graph = decode_step(config, Graph(parallelism=self.kernel.workers))
             self.kernel = Megakernel(self.graph, **kernel_options)
         self.kernel.bind(weights)
-        self.kernel.bind({"history": torch.zeros(config.batch, config.max_seq_len, dtype=torch.int64)})
+        self.kernel.bind({"history": torch.zeros(config.batch, config.max_seq_len, dtype=torch.int64),
+                          "pos": torch.full((config.batch,), -1), "prompt_len": torch.zeros(config.batch, dtype=torch.int64)})
+        self.slots: list[Sequence | None] = [None] * config.batch  # the sequences of add(), by batch row
+        self.finished: dict[int, torch.Tensor] = {}  # sequence id -> prompt + new tokens, once it ended
+        self._next_id = 0
 
     def decode(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         """Logits [B, vocab] (float32) for ``tokens`` [B] at position ``pos``; the KV cache keeps the step.
@@ -206,8 +225,9 @@ class DecodeModel:
             raise GraphError(f"decode: token id {int(bad[0])} is outside the vocabulary [0, {c.vocab})")
         if not 0 <= pos < c.max_seq_len:
             raise GraphError(f"decode: position {pos} is outside [0, {c.max_seq_len}) (max_seq_len)")
+        self._require_no_sequences("decode")
         self.kernel.tensor(self.graph.inputs["history"])[:, pos] = tokens  # the host's write, between launches
-        inputs = {"pos": torch.tensor([pos]), "prompt_len": torch.tensor([c.max_seq_len])}
+        inputs = {"pos": torch.full((c.batch,), pos), "prompt_len": torch.full((c.batch,), c.max_seq_len)}
         return self.kernel.run({**inputs, **self._frequencies(pos)})["logits"][:, :c.vocab].float()
 
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, tokens_per_launch: int | None = None,
@@ -219,8 +239,16 @@ class DecodeModel:
         between launches) once every row has produced it, and a row that ends earlier than others is
         filled with it.
 
-        ``prompt_ids`` [B, T] (or [T] for batch 1); returns [B, T + new tokens], prompt included.
+        ``prompt_ids`` [B, T] (or [T] for batch 1); returns [B, T + new tokens], prompt included. A list
+        of prompts (1-D, of any lengths, as many as you like) runs them by continuous batching
+        (``add``/``step``: each in a slot at a position of its own, a waiting one joining as a slot frees)
+        and returns one tensor per prompt, prompt + new tokens, what each would get alone.
         """
+        if isinstance(prompt_ids, (list, tuple)) and prompt_ids and not isinstance(prompt_ids[0], int):
+            if tokens_per_launch is not None:
+                raise GraphError("generate: a list of prompts runs by continuous batching: its launches end where a "
+                                 "sequence does (no tokens_per_launch)")
+            return self._generate_each(prompt_ids, max_new_tokens, eos_token_id)
         c = self.config
         ids = torch.as_tensor(prompt_ids, dtype=torch.int64)
         ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
@@ -240,10 +268,12 @@ class DecodeModel:
             raise GraphError(f"generate: token id {int(bad[0])} is outside the vocabulary [0, {c.vocab})")
         if max_new_tokens == 0:
             return ids.clone()
+        self._require_no_sequences("generate")
         steps = prompt + max_new_tokens - 1  # step p embeds the token at p and samples the one at p + 1
         history = torch.zeros(c.batch, c.max_seq_len, dtype=torch.int64)
         history[:, :prompt] = ids
-        self.kernel.bind({"history": history, "pos": torch.tensor([0]), "prompt_len": torch.tensor([prompt])})
+        self.kernel.bind({"history": history, "pos": torch.zeros(c.batch, dtype=torch.int64),
+                          "prompt_len": torch.full((c.batch,), prompt)})
         pos = 0
         while pos < steps:
             count = min(tokens_per_launch or steps, steps - pos)
@@ -263,7 +293,86 @@ class DecodeModel:
             tokens[:, prompt:][after] = eos_token_id
             if ended.all(dim=0).any():  # every row ended: drop the columns after the last row's eos
                 tokens = tokens[:, :prompt + int(ended.all(dim=0).nonzero()[0]) + 1]
+        self.kernel.bind({"pos": torch.full((c.batch,), -1)})  # every row free again
         return tokens
+
+    # -- continuous batching -------------------------------------------------------------------------
+    def add(self, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None) -> int:
+        """Start a sequence in a free batch row (slot): its prompt goes into the row's history, its
+        position to 0; it advances with every later ``step``. Returns its id."""
+        c = self.config
+        ids = torch.as_tensor(prompt_ids, dtype=torch.int64).reshape(-1)
+        if ids.numel() == 0:
+            raise GraphError("add: the prompt is empty")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise GraphError(f"add: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if ids.numel() + max_new_tokens > c.max_seq_len:
+            raise GraphError(f"add: {ids.numel()} prompt + {max_new_tokens} new tokens exceed max_seq_len {c.max_seq_len}")
+        bad = ids[(ids < 0) | (ids >= c.vocab)]
+        if bad.numel():
+            raise GraphError(f"add: token id {int(bad[0])} is outside the vocabulary [0, {c.vocab})")
+        if self.rope_at is not None:
+            raise GraphError("add: rope types whose frequencies follow the position (dynamic, longrope) need one "
+                             "position for the whole batch: use generate")
+        slot = next((row for row, sequence in enumerate(self.slots) if sequence is None), None)
+        if slot is None:
+            raise GraphError(f"add: all {c.batch} slots (max_batch) hold sequences; step until one finishes")
+        self.slots[slot] = Sequence(self._next_id, slot, ids, max_new_tokens, eos_token_id)
+        self._next_id += 1
+        self.kernel.tensor(self.graph.inputs["history"])[slot, :ids.numel()] = ids  # between launches
+        self.kernel.tensor(self.graph.inputs["prompt_len"])[slot] = ids.numel()
+        self.kernel.tensor(self.graph.inputs["pos"])[slot] = 0
+        return self.slots[slot].id
+
+    def step(self, steps: int = 1) -> dict[int, list[int]]:
+        """Advance every sequence by ``steps`` positions in one launch (a sequence still in its prompt
+        reads the next prompt token; the others sample one token each); returns the new tokens of each
+        sequence that made some. A sequence that has all its tokens, or ends with its eos token, frees
+        its slot (tokens it sampled past its end in the same launch are dropped)."""
+        active = [s for s in self.slots if s is not None]
+        if not active:
+            return {}
+        history = self.kernel.run(steps=steps)["history"]
+        new: dict[int, list[int]] = {}
+        for s in active:
+            start, s.pos = s.pos, s.pos + steps
+            first = max(start + 1, s.prompt.numel())  # the first position this launch sampled into
+            made = history[s.slot, first:s.pos + 1].tolist()[:s.max_new - len(s.tokens)]
+            if s.eos is not None and s.eos in made:
+                made = made[:made.index(s.eos) + 1]
+            if made:
+                s.tokens += made
+                new[s.id] = made
+            if len(s.tokens) == s.max_new or (s.eos is not None and made and made[-1] == s.eos):
+                s.done = True
+                self.slots[s.slot] = None
+                self.kernel.tensor(self.graph.inputs["pos"])[s.slot] = -1  # no sequence: no work
+                self.finished[s.id] = torch.cat([s.prompt, torch.tensor(s.tokens, dtype=torch.int64)])
+        return new
+
+    def _generate_each(self, prompts, max_new_tokens: int, eos_token_id: int | None) -> list[torch.Tensor]:
+        """Greedy continuous batching: every prompt (1-D ids, of any lengths) gets a slot as one frees,
+        and each launch runs until the next sequence ends (so that a waiting prompt joins then). Returns
+        one tensor per prompt, prompt + new tokens: what it would get alone."""
+        if max_new_tokens == 0:
+            return [torch.as_tensor(p, dtype=torch.int64).reshape(-1).clone() for p in prompts]
+        waiting = list(enumerate(prompts))
+        ids: dict[int, int] = {}  # sequence id -> prompt index
+        out: list[torch.Tensor | None] = [None] * len(waiting)
+        while waiting or any(self.slots):
+            while waiting and None in self.slots:
+                index, prompt = waiting.pop(0)
+                ids[self.add(prompt, max_new_tokens, eos_token_id)] = index
+            running = [s for s in self.slots if s is not None]
+            self.step(min(max(0, s.prompt.numel() - 1 - s.pos) + s.max_new - len(s.tokens) for s in running))
+            for sequence_id in [i for i in ids if i in self.finished]:
+                out[ids.pop(sequence_id)] = self.finished.pop(sequence_id)
+        return out
+
+    def _require_no_sequences(self, what: str) -> None:
+        busy = [s.id for s in self.slots if s is not None]
+        if busy:
+            raise GraphError(f"{what}: sequences {busy} of add() are running in the batch; step until they finish")
 
     def _frequencies(self, pos: int) -> dict[str, torch.Tensor]:
         """The RoPE frequencies to bind for a launch starting at ``pos`` (none when they did not change)."""
