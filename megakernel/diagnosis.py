@@ -15,7 +15,7 @@ import numpy as np
 from .files import reports_dir, write_new
 from .layout import (DONE, EPOCH, EVENT, EXPECTED, FAULT, FAULT_AT, FAULT_BOUND, FAULT_VALUE, OBSERVED, RUNNING, STATE,
                      STATUS_WORDS, TASK, TIMED_OUT)
-from .scheduler import OPCODE, QueueTables
+from .scheduler import CARRY_EVENT, OPCODE, WAIT_EVENT, QueueTables
 from .trace import Trace, rank_trace
 
 
@@ -67,22 +67,28 @@ def deadlock_report(t: QueueTables, status: np.ndarray, peer_status: Mapping[int
         lines.append(f"rank {t.rank} worker {w}: step {step}: {why} at task {task} ({task_label(t, task)}), queue position "
                      f"{int(position[task])}: event {event} observed {int(record[OBSERVED])}, "
                      f"expected {int(record[EXPECTED])}")
+        carried = t.rows[task, CARRY_EVENT] == event and t.rows[task, WAIT_EVENT] != event
+        if carried:
+            lines[-1] += f" (a wait on step {step - 1}'s producers)"
+        wanted = step - carried  # the step whose signals the wait counts
         local = t.producers_of(event)
-        for p in local:  # (a producer of the previous step, for a carried wait, ran if its worker is past it)
-            ran = status[owner[p], EPOCH] > step or position[p] < done[owner[p]]
+        for p in local:
+            ran = _ran(status[owner[p]], wanted, position[p])
             lines.append(f"    producer task {p} ({task_label(t, p)}) on rank {t.rank} worker {int(owner[p])} "
                          f"queue position {int(position[p])}: {'ran' if ran else 'did not run'}")
         for rank, task_id, worker, pos, op in t.remote_producers.get(event, []):
             peer = peer_status[rank][worker]
-            if peer[EPOCH] < step:
-                ran, progress = False, f"rank {rank} worker {worker} is at step {int(peer[EPOCH])}"
-            else:
-                ran = peer[EPOCH] > step or pos < peer[DONE]
-                progress = f"rank {rank} worker {worker} finished {int(peer[DONE])} tasks of step {int(peer[EPOCH])}"
-            lines.append(f"    producer task {task_id} ({t.op_names[op]} op {op}) on rank {rank} worker {worker} queue position {pos}: {'ran' if ran else 'did not run'} ({progress})")
+            progress = f"rank {rank} worker {worker} finished {int(peer[DONE])} tasks of step {int(peer[EPOCH])}"
+            lines.append(f"    producer task {task_id} ({t.op_names[op]} op {op}) on rank {rank} worker {worker} "
+                         f"queue position {pos}: {'ran' if _ran(peer, wanted, pos) else 'did not run'} ({progress})")
         if not local and event not in t.remote_producers:
             lines.append("    no task signals this event")
     return "\n".join(lines)
+
+
+def _ran(record: np.ndarray, step: int, position: int) -> bool:
+    """Whether the worker of status ``record`` finished its task at queue ``position`` of ``step``."""
+    return bool(record[EPOCH] > step or (record[EPOCH] == step and position < record[DONE]))
 
 
 def write_hang_files(report: str, t: QueueTables, epoch: int, stamps: np.ndarray | None) -> list[Path]:

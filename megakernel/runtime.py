@@ -278,7 +278,17 @@ class Megakernel:
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Unmap the heap from the workers and release it (views from ``tensor`` keep their part alive);
-        the kernel cannot run afterwards."""
+        the kernel cannot run afterwards.
+
+        With several ranks, a collective after a run: the ranks meet first, because a peer's last
+        launch may still signal this rank's events (its tasks release the next step's producers) or
+        read its status records; a peer that does not come within ``timeout`` is not waited for.
+        """
+        if self._finalizer.alive and self.launches and self.graph.world_size > 1 and not self._broken:
+            try:
+                self.group.barrier(timeout=self.timeout, why="close the kernel")
+            except BackendError:
+                pass  # a peer that failed or left: nothing of it runs on this heap any more
         self._finalizer()
         self.heap = self.view = None
         self.peers = {}

@@ -105,13 +105,17 @@ def check_periodic(every: list[QueueTables]) -> None:
     position = [t.queue_position() for t in every]
     # What each event's waiters need known before a producer raises the event for the next step: per
     # worker, the count at which its last waiter (step 1 for a wait in the step, step 2 for a carried one) ends.
-    need = [np.zeros((max(t.num_events, 1), first[-1]), dtype=np.int64) for t in every]
+    ends: dict[tuple[int, int], dict[int, int]] = {}  # (rank, event) -> {worker: count}
     for r, t in enumerate(every):
         for event_word, carried in ((WAIT_EVENT, 0), (CARRY_EVENT, 1)):
             waiters = np.flatnonzero(t.rows[:, event_word] != NO_EVENT)
-            ends = carried * length[owner[r][waiters]] + position[r][waiters] + 1
-            np.maximum.at(need[r], (t.rows[waiters, event_word], owner[r][waiters]), ends)
-    clock = np.zeros((first[-1], first[-1]), dtype=np.int64)
+            counts = carried * length[owner[r][waiters]] + position[r][waiters] + 1
+            for event, worker, count in zip(t.rows[waiters, event_word].tolist(), owner[r][waiters].tolist(),
+                                            counts.tolist()):
+                at = ends.setdefault((r, event), {})
+                at[worker] = max(at.get(worker, 0), count)
+    need = {key: (np.fromiter(at, dtype=np.int64), np.fromiter(at.values(), dtype=np.int32)) for key, at in ends.items()}
+    clock = np.zeros((first[-1], first[-1]), dtype=np.int32)
     known: dict[tuple[int, int, int], np.ndarray] = {}   # (rank, event, step) -> what its signals tell
     raised: dict[tuple[int, int, int], int] = {}
     order = sorted((int(op), r, row) for r, t in enumerate(every) for row, op in enumerate(t.task_op.tolist()))
@@ -135,8 +139,9 @@ def check_periodic(every: list[QueueTables]) -> None:
                 key = (dst, event, step)
                 raised[key] = raised.get(key, 0) + increment
                 known[key] = np.maximum(known[key], clock[w]) if key in known else clock[w].copy()
-                if step == 2:
-                    short = np.flatnonzero(clock[w] < need[dst][event])
+                if step == 2 and (dst, event) in need:
+                    workers, counts = need[dst, event]
+                    short = workers[clock[w][workers] < counts]
                     if len(short):
                         waiter_rank = int(np.searchsorted(first, short[0], side="right")) - 1
                         raise GraphError(f"rank {r} task {row} raises event {event} of rank {dst} for the next step "

@@ -228,7 +228,9 @@ class DecodeModel:
         self._require_no_sequences("decode")
         self.kernel.tensor(self.graph.inputs["history"])[:, pos] = tokens  # the host's write, between launches
         inputs = {"pos": torch.full((c.batch,), pos), "prompt_len": torch.full((c.batch,), c.max_seq_len)}
-        return self.kernel.run({**inputs, **self._frequencies(pos)})["logits"][:, :c.vocab].float()
+        logits = self.kernel.run({**inputs, **self._frequencies(pos)})["logits"][:, :c.vocab].float()
+        self.kernel.bind({"pos": torch.full((c.batch,), -1)})  # every row free again
+        return logits
 
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, tokens_per_launch: int | None = None,
                  eos_token_id: int | None = None) -> torch.Tensor:
