@@ -6,7 +6,8 @@ Part 1 runs a small random Llama (the demo's) for a few decode steps on one rank
 step, bytes of weights each step reads, and the time per step (the Triton interpreter: a CPU number,
 not a GPU one). Part 2 generates with the whole decode loop on the device, one token per launch
 against every token in one launch, and prints the launches and the host's time per generated token
-(the generation's wall time less the launches' own: what the host adds), and their ratio. Part 3
+(the generation's wall time less the launches' own: what the host adds), and their ratio; then a
+prompt to its first token with and without a prefill chunk (launches per prompt token). Part 3
 counts, for mixture-of-experts models, the bytes of weights one step reads (attention, routers, the
 k chosen experts' slices: what the expert tiles stream) against the dense equivalent (every
 expert), for a Qwen3-30B-A3B shape and the tests' small Qwen3-MoE, from the graph's tasks. Part 4 prints, for a Llama-3-8B-shaped decoder layer (hidden 4096, 32 heads, 8 KV
@@ -133,10 +134,44 @@ def moe_fraction() -> None:
               f"({active / dense:.1%} active)")
 
 
+def prefill_launches(prompt: int = 24, chunk: int = 32) -> None:
+    """A prompt to its first token: through the batch row a token per step (one launch each, or all in
+    one launch of ``prompt`` steps) against one prefill chunk (the prompt's positions but the last in
+    prefill rows, the last in the batch row: one launch of one step)."""
+    llama, ids = random_llama(), torch.arange(3, 3 + prompt)
+    print(f"prompt of {prompt} tokens to its first new token, cpu backend, 2 workers:")
+    results = {}
+    for name, prefill_chunk, steps in (("a token per step, a launch each", 0, 1),
+                                       ("a token per step, one launch", 0, prompt),
+                                       (f"prefill chunk of {chunk}", chunk, 1)):
+        model = from_hf(llama, max_seq_len=32, prefill_chunk=prefill_chunk, workers=2)
+        try:
+            model.generate(ids[:2].reshape(1, -1), 1)  # warm: the kernel's first launch meets the ranks
+            launches, made = model.kernel.launches, {}
+            start = time.perf_counter()
+            sequence = model.add(ids, 1)
+            while not made:
+                made = model.step(steps)
+            wall = time.perf_counter() - start
+            count = model.kernel.launches - launches
+            results[name] = (count, wall)
+            print(f"  {name}: {count} launches ({count / prompt:.3f} per prompt token), "
+                  f"{'1' if prefill_chunk else prompt} device steps, wall {wall:.2f} s; first token {made[sequence]}")
+        finally:
+            model.close()
+    per_step, _ = results["a token per step, a launch each"]
+    together = results["a token per step, one launch"][1]
+    prefill, prefill_wall = results[f"prefill chunk of {chunk}"]
+    print(f"  launches per prompt token, a launch per step / prefill: {per_step / prefill:.0f}x; "
+          f"wall (cpu interpreter), {prompt} steps in one launch / prefill: {together / prefill_wall:.1f}x")
+
+
 def main() -> None:
     cpu_steps()
     print()
     host_per_token()
+    print()
+    prefill_launches()
     print()
     moe_fraction()
     print()

@@ -15,7 +15,9 @@
    it must read (attention, router, the 8 chosen experts, the KV cache);
 7. a stack of two Llama-3-8B-shaped layers as a decode loop (the stream fed back, the position
    advanced on the device): tokens per second for STEPS steps in one launch against one step per
-   launch, the two bitwise equal.
+   launch, the two bitwise equal;
+8. serving: whole decode steps of two Llama-3-8B-shaped layers (paged KV cache), tokens per second at
+   batch 1, 8 and 32 with the rows at positions of their own, and a 512-token prefill chunk in one launch.
 
 A section named ``NAME:spin`` runs NAME with the old wait/signal protocol (``MEGAKERNEL_PROTOCOL=spin``:
 every thread spinning on scalar atomics, system-scope signals) instead of the default ``poll``, so one
@@ -289,6 +291,71 @@ def check_steps(s: Setup) -> list[Row]:
                 timing=True)]
 
 
+# -- 8. serving: decode at batch 1/8/32, sequences at positions of their own; a prefill chunk ---------------
+def serving_kernel(c: DecoderConfig, s: Setup) -> tuple[mk.Graph, mk.Megakernel]:
+    """A whole decode step (``decode_step``) of ``c`` with random weights, every batch row's pages its own."""
+    from megakernel.models.decoder import decode_step
+
+    (g,), kernel = sized_kernel(lambda parallelism: (decode_step(c, mk.Graph(world_size=1, rank=0,
+                                                                             parallelism=parallelism)),), s)
+    gen = torch.Generator().manual_seed(11)
+    values = {}
+    for name, t in g.inputs.items():
+        if t.dtype.is_floating_point:
+            scale = 1.0 if "norm" in name or name == "inv_freq" else 1 / math.sqrt(t.shape[-1])
+            values[name] = (torch.randn(t.shape, generator=gen) * scale).to(t.dtype)
+    values["inv_freq"] = 1.0 / 500000.0 ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+    values["history"] = torch.randint(0, c.vocab, (c.batch, c.max_seq_len), generator=gen)
+    table = torch.full((c.rows, c.max_pages), c.pool_pages)  # prefill rows: the first sequence's pages
+    table[:c.batch] = torch.arange(c.batch * c.max_pages).reshape(c.batch, c.max_pages)
+    table[c.batch:] = table[0]
+    values.update(prompt_len=torch.ones(c.batch, dtype=torch.int64), block_table=table)
+    if c.prefill_chunk:
+        values.update(prefill_tokens=torch.randint(0, c.vocab, (c.prefill_chunk,), generator=gen),
+                      prefill_pos=torch.full((c.prefill_chunk,), -1))
+    kernel.bind(values)
+    return g, kernel
+
+
+def check_serving(s: Setup) -> list[Row]:
+    smoke = s.device == "cpu"
+    layers, steps = (1, 2) if smoke else (2, STEPS)
+    base = DecoderConfig(**{**s.layer.__dict__, "layers": layers, "vocab": 1024,
+                            "max_seq_len": 32 if smoke else 2048})
+    rows = []
+    for batch in (1, 2) if smoke else (1, 8, 32):
+        c = DecoderConfig(**{**base.__dict__, "batch": batch})
+        g, kernel = serving_kernel(c, s)
+        try:
+            start = torch.linspace(c.max_seq_len // 8, c.max_seq_len - 2 * steps, batch).long()  # spread out
+            times = []
+            for _ in range(s.repeats + 1):
+                kernel.bind({"pos": start})
+                kernel.run(steps=steps)
+                times.append(kernel.launch_seconds)
+            seconds = statistics.median(times[1:])
+        finally:
+            kernel.close()
+        where = "cpu interpreter" if smoke else "device"
+        rows.append(Row(f"serving: {layers} layers, batch {batch} at positions {int(start[0])}-{int(start[-1])}, "
+                        f"{steps} steps a launch ({where})", f"{batch * steps / seconds:,.1f} tokens/s"))
+    chunk = 4 if smoke else 512
+    c = DecoderConfig(**{**base.__dict__, "batch": 1, "prefill_chunk": chunk, "max_seq_len": 32 if smoke else 1024})
+    g, kernel = serving_kernel(c, s)
+    try:
+        times = []
+        for _ in range(s.repeats + 1):
+            kernel.bind({"pos": torch.tensor([chunk]), "prefill_pos": torch.arange(chunk)})
+            kernel.run()
+            times.append(kernel.launch_seconds)
+        seconds = statistics.median(times[1:])
+        tasks = len(g.tasks)
+    finally:
+        kernel.close()
+    return rows + [Row(f"serving: prefill of a {chunk}-token chunk and its next token, {layers} layers ({tasks} tasks)",
+                       f"{(chunk + 1) / seconds:,.1f} tokens/s")]
+
+
 # -- 3. the Llama-3-8B-shaped layer ----------------------------------------------------------------------
 def layer_graph(c: DecoderConfig, parallelism: int) -> mk.Graph:
     g = mk.Graph(world_size=1, rank=0, parallelism=parallelism)
@@ -491,12 +558,14 @@ def check_virtual_ranks(s: Setup) -> list[Row]:
 
 
 SECTIONS = {"types": check_task_types, "decode": check_decode, "layer": check_layer, "dispatch": check_dispatch,
-            "virtual": check_virtual_ranks, "moe": check_moe, "steps": check_steps}
+            "virtual": check_virtual_ranks, "moe": check_moe, "steps": check_steps, "serving": check_serving}
 SPIN = ":spin"  # a section with the old protocol
-DEFAULT = ["types", "decode", "layer", "moe", "steps", "dispatch", "dispatch" + SPIN, "virtual", "virtual" + SPIN]
+DEFAULT = ["types", "decode", "layer", "moe", "steps", "dispatch", "dispatch" + SPIN, "virtual", "virtual" + SPIN,
+           "serving"]
 # Seconds each section may take in its own process (a CUDA fault poisons the process that hit it, a
 # hang must not eat the GPU's time): all of them within BUDGET.
-LIMITS = {"types": 90, "decode": 90, "layer": 240, "moe": 150, "steps": 150, "dispatch": 60, "virtual": 90}
+LIMITS = {"types": 90, "decode": 90, "layer": 240, "moe": 150, "steps": 150, "dispatch": 60, "virtual": 90,
+          "serving": 150}
 BUDGET = 470
 
 

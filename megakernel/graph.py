@@ -153,6 +153,7 @@ class Graph:
         self._spec_index: dict[tuple, int] = {}
         self._words: list[tuple[Callable[[dict], tuple], int]] = []  # per opcode: keywords -> words, how many
         self.results: dict[str, Tensor] | None = None  # once sealed: where each output is read after a run
+        self._guard: tuple[int, Region] | None = None  # the guard of the tasks built now (``guarded``)
 
     # -- user API ---------------------------------------------------------------------------------
     def input(self, name: str, shape, dtype: torch.dtype) -> Tensor:
@@ -261,11 +262,11 @@ class Graph:
             raise GraphError(f"task type {task_type.name}: {'missing' if missing else 'unknown'} constexpr {name!r}; "
                              f"its tile takes {', '.join(task_type.constexpr_names) or 'none'}")
         consts = tuple((k, DTYPES[v] if isinstance(v, torch.dtype) else v) for k, v in constexprs.items())
-        key = (task_type.name, consts)
+        key = (task_type.name, consts, self._guard is not None)
         opcode = self._spec_index.get(key)
         if opcode is None:
             opcode = self._spec_index[key] = len(self.specs)
-            self.specs.append(Spec(task_type.name, consts, task_type.arg_names))
+            self.specs.append(Spec(*key[:2], task_type.arg_names, guarded=key[2]))
             names = task_type.arg_names  # itemgetter gives a tuple only for two names or more
             getter = itemgetter(*names) if len(names) > 1 else lambda words: tuple(words[n] for n in names)
             self._words.append((getter, len(names)))
@@ -282,6 +283,8 @@ class Graph:
             args = words_of(words)
         except KeyError:
             self._bad_words(opcode, words)
+        if self._guard is not None:
+            args, reads = (*args, self._guard[0]), (*reads, self._guard[1])
         self.tasks.append(opcode, args, reads, writes, task_cost(bytes, flops), len(self.op_names) - 1, remote)
 
     def _bad_words(self, opcode: int, words: dict) -> None:
@@ -299,6 +302,22 @@ class Graph:
         phase that makes it and the next, on every rank.
         """
         self.op_names.append(self._scope + name)
+
+    @contextmanager
+    def guarded(self, flag: Tensor) -> Iterator[None]:
+        """Make the tasks built inside skip their work in a step where ``flag`` (one int64 element) is -1
+        (``device.NO_SEQUENCE``): they still wait and signal, so the schedule is the same whatever it
+        holds. For a part of a graph that not every step needs (a prefill chunk in a decode step)."""
+        self._own(flag, "guarded")
+        if flag.dtype != torch.int64 or flag.shape not in ((1,), (1, 1)):
+            raise GraphError(f"guarded: the flag must be one int64 element, got {flag.shape} {flag.dtype}")
+        if self._guard is not None:
+            raise GraphError("guarded: already inside a guarded part")
+        self._guard = (flag.addr(0, 0), flag.region(0, 1, 0, 1))
+        try:
+            yield
+        finally:
+            self._guard = None
 
     @contextmanager
     def scope(self, label: str) -> Iterator[None]:
@@ -327,7 +346,7 @@ class Graph:
         del self.op_names[ops:], self.buffers[buffers:]
         self.tasks.truncate(tasks)
         for spec in self.specs[specs:]:
-            del self._spec_index[(spec.task_type, spec.constexprs)]
+            del self._spec_index[(spec.task_type, spec.constexprs, spec.guarded)]
         del self.specs[specs:], self._words[specs:]
         self.heap_bytes = heap_bytes
 

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from .device import NO_SEQUENCE
 from .errors import GraphError
 from .heap import HeapView
 from .scheduler import ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, NO_EVENT, OPCODE, SIGNAL_COUNT, SIGNAL_START, WAIT_EVENT, QueueTables
@@ -43,8 +44,9 @@ def execute_ranks(tables: list[QueueTables], heaps: list[torch.Tensor], steps: i
                                      f"{raised[rank][event]}")
             spec = t.specs[row[OPCODE]]
             task_type = TASK_TYPES[spec.task_type]
-            task = SimpleNamespace(**dict(zip(spec.arg_names, row[ARG0:])), **dict(spec.constexprs))
-            task_type.reference(views[rank], task, *([views] if task_type.needs_peers else []))
+            task = SimpleNamespace(**dict(zip(spec.words, row[ARG0:])), **dict(spec.constexprs))
+            if not (spec.guarded and int(views[rank].tensor(task.guard, torch.int64, 1, 1, 1)) == NO_SEQUENCE.value):
+                task_type.reference(views[rank], task, *([views] if task_type.needs_peers else []))
             start = row[SIGNAL_START]
             for dst, ev, increment in t.signals[start:start + row[SIGNAL_COUNT]].tolist():
                 if dst in raised:

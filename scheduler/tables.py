@@ -1,6 +1,6 @@
 """The queue format: task tables, signal tables and per-worker queues, as the kernel reads them.
 
-Version 2 layout of a serialized table (all integers little-endian int64):
+Version 3 layout of a serialized table (all integers little-endian int64):
 
     header   HEADER_WORDS words: MAGIC, VERSION, rank, world_size, workers, events,
              tasks, row_words, signals, metadata_bytes (each a count)
@@ -10,7 +10,7 @@ Version 2 layout of a serialized table (all integers little-endian int64):
     queue    tasks: task ids, worker 0's queue, then worker 1's, ...
     index    workers + 1: where each worker's queue starts in ``queue``
     task_op  tasks: index of the graph op each task came from
-    metadata UTF-8 JSON: opcode specs (task type, constexprs, argument names), op names, and the
+    metadata UTF-8 JSON: opcode specs (task type, constexprs, argument names, guarded), op names, and the
              other ranks' tasks that raise this rank's events (rank, task, worker, position, op)
 
 A task waits for ``wait_event`` to count ``epoch * fan_in`` (its producers in the step) and for
@@ -33,10 +33,11 @@ from .placement import Placement
 from .task import Tasks
 
 MAGIC = 0x4D4B5154_41424C45  # "MKTABLE"
-VERSION = 2
+VERSION = 3
 HEADER_WORDS = 10
 OPCODE, WAIT_EVENT, FAN_IN, CARRY_EVENT, CARRY_FAN_IN, SIGNAL_START, SIGNAL_COUNT, ARG0 = range(8)
 SIGNAL_WORDS = 3
+GUARD_WORD = "guard"
 
 
 class FormatError(GraphError):
@@ -45,16 +46,24 @@ class FormatError(GraphError):
 
 @dataclass(frozen=True)
 class Spec:
-    """What an opcode runs: a task type and the compile-time constants of its tile."""
+    """What an opcode runs: a task type and the compile-time constants of its tile. A ``guarded`` opcode's
+    rows carry one more word after the tile's, ``guard``: the heap offset of an int64 that, when it is
+    -1 (``device.NO_SEQUENCE``), makes the task skip its tile (it still waits and signals)."""
 
     task_type: str
     constexprs: tuple[tuple[str, object], ...]
-    arg_names: tuple[str, ...]
+    arg_names: tuple[str, ...]   # the tile's argument words
+    guarded: bool = False
+
+    @property
+    def words(self) -> tuple[str, ...]:
+        """The argument words of a row, in order."""
+        return (*self.arg_names, GUARD_WORD) if self.guarded else self.arg_names
 
     @property
     def label(self) -> str:
         consts = ", ".join(f"{k}={v}" for k, v in self.constexprs)
-        return f"{self.task_type}[{consts}]"
+        return f"{self.task_type}[{consts}]{' guarded' if self.guarded else ''}"
 
 
 @dataclass
@@ -140,7 +149,7 @@ def build_tables(tasks: Tasks, placement: Placement, events: Events, *, specs: l
 
 def serialize(t: QueueTables) -> bytes:
     meta = json.dumps({
-        "specs": [[s.task_type, [list(kv) for kv in s.constexprs], list(s.arg_names)] for s in t.specs],
+        "specs": [[s.task_type, [list(kv) for kv in s.constexprs], list(s.arg_names), s.guarded] for s in t.specs],
         "ops": t.op_names,
         "remote_producers": [[event, [list(p) for p in ps]] for event, ps in sorted(t.remote_producers.items())],
     }).encode()
@@ -170,7 +179,8 @@ def deserialize(blob: bytes) -> QueueTables:
     tasks, signals, queue, index, task_op = np.split(words, np.cumsum(sizes)[:-1])
     try:
         meta = json.loads(blob[len(blob) - meta_len:].decode())
-        specs = [Spec(name, tuple((k, v) for k, v in consts), tuple(args)) for name, consts, args in meta["specs"]]
+        specs = [Spec(name, tuple((k, v) for k, v in consts), tuple(args), bool(guarded))
+                 for name, consts, args, guarded in meta["specs"]]
         remote = {int(event): [tuple(map(int, p)) for p in ps] for event, ps in meta["remote_producers"]}
         ops = [str(name) for name in meta["ops"]]
     except (ValueError, KeyError, TypeError) as error:
@@ -220,7 +230,7 @@ def disassemble(t: QueueTables) -> str:
                              *([] if row[CARRY_EVENT] == NO_EVENT else [f"ev{row[CARRY_EVENT]}>=(e-1)*{row[CARRY_FAN_IN]}"])]) or "-"
             start, count = row[SIGNAL_START], row[SIGNAL_COUNT]
             sigs = " ".join(f"r{r}:ev{e}+{i}" for r, e, i in t.signals[start:start + count]) or "-"
-            args = " ".join(f"{name}={int(v)}" for name, v in zip(spec.arg_names, row[ARG0:]))
+            args = " ".join(f"{name}={int(v)}" for name, v in zip(spec.words, row[ARG0:]))
             lines.append(f"  [{pos:>4}] task {tid:>5} {t.op_names[t.task_op[tid]]:<16} {spec.task_type:<14} "
                          f"wait {wait:<12} signal {sigs:<16} {args}")
     return "\n".join(lines)

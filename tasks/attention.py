@@ -1,10 +1,13 @@
 """Decode attention over a KV cache, grouped-query, flash-decoding style.
 
-The cache of one layer is two buffers ``[batch * max_seq, kv_heads * head_dim]``; batch row b's
-position p is cache row ``b * max_seq + p``. The current position is a device scalar, so one
-compiled graph serves every step: ``kv_append`` writes row ``pos`` and the attention tiles read
-rows ``0 ..= pos``. Their declared regions cover the whole cache of the batch row, which is what
-they may touch.
+A cache of one layer is two buffers of rows of ``kv_heads * head_dim`` elements, one row per position of
+a sequence. Contiguous: ``[batch * max_seq, ...]``, batch row b's position p at cache row
+``b * max_seq + p``. Paged: a pool of pages of ``page_size`` rows, ``[pages * page_size, ...]``, and a
+block table ``[batch, max_pages]`` (int64, on the heap) of the pages that hold each batch row's
+positions, in order: position p at pool row ``table[b, p // page_size] * page_size + p % page_size``.
+The positions are device scalars, so one compiled graph serves every step: ``kv_append`` writes row
+``pos`` and the attention tiles read rows ``0 ..= pos``. Their declared regions cover what they may
+touch: a contiguous cache's batch row, or the whole pool.
 
 Attention is split along the sequence: a partial tile per (batch row, KV head, split) computes, for
 the query heads of its group, the running max ``m``, the sum of exponentials ``l`` and the
@@ -17,12 +20,15 @@ read only the splits that reach it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from ..device import NO_SEQUENCE, heap_ptr, row_position
+from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
+from ..errors import GraphError
 from .common import TaskType, copy_row, heap_index, require_float, rounded, row_positions
 
 SPLIT = 64           # positions per partial tile: at most, and at parallelism 1 (``split_size``)
@@ -32,47 +38,82 @@ COMBINE_SPLITS = 32  # partials a combine tile reads per step (16 KiB of float32
 
 
 @triton.jit
+def cache_row(base, table, position, pages, PAGE: tl.constexpr):
+    """The cache row of a sequence's ``position`` (in range): itself in a contiguous cache (PAGE 0); in a
+    paged one, a pool row through the block table row at heap offset ``table`` (a page number outside
+    the pool's ``pages``: clamped, so that no access leaves the pool)."""
+    if PAGE == 0:
+        return position
+    page = tl.load(heap_ptr(base, table, tl.int64) + position // PAGE)
+    return tl.minimum(tl.maximum(page, 0), pages - 1) * PAGE + position % PAGE
+
+
+@triton.jit
 def kv_append_tile(base, status,
-                   cache,          # heap offset of the batch row's first cache row
+                   cache,          # heap offset of the batch row's first cache row (paged: the pool's)
                    x,              # heap offset of the row to append
                    pos,            # heap offset of the int64 position
-                   seq_len,        # cache rows of the batch row: positions below it are valid
+                   seq_len,        # positions of the batch row: positions below it are valid
+                   table, pages,   # paged: heap offset of the row's block table row, the pool's pages
                    cols,           # elements per row
                    cache_stride,   # the cache's row stride, in elements
-                   DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Copy the row into cache row ``*pos`` of the batch row (a position outside the cache: no copy, reported;
-    the cache keeps every row it had; a row of no sequence: no copy)."""
+                   DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """Copy the row into the cache row of position ``*pos`` (``cache_row``; a position outside the
+    sequence, or a page outside the pool: no copy, reported; the cache keeps every row it had; a row of
+    no sequence: no copy)."""
     position = tl.load(heap_ptr(base, pos, tl.int64))
     row = row_position(status, heap_ptr(base, pos, tl.int64), seq_len)
-    if (row == position) & (row >= 0):
+    write = (row == position) & (row >= 0)
+    if PAGE != 0:
+        page = tl.load(heap_ptr(base, table, tl.int64) + tl.maximum(row, 0) // PAGE)
+        write = write & (checked_index(status, page, pages) == page)
+    if write:
+        row = cache_row(base, table, row, pages, PAGE)
         copy_row(base, cache + row * cache_stride * DTYPE.primitive_bitwidth // 8, x, cols, DTYPE, BLOCK_N)
 
 
 def _append_reference(heap, task) -> None:
     if _no_sequence(heap, task.pos):
         return
-    row = heap_index(heap, task.pos, task.seq_len)
+    row = _cache_rows(heap, task, heap_index(heap, task.pos, task.seq_len))
     x = heap.tensor(task.x, task.DTYPE, 1, task.cols, task.cols)
     stride = task.cache_stride
-    heap.tensor(task.cache + row * stride * x.element_size(), task.DTYPE, 1, task.cols, stride).copy_(x)
+    heap.tensor(task.cache + int(row) * stride * x.element_size(), task.DTYPE, 1, task.cols, stride).copy_(x)
+
+
+def _cache_rows(heap, task, positions):
+    """``cache_row`` of each of ``positions``, for a reference tile (a page outside the pool refused)."""
+    if task.PAGE == 0:
+        return torch.as_tensor(positions)
+    positions = torch.as_tensor(positions)
+    pages = int(positions.max()) // task.PAGE + 1
+    table = heap.tensor(task.table, torch.int64, 1, pages, pages)[0]
+    for page in table.tolist():
+        if not 0 <= page < task.pages:
+            raise GraphError(f"page {page} of a block table at heap offset {task.table} is outside the pool's "
+                             f"{task.pages} pages")
+    return table[positions // task.PAGE] * task.PAGE + positions % task.PAGE
 
 
 @triton.jit
 def attention_partial_tile(base, status,
                            o, ml,          # heap offsets of the float32 partials: o [GROUP, HEAD_DIM], m and l [GROUP] each
                            q,              # heap offset of the group's GROUP query heads
-                           k, v,           # heap offsets of the KV head's column in the batch row's first cache row
+                           k, v,           # heap offsets of the KV head's column in the batch row's first cache
+                           #                 row (paged: the pool's)
                            pos,            # heap offset of the int64 position
-                           seq_len,        # cache rows of the batch row: positions below it are valid
+                           seq_len,        # positions of the batch row: positions below it are valid
+                           table, pages,   # paged: heap offset of the row's block table row, the pool's pages
                            window,         # positions attended: pos - window < p <= pos (sliding window)
-                           start, length,  # the split: cache positions [start, start + length)
+                           start, length,  # the split: positions [start, start + length)
                            cache_stride,   # the caches' row stride, in elements
                            DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ALIGNED: tl.constexpr):
-    """Online softmax of ``GROUP`` query heads against cache positions [max(start, pos + 1 - window),
-    min(start + length, pos + 1)).
+                           BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ALIGNED: tl.constexpr, PAGE: tl.constexpr):
+    """Online softmax of ``GROUP`` query heads against positions [max(start, pos + 1 - window),
+    min(start + length, pos + 1)), at their cache rows (``cache_row``).
 
-    One query head at a time: BLOCK_S cache rows of K and of V per step, each row a contiguous run of
+    One query head at a time: BLOCK_S positions of K and of V per step (BLOCK_S-aligned, so that in a
+    paged cache they lie in one page, whose pool rows are consecutive), each row a contiguous run of
     HEAD_DIM elements loaded as 16-byte vectors (ALIGNED: the cache, its row stride and q are 16-byte
     aligned, checked by the host). The query row is loaded in the same [BLOCK_S, BLOCK_D] shape as K
     (every row the same address), so the scores need no register shuffle; the later heads of the
@@ -99,9 +140,9 @@ def attention_partial_tile(base, status,
         m = tl.full([], float("-inf"), tl.float32)
         l = tl.full([], 0.0, tl.float32)
         acc = tl.zeros((BLOCK_D,), tl.float32)
-        for s0 in range(first, end, BLOCK_S):
-            valid = s0 + j < end
-            rows = (s0 + j)[:, None] * cache_stride + d
+        for s0 in range(first - first % BLOCK_S, end, BLOCK_S):
+            valid = (s0 + j >= first) & (s0 + j < end)
+            rows = (cache_row(base, table, s0, pages, PAGE) + j)[:, None] * cache_stride + d
             mask = valid[:, None] & (d < HEAD_DIM)
             kv = tl.load(k_ptr + rows, mask=mask, other=0.0).to(tl.float32)
             vv = tl.load(v_ptr + rows, mask=mask, other=0.0).to(tl.float32)
@@ -130,9 +171,10 @@ def _partial_reference(heap, task) -> None:
         ml[0].fill_(float("-inf"))
         ml[1].zero_()
         return
-    size = getattr(torch, dtype).itemsize
-    k = heap.tensor(task.k + start * stride * size, dtype, end - start, hd, stride).float()
-    v = heap.tensor(task.v + start * stride * size, dtype, end - start, hd, stride).float()
+    rows = _cache_rows(heap, task, torch.arange(start, end))
+    pool = int(rows.max()) + 1
+    k = heap.tensor(task.k, dtype, pool, hd, stride)[rows].float()
+    v = heap.tensor(task.v, dtype, pool, hd, stride)[rows].float()
     scores = q @ k.T
     m = scores.max(-1).values
     p = (scores - m[:, None]).exp()
@@ -200,22 +242,67 @@ def _no_sequence(heap, offset: int) -> bool:
     return int(heap.tensor(offset, torch.int64, 1, 1, 1)) == NO_SEQUENCE.value
 
 
-def kv_append(g, cache, x, pos, batch: int):
-    """Write row b of ``x`` [batch, cols] at cache row ``b * max_seq + *pos`` (``pos``: one position, or one
-    per row, ``common.row_positions``); returns ``cache``."""
-    g.check(cache.ndim == 2 and x.ndim == 2 and x.rows == batch and cache.rows % batch == 0 and cache.cols == x.cols
-            and cache.dtype == x.dtype,
+def kv_append(g, cache, x, pos, batch: int, table=None, page_size: int | None = None):
+    """Write row b of ``x`` [batch, cols] at the cache row of position ``*pos`` of batch row b (``pos``: one
+    position, or one per row, ``common.row_positions``): contiguous, row ``b * max_seq + *pos``; paged
+    (``table`` [batch, max_pages] int64 and ``page_size``), through the block table (module docstring).
+    Returns ``cache``."""
+    g.check(cache.ndim == 2 and x.ndim == 2 and x.rows == batch and cache.cols == x.cols and cache.dtype == x.dtype,
             f"kv_append: cache {cache.shape} {cache.dtype} and x {x.shape} {x.dtype} do not match for batch {batch}")
     require_float(g, "kv_append", x=x)
-    max_seq = cache.rows // batch
-    opcode = g.opcode(KV_APPEND, DTYPE=x.dtype, BLOCK_N=min(triton.next_power_of_2(x.cols), 1024))
+    paging = _paging(g, "kv_append", cache, batch, table, page_size)
+    opcode = g.opcode(KV_APPEND, DTYPE=x.dtype, BLOCK_N=min(triton.next_power_of_2(x.cols), 1024), PAGE=paging.page)
     for b, (position, position_region) in enumerate(row_positions(g, "kv_append", pos, batch)):
-        g.add_task(opcode, cache=cache.addr(b * max_seq, 0), x=x.addr(b, 0), pos=position, seq_len=max_seq,
-                   cols=x.cols, cache_stride=cache.row_stride,
-                   reads=(x.region(b, 1, 0, x.cols), position_region),
-                   writes=(cache.region(b * max_seq, max_seq, 0, cache.cols),),
+        g.add_task(opcode, cache=cache.addr(paging.first_row(b), 0), x=x.addr(b, 0), pos=position,
+                   seq_len=paging.max_seq, table=paging.table_row(b), pages=paging.pages, cols=x.cols,
+                   cache_stride=cache.row_stride,
+                   reads=(x.region(b, 1, 0, x.cols), position_region, *paging.table_region(b)),
+                   writes=(paging.rows(cache, b, 0, cache.cols),),
                    bytes=2 * x.cols * x.element_size, flops=0)
     return cache
+
+
+@dataclass(frozen=True)
+class Paging:
+    """Where a batch row's positions are in a cache: a contiguous block of ``max_seq`` rows (``page`` 0),
+    or ``page``-row pages of a pool of ``pages`` through a block table."""
+
+    max_seq: int       # positions per batch row
+    page: int          # rows per page; 0: contiguous
+    pages: int         # pages in the pool (paged)
+    table: Any         # the block table (paged), else None
+
+    def block(self, most: int) -> int:
+        """Positions per step of a tile: ``most`` (a power of two), or in a paged cache the largest power
+        of two at most that which divides a page (aligned steps then never cross a page)."""
+        return min(most, self.page & -self.page) if self.page else most
+
+    def first_row(self, b: int) -> int:
+        return 0 if self.page else b * self.max_seq
+
+    def table_row(self, b: int) -> int:
+        return self.table.addr(b, 0) if self.page else 0
+
+    def table_region(self, b: int) -> tuple:
+        return (self.table.region(b, 1, 0, self.table.cols),) if self.page else ()
+
+    def rows(self, cache, b: int, col: int, cols: int):
+        """The region of ``cache`` batch row b may touch: its block, or the whole pool."""
+        return (cache.region(0, cache.rows, col, cols) if self.page
+                else cache.region(b * self.max_seq, self.max_seq, col, cols))
+
+
+def _paging(g, op: str, cache, batch: int, table, page_size: int | None) -> Paging:
+    if table is None:
+        g.check(page_size is None, f"{op}: page_size {page_size} without a block table")
+        g.check(cache.rows % batch == 0, f"{op}: cache of {cache.rows} rows is not {batch} batch rows")
+        return Paging(cache.rows // batch, 0, 0, None)
+    g.check(isinstance(page_size, int) and not isinstance(page_size, bool) and page_size >= 1
+            and cache.rows % page_size == 0,
+            f"{op}: page_size must be a positive int dividing the pool's {cache.rows} rows, got {page_size!r}")
+    g.check(table.ndim == 2 and table.rows == batch and table.dtype == torch.int64,
+            f"{op}: the block table must be int64 [batch {batch}, max_pages], got {table.shape} {table.dtype}")
+    return Paging(table.cols * page_size, page_size, cache.rows // page_size, table)
 
 
 def split_size(rows: int, max_seq: int, parallelism: int) -> int:
@@ -230,10 +317,12 @@ def split_size(rows: int, max_seq: int, parallelism: int) -> int:
     return size
 
 
-def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, window: int | None = None):
-    """Attention of ``q`` [batch, heads * head_dim] over cache rows 0 ..= ``*pos`` of every batch row, or
+def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, window: int | None = None, table=None,
+                     page_size: int | None = None):
+    """Attention of ``q`` [batch, heads * head_dim] over positions 0 ..= ``*pos`` of every batch row, or
     over the last ``window`` of them (a sliding window). ``pos``: one position, or one per row
-    (``common.row_positions``; a row of no sequence does no work and gets zeros).
+    (``common.row_positions``; a row of no sequence does no work and gets zeros). The caches are
+    contiguous, or pools of pages with a block ``table`` (``kv_append``).
 
     The caches hold ``kv_heads`` heads; each KV head serves ``heads / kv_heads`` query heads. The
     sequence is cut into splits of ``split_size`` positions (one partial tile per batch row, KV head
@@ -243,14 +332,15 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
     g.check(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0,
             f"decode_attention: q {q.shape} and cache {k_cache.shape} are not whole heads of {head_dim} "
             f"with query heads a multiple of KV heads")
-    g.check(k_cache.shape == v_cache.shape and k_cache.rows % batch == 0 and q.rows == batch,
+    g.check(k_cache.shape == v_cache.shape and q.rows == batch,
             f"decode_attention: caches {k_cache.shape}, {v_cache.shape} and q {q.shape} for batch {batch}")
     require_float(g, "decode_attention", q=q, k_cache=k_cache, v_cache=v_cache)
+    paging = _paging(g, "decode_attention", k_cache, batch, table, page_size)
     positions = row_positions(g, "decode_attention", pos, batch)
     g.check(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
             f"decode_attention: window must be None or a positive integer, got {window!r}")
     group = heads // kv_heads
-    max_seq = k_cache.rows // batch
+    max_seq = paging.max_seq
     split = split_size(batch * kv_heads, max_seq, g.parallelism)
     splits = triton.cdiv(max_seq, split)
     partial_o = g.new_tensor((batch * kv_heads * splits * group, head_dim), torch.float32)
@@ -262,7 +352,7 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
                                         v_cache.addr(0, 0), k_cache.row_stride * size, v_cache.row_stride * size))
     block_d = triton.next_power_of_2(head_dim)
     partial = g.opcode(PARTIAL, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, SCALE=1.0 / math.sqrt(head_dim),
-                       BLOCK_D=block_d, BLOCK_S=BLOCK_S, ALIGNED=aligned)
+                       BLOCK_D=block_d, BLOCK_S=paging.block(BLOCK_S), ALIGNED=aligned, PAGE=paging.page)
     for b, (position, position_region) in enumerate(positions):
         for h in range(kv_heads):
             q_rows = q.region(b, 1, h * group * head_dim, group * head_dim)
@@ -270,12 +360,13 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
                 slot = (b * kv_heads + h) * splits + s
                 cols = h * head_dim
                 g.add_task(partial, o=partial_o.addr(slot * group, 0), ml=partial_ml.addr(slot * 2, 0),
-                           q=q.addr(b, h * group * head_dim), k=k_cache.addr(b * max_seq, cols),
-                           v=v_cache.addr(b * max_seq, cols), pos=position, seq_len=max_seq,
+                           q=q.addr(b, h * group * head_dim), k=k_cache.addr(paging.first_row(b), cols),
+                           v=v_cache.addr(paging.first_row(b), cols), pos=position, seq_len=max_seq,
+                           table=paging.table_row(b), pages=paging.pages,
                            window=min(window or max_seq, max_seq), start=s * split, length=split,
                            cache_stride=k_cache.row_stride,
-                           reads=(q_rows, position_region, k_cache.region(b * max_seq, max_seq, cols, head_dim),
-                                  v_cache.region(b * max_seq, max_seq, cols, head_dim)),
+                           reads=(q_rows, position_region, *paging.table_region(b),
+                                  paging.rows(k_cache, b, cols, head_dim), paging.rows(v_cache, b, cols, head_dim)),
                            writes=(partial_o.region(slot * group, group, 0, head_dim),
                                    partial_ml.region(slot * 2, 2, 0, group)),
                            bytes=2 * min(split, max_seq) * head_dim * size,
@@ -299,12 +390,17 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
 
 
 def _example(g):
-    """A KV append and an attention over the cache it writes: two batch rows, two query heads per KV head."""
+    """A KV append and an attention over the cache it writes: two batch rows, two query heads per KV head;
+    contiguous, and paged (pages of 16 rows, 3 per row, in a pool of 40: any index input is a page)."""
     q, pos = g.input("attention.q", (2, 96), torch.bfloat16), g.input("attention.pos", (1,), torch.int64)
     cache = g.input("attention.cache", (2 * 80, 48), torch.bfloat16)
     k_cache = g.kv_append(cache, q[:, :48], pos, batch=2)
+    table = g.input("attention.table", (2, 3), torch.int64)
+    pool = g.kv_append(g.input("attention.pool", (40 * 16, 48), torch.bfloat16), q[:, 48:], pos, batch=2,
+                       table=table, page_size=16)
     return (g.decode_attention(q, k_cache, k_cache, pos, batch=2, head_dim=48),
-            g.decode_attention(q, k_cache, k_cache, pos, batch=2, head_dim=48, window=20))
+            g.decode_attention(q, k_cache, k_cache, pos, batch=2, head_dim=48, window=20),
+            g.decode_attention(q, pool, pool, pos, batch=2, head_dim=48, table=table, page_size=16))
 
 
 KV_APPEND = TaskType("kv_append", kv_append_tile, _append_reference, _example)

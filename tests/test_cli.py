@@ -23,7 +23,7 @@ def test_demo_generates_what_transformers_generates(tmp_path):
     assert {s.rank for s in trace.spans} == {0, 1} and any(s.comm for s in trace.spans)
     image = load(tmp_path / "kernel-rank0.npz")
     assert (image.tables.rank, image.tables.world_size) == (0, 2)
-    assert "megakernel task table v2" in megakernel("disasm", str(tmp_path / "kernel-rank0.npz"))
+    assert "megakernel task table v3" in megakernel("disasm", str(tmp_path / "kernel-rank0.npz"))
 
 
 def test_disasm_execute_runs_the_reference_executor(tmp_path):
@@ -38,7 +38,7 @@ def test_disasm_execute_runs_the_reference_executor(tmp_path):
         kernel.bind({name: torch.randn(t.shape) * 0.2 for name, t in g.inputs.items()})
         kernel.save_image(tmp_path / "kernel.npz")
     listing = megakernel("disasm", str(tmp_path / "kernel.npz"), "--execute")
-    assert "megakernel task table v2" in listing and "worker 1:" in listing
+    assert "megakernel task table v3" in listing and "worker 1:" in listing
     # --execute prints the reference executor's output: it must match the image's tables run here
     loaded = load(tmp_path / "kernel.npz")
     execute(loaded.tables, loaded.heap)

@@ -355,7 +355,7 @@ def test_hostile_images_and_garbage_end_in_one_line(tmp_path, capsys):
             np.lib.format.write_array_header_1_0(heap, header)
             heap.write(b"\0" * 1024)
     assert cli(["disasm", str(bomb)]) == 0  # the tables alone: the heap is not read
-    assert "task table v2" in capsys.readouterr().out
+    assert "task table v3" in capsys.readouterr().out
     assert cli(["disasm", str(bomb), "--execute"]) == 1
     assert "claims uint8 (6442450944,)" in capsys.readouterr().err
     garbage = tmp_path / "garbage.npz"

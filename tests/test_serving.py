@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import megakernel as mk
-from megakernel.models import from_hf
+from megakernel.models import KVCacheFull, from_hf
 
 from helpers import assert_close
 from test_decode import hf_model
@@ -23,47 +23,102 @@ def _alone(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
                               pad_token_id=0)[0]
 
 
-def _many(model, lengths, new):
-    m = from_hf(model, max_seq_len=24, max_batch=2, workers=1)
+def _many(model, lengths, new, page_size, prefill_chunk):
+    m = from_hf(model, max_seq_len=24, max_batch=2, page_size=page_size, prefill_chunk=prefill_chunk, workers=1)
     try:
         return m.generate([_prompt(n) for n in lengths], new), m.kernel.launches
     finally:
         m.close()
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_prompts_of_different_lengths_generate_what_each_would_alone(world):
-    """Prompts of 1, 7 and 20 tokens through 2 slots (the third waits for a free one): each exactly as alone."""
+# launches: without prefill rows, one per sequence end (the waiting prompt joins as the first one leaves);
+# with them, one per prefill chunk too (a launch prefills up to prefill_chunk prompt positions)
+@pytest.mark.parametrize("world, page_size, prefill_chunk, launches", [(1, 4, 8, 6), (1, 16, 0, 3), (2, 4, 16, 5),
+                                                                       (2, 16, 8, 6)])
+def test_prompts_of_different_lengths_generate_what_each_would_alone(world, page_size, prefill_chunk, launches):
+    """Prompts of 1, 7 and 20 tokens through 2 slots (the third waits for a free one), KV in pages, prompts
+    prefilled in chunks or read a token per step: each exactly as alone."""
     model = hf_model("qwen3", kv_heads=2, layers=1)
     lengths, new = (1, 7, 20), 3
-    job = functools.partial(_many, model, lengths, new)
+    job = functools.partial(_many, model, lengths, new, page_size, prefill_chunk)
     results = mk.launch(job, world_size=world, virtual=True, timeout=600) if world > 1 else [job()]
-    for rank, (outputs, launches) in enumerate(results):
+    for rank, (outputs, made) in enumerate(results):
         for length, out in zip(lengths, outputs):
             assert torch.equal(out, _alone(model, _prompt(length), new)), f"prompt of {length}, rank {rank} of {world}"
-        assert launches == 3  # a launch per sequence end: the waiting prompt joins as the first one leaves
+        assert made == launches
 
 
-def test_a_sequence_joins_others_mid_generation_and_reuses_a_freed_slot():
+def test_a_sequence_joins_others_mid_generation_and_reuses_a_freed_slot_and_its_pages():
     model = hf_model("llama", layers=1)
-    m = from_hf(model, max_seq_len=16, max_batch=3, workers=1)
+    m = from_hf(model, max_seq_len=16, max_batch=3, page_size=4, prefill_chunk=4, workers=1)
     try:
         a, b = m.add(_prompt(4), 6), m.add(_prompt(2), 2)
         tokens = {a: [], b: []}
-        for _ in range(4):  # b ends after its 2 tokens (at step 3): its slot is free again
-            for sequence, made in m.step().items():
-                tokens[sequence] += made
-        assert m.slots[1] is None and b in m.finished
-        c = m.add(_prompt(5), 4)  # joins a mid-generation, in b's old slot
+        for sequence, made in m.step().items():  # prefills both prompts but their last tokens: 3 + 1 positions
+            tokens[sequence] += made
+        assert {a, b} == set(tokens) and all(len(t) == 1 for t in tokens.values())
+        b_pages = list(m.pool.held[1])
+        for sequence, made in m.step().items():  # b has its 2 tokens: its slot and pages are free again
+            tokens[sequence] += made
+        assert m.slots[1] is None and b in m.finished and m.pool.held[1] == []
+        c = m.add(_prompt(5), 4)  # joins a mid-generation, in b's old slot, on b's old pages
         assert m.slots[1].id == c
         tokens[c] = []
         while any(m.slots):
             for sequence, made in m.step().items():
                 tokens[sequence] += made
+            if len(tokens[c]) == 1:  # c's prompt is in its pages now
+                assert set(m.pool.held[1]) & set(b_pages), "c took none of b's freed pages"
         for sequence, (length, new) in {a: (4, 6), b: (2, 2), c: (5, 4)}.items():
             expected = _alone(model, _prompt(length), new)
             assert tokens[sequence] == expected[length:].tolist(), f"sequence {sequence}"
             assert torch.equal(m.finished[sequence], expected)
+        assert len(m.pool.free) == m.pool.pages
+    finally:
+        m.close()
+
+
+def test_prefill_of_a_long_prompt_gives_the_last_positions_logits():
+    """A 20-token prompt in chunks of 8 (8 + 8 + 3 positions, the last in its batch row): three launches,
+    after which the logits are transformers' at the last position (float32, within 1e-4)."""
+    model = hf_model("qwen3", kv_heads=2, layers=2)
+    prompt = _prompt(20)
+    m = from_hf(model, max_seq_len=24, max_batch=1, page_size=4, prefill_chunk=8, workers=1)
+    try:
+        sequence = m.add(prompt, 2)
+        assert m.step() == {} and m.step() == {}
+        first = m.step()[sequence]
+        with torch.no_grad():
+            expected = model(prompt.reshape(1, -1)).logits[0, -1].float()
+        assert_close(m.logits[0], expected, 1e-4, "last position's logits")
+        assert m.kernel.launches == 3 and first == [int(expected.argmax())]
+    finally:
+        m.close()
+
+
+def test_a_full_pool_is_a_clear_error_that_harms_no_other_sequence():
+    """Two sequences that need 3 pages each and a pool of 5: the launch that would take the sixth raises,
+    naming the sequence and the pool, having run nothing; the other goes on to what it makes alone."""
+    model = hf_model("llama", layers=1)
+    m = from_hf(model, max_seq_len=16, max_batch=2, page_size=4, kv_pages=5, workers=1)
+    try:
+        a, b = m.add(_prompt(3), 10), m.add(_prompt(4), 9)
+        m.step(4), m.step(4)  # positions 0-7: two pages each
+        launches = m.kernel.launches
+        with pytest.raises(KVCacheFull, match=f"sequence {b} needs 1 more page.*the pool has 5 pages and 0 free"):
+            m.step(4)
+        assert m.kernel.launches == launches and len(m.pool.free) == 1  # nothing launched, nothing kept
+        m.cancel(b)
+        while any(m.slots):
+            m.step(4)
+        assert torch.equal(m.finished[a], _alone(model, _prompt(3), 10))
+    finally:
+        m.close()
+    m = from_hf(model, max_seq_len=16, max_batch=1, page_size=4, kv_pages=2, workers=1)
+    try:
+        with pytest.raises(KVCacheFull, match="need more than the pool's 2 pages"):
+            m.generate([_prompt(5)], 10)
+        assert m.kernel.launches == 0 and len(m.pool.free) == 2
     finally:
         m.close()
 
@@ -107,5 +162,71 @@ def test_bad_requests_are_refused_with_clear_errors():
             m.add(_prompt(3), 2)
         with pytest.raises(mk.GraphError, match="sequences \\[0\\] of add\\(\\) are running"):
             m.decode(torch.tensor([1]), 0)
+        with pytest.raises(mk.GraphError, match="no running sequence has id 7"):
+            m.cancel(7)
     finally:
         m.close()
+    for options, message in (({"page_size": 0}, "page_size must be a positive int"),
+                             ({"kv_pages": -1}, "kv_pages must be a positive int or None"),
+                             ({"prefill_chunk": 1.5}, "prefill_chunk must be a non-negative int")):
+        with pytest.raises(mk.GraphError, match=message):
+            from_hf(model, max_seq_len=8, **options)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_paged_attention_follows_the_block_table(page_size):
+    """Rows whose pages are scattered over a pool (in no order, shared by no one): the append lands in
+    the page of its position, and attention over the pages equals float64 attention over the positions."""
+    batch, head_dim, max_pages = 3, 16, 3
+    pool_pages = batch * max_pages + 1
+    g = mk.Graph(world_size=1, rank=0)
+    q, x = g.input("q", (batch, 32), torch.float32), g.input("x", (batch, 16), torch.float32)
+    pos, table = g.input("pos", (batch,), torch.int64), g.input("table", (batch, max_pages), torch.int64)
+    pool = g.input("pool", (pool_pages * page_size, 16), torch.float32)
+    cache = g.kv_append(pool, x, pos, batch, table=table, page_size=page_size)
+    g.output("out", g.decode_attention(q, cache, cache, pos, batch, head_dim, table=table, page_size=page_size))
+    gen = torch.Generator().manual_seed(page_size)
+    pages = torch.randperm(pool_pages, generator=gen)[:batch * max_pages].reshape(batch, max_pages)
+    positions = torch.tensor([max_pages * page_size - 1, -1, page_size + 1])
+    values = {"q": torch.randn(batch, 32, generator=gen), "x": torch.randn(batch, 16, generator=gen),
+              "pool": torch.randn(pool_pages * page_size, 16, generator=gen), "pos": positions, "table": pages}
+    with mk.Megakernel(g, workers=2) as kernel:
+        out = kernel.run(values)["out"]
+        pool_after = kernel.tensor(g.inputs["pool"]).clone()
+    rows = lambda b, n: pages[b, torch.arange(n) // page_size] * page_size + torch.arange(n) % page_size  # noqa: E731
+    expected_pool = values["pool"].clone()
+    for b, p in enumerate(positions.tolist()):
+        if p >= 0:
+            expected_pool[rows(b, p + 1)[-1]] = values["x"][b]
+    assert torch.equal(pool_after, expected_pool)  # one row per live sequence, in its page; nothing else
+    assert torch.equal(out[1], torch.zeros(32))
+    for b, p in ((0, int(positions[0])), (2, int(positions[2]))):
+        keys = expected_pool[rows(b, p + 1)].double()
+        for head in range(2):
+            scores = torch.softmax(values["q"][b, head * 16:(head + 1) * 16].double() @ keys.T / 4.0, dim=-1)
+            assert_close(out[b, head * 16:(head + 1) * 16], scores @ keys, 1e-5, f"row {b} head {head}")
+
+
+def test_a_guarded_part_runs_only_in_steps_whose_flag_is_not_minus_one():
+    """Guarded tasks do their work while the flag holds a position and are skipped (outputs untouched)
+    while it holds -1; the flag's reset at the end of a step (``advance`` to its limit) turns them off
+    for the next step of the same launch."""
+    g = mk.Graph(world_size=1, rank=0)
+    x, flag = g.input("x", (8,), torch.float32), g.input("flag", (1,), torch.int64)
+    count = g.input("count", (1,), torch.int64)
+    with g.guarded(flag):
+        g.output("sum", g.add(x, x))
+        g.advance(count)            # counts the steps that ran the guarded part
+    g.advance(flag, limit=0)        # any position becomes -1 after the step
+    x0 = torch.randn(8, generator=torch.Generator().manual_seed(1))
+    with mk.Megakernel(g, workers=2) as kernel:
+        kernel.bind({"x": x0, "count": torch.tensor([0])})
+        kernel.poison()  # NaN in every buffer the graph makes
+        assert torch.isnan(kernel.run({"flag": torch.tensor([-1])}, steps=2)["sum"]).all()
+        assert int(kernel.tensor(g.inputs["count"])) == 0
+        assert torch.equal(kernel.run({"flag": torch.tensor([3])}, steps=3)["sum"], 2 * x0)
+        assert int(kernel.tensor(g.inputs["count"])) == 1 and int(kernel.tensor(g.inputs["flag"])) == -1
+    other = mk.Graph(world_size=1, rank=0)
+    with pytest.raises(mk.GraphError, match="one int64 element"):
+        with other.guarded(other.input("x", (8,), torch.float32)):
+            pass

@@ -1,5 +1,7 @@
 """Whole-layer builders: decoder layers and decode steps, and loading from ``transformers``."""
-from .decoder import DecoderConfig, Shard, decode_step, decoder_layer
+from .decoder import DecoderConfig, KVCache, Shard, decode_step, decoder_layer, layer_inputs
 from .hf import DecodeModel, from_hf, from_pretrained
+from .pages import KVCacheFull, PagePool
 
-__all__ = ["DecodeModel", "DecoderConfig", "Shard", "decode_step", "decoder_layer", "from_hf", "from_pretrained"]
+__all__ = ["DecodeModel", "DecoderConfig", "KVCache", "KVCacheFull", "PagePool", "Shard", "decode_step",
+           "decoder_layer", "from_hf", "from_pretrained", "layer_inputs"]

@@ -43,6 +43,24 @@ class DecoderConfig:
     moe_intermediate: int = 0
     norm_topk: bool = False    # the k weights divided by their sum (Qwen3-MoE's norm_topk_prob, Mixtral)
     router_weight_dtype: torch.dtype = torch.float32  # the dtype the weights are applied in (Qwen3-MoE: the model's)
+    page_size: int = 16        # KV cache positions per page
+    kv_pages: int = 0          # pages in the pool (0: every batch row at max_seq_len); one more is the spill page
+    prefill_chunk: int = 0     # prompt tokens a step can prefill besides its batch rows (0: none)
+
+    @property
+    def max_pages(self) -> int:
+        """Entries of a block table row: pages for ``max_seq_len`` positions."""
+        return -(-self.max_seq_len // self.page_size)
+
+    @property
+    def pool_pages(self) -> int:
+        """The pages sequences get (``kv_pages``, or every batch row at ``max_seq_len``)."""
+        return self.kv_pages or self.batch * self.max_pages
+
+    @property
+    def rows(self) -> int:
+        """Rows of a step: the batch's, then the prefill chunk's (biases are inputs of this many rows)."""
+        return self.batch + self.prefill_chunk
 
 
 @dataclass(frozen=True)
@@ -122,39 +140,79 @@ class Shard:
                    Share.even(c.moe_intermediate, rank, world))
 
 
-def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, inv_freq: Tensor, i: int) -> Tensor:
-    """One pre-norm decoder layer over the residual stream ``x`` [batch, hidden]; returns the new stream."""
-    hd, q_cols, kv_cols = c.head_dim, s.heads * c.head_dim, s.kv_heads * c.head_dim
-    w = lambda name, shape: g.input(f"layers.{i}.{name}", shape, c.dtype)  # noqa: E731
-    bias = lambda name, cols: g.input(f"layers.{i}.{name}", (c.batch, cols), c.dtype)  # noqa: E731 (per batch row)
-    h = g.rms_norm(x, w("input_norm", (c.hidden,)), c.eps, unit_offset=c.gemma)
-    qkv = g.linear(h, w("qkv", (q_cols + 2 * kv_cols, c.hidden)))
+@dataclass(frozen=True)
+class KVCache:
+    """A layer's KV cache: pools of ``page_size``-position pages and the block table of each row."""
+
+    k: Tensor
+    v: Tensor
+    table: Tensor
+    page_size: int
+
+
+def layer_inputs(g: Graph, c: DecoderConfig, s: Shard, i: int) -> dict[str, Tensor]:
+    """Layer ``i``'s weights as graph inputs ``layers.{i}.*``, by short name; biases have a row per step row."""
+    q_cols, kv_cols = s.heads * c.head_dim, s.kv_heads * c.head_dim
+    shapes = {"input_norm": (c.hidden,), "qkv": (q_cols + 2 * kv_cols, c.hidden), "o": (c.hidden, q_cols),
+              "post_norm": (c.hidden,)}
     if c.qkv_bias:
-        qkv = g.add(qkv, bias("qkv_bias", q_cols + 2 * kv_cols))
+        shapes["qkv_bias"] = (c.rows, q_cols + 2 * kv_cols)
+    if c.qk_norm:
+        shapes.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
+    if c.o_bias:
+        shapes["o_bias"] = (c.rows, c.hidden)
+    if c.moe and c.moe[i]:
+        shapes.update({"router": (c.experts, c.hidden), "experts.gate_up": (c.experts * 2 * s.moe.size, c.hidden),
+                       "experts.down": (c.experts * c.hidden, s.moe.size)})
+    else:
+        shapes.update(gate_up=(2 * s.intermediate, c.hidden), down=(c.hidden, s.intermediate))
+        if c.mlp_bias:
+            shapes.update(gate_up_bias=(c.rows, 2 * s.intermediate), down_bias=(c.rows, c.hidden))
+    return {name: g.input(f"layers.{i}.{name}", shape, c.dtype) for name, shape in shapes.items()}
+
+
+def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, inv_freq: Tensor, i: int,
+                  w: dict[str, Tensor] | None = None, kv: KVCache | None = None, row0: int = 0) -> Tensor:
+    """One pre-norm decoder layer over the residual stream ``x`` [rows, hidden]; returns the new stream.
+
+    ``w``: the layer's inputs (``layer_inputs``; made here by default), ``kv``: its paged cache (by
+    default a contiguous one made here, ``max_seq_len`` positions per row), ``row0``: the first row of
+    the biases that ``x``'s rows use."""
+    hd, q_cols, kv_cols = c.head_dim, s.heads * c.head_dim, s.kv_heads * c.head_dim
+    w = w or layer_inputs(g, c, s, i)
+    bias = lambda name: w[name][row0:row0 + x.rows]  # noqa: E731
+    h = g.rms_norm(x, w["input_norm"], c.eps, unit_offset=c.gemma)
+    qkv = g.linear(h, w["qkv"])
+    if c.qkv_bias:
+        qkv = g.add(qkv, bias("qkv_bias"))
     q, k, v = qkv[:, :q_cols], qkv[:, q_cols:q_cols + kv_cols], qkv[:, q_cols + kv_cols:]
     if c.qk_norm:
-        q = g.rms_norm(q, w("q_norm", (hd,)), c.eps, head_dim=hd)
-        k = g.rms_norm(k, w("k_norm", (hd,)), c.eps, head_dim=hd)
+        q = g.rms_norm(q, w["q_norm"], c.eps, head_dim=hd)
+        k = g.rms_norm(k, w["k_norm"], c.eps, head_dim=hd)
     q, k = g.rope(q, inv_freq, pos, hd, c.rope_scaling), g.rope(k, inv_freq, pos, hd, c.rope_scaling)
-    k_cache = g.kv_append(g.new_tensor((c.batch * c.max_seq_len, kv_cols), c.dtype, name=f"layers.{i}.k_cache"),
-                          k, pos, c.batch)
-    v_cache = g.kv_append(g.new_tensor((c.batch * c.max_seq_len, kv_cols), c.dtype, name=f"layers.{i}.v_cache"),
-                          v, pos, c.batch)
-    attn = g.decode_attention(q, k_cache, v_cache, pos, c.batch, hd, window=c.windows[i] if c.windows else None)
-    out = _row_parallel(g, s, g.linear(attn, w("o", (c.hidden, q_cols))))
-    x = g.add(x, g.add(out, bias("o_bias", c.hidden)) if c.o_bias else out)  # a row-parallel bias: once, after
-    h = g.rms_norm(x, w("post_norm", (c.hidden,)), c.eps, unit_offset=c.gemma)
+    if kv is None:
+        k_cache, v_cache = (g.new_tensor((x.rows * c.max_seq_len, kv_cols), c.dtype, name=f"layers.{i}.{name}")
+                            for name in ("k_cache", "v_cache"))
+        paging = {}
+    else:
+        k_cache, v_cache, paging = kv.k, kv.v, {"table": kv.table, "page_size": kv.page_size}
+    k_cache = g.kv_append(k_cache, k, pos, x.rows, **paging)
+    v_cache = g.kv_append(v_cache, v, pos, x.rows, **paging)
+    attn = g.decode_attention(q, k_cache, v_cache, pos, x.rows, hd, window=c.windows[i] if c.windows else None,
+                              **paging)
+    out = _row_parallel(g, s, g.linear(attn, w["o"]))
+    x = g.add(x, g.add(out, bias("o_bias")) if c.o_bias else out)  # a row-parallel bias: once, after
+    h = g.rms_norm(x, w["post_norm"], c.eps, unit_offset=c.gemma)
     if c.moe and c.moe[i]:  # each rank: every expert's share of columns; the partial sums all-reduced
-        out = g.moe_mlp(h, w("router", (c.experts, c.hidden)), w("experts.gate_up", (c.experts * 2 * s.moe.size, c.hidden)),
-                        w("experts.down", (c.experts * c.hidden, s.moe.size)), c.top_k, c.norm_topk,
+        out = g.moe_mlp(h, w["router"], w["experts.gate_up"], w["experts.down"], c.top_k, c.norm_topk,
                         c.router_weight_dtype)
         return g.add(x, _row_parallel(g, s, out))
-    gate_up = g.linear(h, w("gate_up", (2 * s.intermediate, c.hidden)))
+    gate_up = g.linear(h, w["gate_up"])
     if c.mlp_bias:
-        gate_up = g.add(gate_up, bias("gate_up_bias", 2 * s.intermediate))
+        gate_up = g.add(gate_up, bias("gate_up_bias"))
     act = (g.gelu_tanh_mul if c.gemma else g.silu_mul)(gate_up[:, :s.intermediate], gate_up[:, s.intermediate:])
-    out = _row_parallel(g, s, g.linear(act, w("down", (c.hidden, s.intermediate))))
-    return g.add(x, g.add(out, bias("down_bias", c.hidden)) if c.mlp_bias else out)
+    out = _row_parallel(g, s, g.linear(act, w["down"]))
+    return g.add(x, g.add(out, bias("down_bias")) if c.mlp_bias else out)
 
 
 def _row_parallel(g: Graph, s: Shard, partial: Tensor) -> Tensor:
@@ -169,6 +227,15 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     a row at position -1 holds no sequence and does no attention work, and one that reaches
     ``max_seq_len`` ends (-1).
 
+    The KV cache of a layer is a pool of ``kv_pages + 1`` pages of ``page_size`` positions (the last one
+    takes the writes of positions a row was given no page for), and ``block_table`` [rows, max_pages]
+    maps each row's positions to pages (``tasks.attention``). With ``prefill_chunk`` C > 0, the step
+    also runs C more rows in each layer, guarded (``Graph.guarded``) by ``prefill_pos[0]``: prompt
+    tokens ``prefill_tokens`` at positions ``prefill_pos`` [C] (-1: unused), each with its sequence's
+    pages in block table row ``batch + j``. They write the KV cache of those positions before the batch
+    rows' attention of the same layer reads it, make no logits, and are off (-1) after the step: one
+    launch prefills up to C prompt tokens, the last prompt token of a sequence then runs in its batch row.
+
     Built into ``g``, or a new ``Graph(parallelism=parallelism)``: the number of workers the step is
     meant for, which sizes its tiles (split-K linears, attention splits).
     """
@@ -177,13 +244,30 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     history = g.input("history", (c.batch, c.max_seq_len), torch.int64)
     pos = g.input("pos", (c.batch,), torch.int64)
     prompt_len = g.input("prompt_len", (c.batch,), torch.int64)
+    table = g.input("block_table", (c.rows, c.max_pages), torch.int64)
     inv_freq = g.input("inv_freq", (c.head_dim // 2,), torch.float32)
-    x = g.embedding(history, g.input("embed", (c.vocab, c.hidden), c.dtype), pos=pos)
-    if c.gemma:  # times sqrt(hidden) as the model's dtype holds it
-        x = g.mul(x, g.input("embed_scale", (c.batch, c.hidden), c.dtype))
+    embed = g.input("embed", (c.vocab, c.hidden), c.dtype)
+    scale = g.input("embed_scale", (c.rows, c.hidden), c.dtype) if c.gemma else None  # sqrt(hidden) in the dtype
+    x = g.embedding(history, embed, pos=pos)
+    if scale is not None:
+        x = g.mul(x, scale[:c.batch])
+    if c.prefill_chunk:
+        prefill_pos = g.input("prefill_pos", (c.prefill_chunk,), torch.int64)
+        with g.guarded(prefill_pos[0]):
+            chunk = g.embedding(g.input("prefill_tokens", (c.prefill_chunk,), torch.int64), embed)
+            if scale is not None:
+                chunk = g.mul(chunk, scale[c.batch:])
+    pool_rows = (c.pool_pages + 1) * c.page_size
     for i in range(c.layers):
         with g.scope(f"layer{i}"):
-            x = decoder_layer(g, c, s, x, pos, inv_freq, i)
+            w = layer_inputs(g, c, s, i)
+            kv = KVCache(*(g.new_tensor((pool_rows, s.kv_heads * c.head_dim), c.dtype, name=f"layers.{i}.{name}")
+                           for name in ("k_cache", "v_cache")), table, c.page_size)
+            if c.prefill_chunk:
+                with g.scope("prefill"), g.guarded(prefill_pos[0]):
+                    chunk = decoder_layer(g, c, s, chunk, prefill_pos, inv_freq, i, w,
+                                          KVCache(kv.k, kv.v, table[c.batch:], c.page_size), row0=c.batch)
+            x = decoder_layer(g, c, s, x, pos, inv_freq, i, w, KVCache(kv.k, kv.v, table[:c.batch], c.page_size))
     with g.scope("head"):
         h = g.rms_norm(x, g.input("norm", (c.hidden,), c.dtype), c.eps, unit_offset=c.gemma)
         logits = g.linear(h, g.input("lm_head", (s.vocab, c.hidden), c.dtype))
@@ -192,4 +276,6 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     with g.scope("sample"):
         g.output("history", g.sample_greedy(logits, history, pos, prompt_len, vocab=c.vocab))
         g.advance(pos, limit=c.max_seq_len)
+        if c.prefill_chunk:
+            g.advance(prefill_pos, limit=0)  # the chunk is done: off until the host gives another
     return g

@@ -21,10 +21,11 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..bootstrap import current_world
-from ..errors import GraphError
+from ..errors import GraphError, is_count
 from ..graph import Graph
 from ..runtime import Megakernel
 from .decoder import DecoderConfig, Shard, decode_step
+from .pages import KVCacheFull, PagePool
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
              "GemmaForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
@@ -33,7 +34,8 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")  # frequencies that follow the sequence length
 
 
-def config_of(model, max_seq_len: int, max_batch: int) -> DecoderConfig:
+def config_of(model, max_seq_len: int, max_batch: int, page_size: int = 16, kv_pages: int | None = None,
+              prefill_chunk: int = 0) -> DecoderConfig:
     name = type(model).__name__
     if name not in SUPPORTED:
         raise GraphError(f"from_hf supports {', '.join(SUPPORTED)}, got {name}")
@@ -58,7 +60,20 @@ def config_of(model, max_seq_len: int, max_batch: int) -> DecoderConfig:
                          batch=max_batch,
                          dtype=model.dtype, rope_scaling=float(model.model.rotary_emb.attention_scaling),
                          qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
-                         windows=windows if any(windows) else (), gemma=name == "GemmaForCausalLM")
+                         windows=windows if any(windows) else (), gemma=name == "GemmaForCausalLM",
+                         **_serving(max_seq_len, max_batch, page_size, kv_pages, prefill_chunk))
+
+
+def _serving(max_seq_len: int, max_batch: int, page_size, kv_pages, prefill_chunk) -> dict:
+    """The KV cache's and the prefill chunk's fields of a ``DecoderConfig``, checked."""
+    for name, value in (("max_seq_len", max_seq_len), ("max_batch", max_batch), ("page_size", page_size)):
+        if not is_count(value):
+            raise GraphError(f"{name} must be a positive int, got {value!r}")
+    if kv_pages is not None and not is_count(kv_pages):
+        raise GraphError(f"kv_pages must be a positive int or None (every row at max_seq_len), got {kv_pages!r}")
+    if not (isinstance(prefill_chunk, int) and not isinstance(prefill_chunk, bool) and prefill_chunk >= 0):
+        raise GraphError(f"prefill_chunk must be a non-negative int, got {prefill_chunk!r}")
+    return dict(page_size=page_size, kv_pages=kv_pages or 0, prefill_chunk=prefill_chunk)
 
 
 def _moe_config(model) -> dict:
@@ -90,8 +105,8 @@ def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_fr
     weights = {"embed": embed, "norm": tensors["model.norm.weight"],
                "lm_head": s.lm.take(embed if tied else tensors["lm_head.weight"]), "inv_freq": inv_freq.float()}
     if c.gemma:  # the embedding's scale, sqrt(hidden), as the model's dtype holds it, for every batch row
-        weights["embed_scale"] = torch.full((c.batch, c.hidden), c.hidden ** 0.5, dtype=c.dtype)
-    per_row = lambda bias: bias.reshape(1, -1).expand(c.batch, -1)  # noqa: E731 (a bias input is per batch row)
+        weights["embed_scale"] = torch.full((c.rows, c.hidden), c.hidden ** 0.5, dtype=c.dtype)
+    per_row = lambda bias: bias.reshape(1, -1).expand(c.rows, -1)  # noqa: E731 (a bias input is per step row)
     for i in range(c.layers):
         layer = lambda name: tensors[f"model.layers.{i}.{name}"]  # noqa: E731
         qkv = lambda part: _qkv(tensors, f"model.layers.{i}.self_attn.", part, c)  # noqa: E731
@@ -177,8 +192,19 @@ class Sequence:
     max_new: int
     eos: int | None
     pos: int = 0                                   # the position its row is at (the device's, mirrored)
+    prefilled: int = 0                             # prompt positions whose KV the prefill rows wrote
     tokens: list[int] = field(default_factory=list)
     done: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prompt still has positions before the last for prefill rows (its batch row waits)."""
+        return self.prefilled < self.prompt.numel() - 1
+
+    @property
+    def last_position(self) -> int:
+        """The position of its last step (which samples its last token)."""
+        return self.prompt.numel() + self.max_new - 2
 
 
 class DecodeModel:
@@ -205,10 +231,16 @@ class DecodeModel:
             self.graph = decode_step(config, Graph(parallelism=self.kernel.workers))
             self.kernel = Megakernel(self.graph, **kernel_options)
         self.kernel.bind(weights)
+        self.pool = PagePool(config.pool_pages, config.page_size, config.rows, config.max_pages)
         self.kernel.bind({"history": torch.zeros(config.batch, config.max_seq_len, dtype=torch.int64),
-                          "pos": torch.full((config.batch,), -1), "prompt_len": torch.zeros(config.batch, dtype=torch.int64)})
+                          "pos": torch.full((config.batch,), -1), "prompt_len": torch.zeros(config.batch, dtype=torch.int64),
+                          "block_table": self.pool.table})
+        if config.prefill_chunk:
+            self.kernel.bind({"prefill_pos": torch.full((config.prefill_chunk,), -1),
+                              "prefill_tokens": torch.zeros(config.prefill_chunk, dtype=torch.int64)})
         self.slots: list[Sequence | None] = [None] * config.batch  # the sequences of add(), by batch row
         self.finished: dict[int, torch.Tensor] = {}  # sequence id -> prompt + new tokens, once it ended
+        self.logits: torch.Tensor | None = None  # float32 [batch, vocab]: the last step's, by slot (``step``)
         self._next_id = 0
 
     def decode(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
@@ -226,8 +258,12 @@ class DecodeModel:
         if not 0 <= pos < c.max_seq_len:
             raise GraphError(f"decode: position {pos} is outside [0, {c.max_seq_len}) (max_seq_len)")
         self._require_no_sequences("decode")
+        with self.pool.transaction():  # each row keeps its pages from one decode() to the next
+            for row in range(c.batch):
+                self.pool.grow(row, pos + 1, f"batch row {row}")
         self.kernel.tensor(self.graph.inputs["history"])[:, pos] = tokens  # the host's write, between launches
-        inputs = {"pos": torch.full((c.batch,), pos), "prompt_len": torch.full((c.batch,), c.max_seq_len)}
+        inputs = {"pos": torch.full((c.batch,), pos), "prompt_len": torch.full((c.batch,), c.max_seq_len),
+                  "block_table": self.pool.table}
         logits = self.kernel.run({**inputs, **self._frequencies(pos)})["logits"][:, :c.vocab].float()
         self.kernel.bind({"pos": torch.full((c.batch,), -1)})  # every row free again
         return logits
@@ -272,10 +308,14 @@ class DecodeModel:
             return ids.clone()
         self._require_no_sequences("generate")
         steps = prompt + max_new_tokens - 1  # step p embeds the token at p and samples the one at p + 1
+        self._release_rows()  # each row keeps its pages afterwards, as decode() does: decode() may go on
+        with self.pool.transaction():
+            for row in range(c.batch):
+                self.pool.grow(row, steps, f"batch row {row} ({prompt} prompt + {max_new_tokens} new tokens)")
         history = torch.zeros(c.batch, c.max_seq_len, dtype=torch.int64)
         history[:, :prompt] = ids
         self.kernel.bind({"history": history, "pos": torch.zeros(c.batch, dtype=torch.int64),
-                          "prompt_len": torch.full((c.batch,), prompt)})
+                          "prompt_len": torch.full((c.batch,), prompt), "block_table": self.pool.table})
         pos = 0
         while pos < steps:
             count = min(tokens_per_launch or steps, steps - pos)
@@ -300,8 +340,9 @@ class DecodeModel:
 
     # -- continuous batching -------------------------------------------------------------------------
     def add(self, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None) -> int:
-        """Start a sequence in a free batch row (slot): its prompt goes into the row's history, its
-        position to 0; it advances with every later ``step``. Returns its id."""
+        """Start a sequence in a free batch row (slot): its prompt goes into the row's history; the next
+        ``step`` prefills it (``prefill_chunk`` tokens per launch; without prefill rows its batch row reads
+        the prompt a token per step) and then advances it with the others. Returns its id."""
         c = self.config
         ids = torch.as_tensor(prompt_ids, dtype=torch.int64).reshape(-1)
         if ids.numel() == 0:
@@ -319,24 +360,49 @@ class DecodeModel:
         slot = next((row for row, sequence in enumerate(self.slots) if sequence is None), None)
         if slot is None:
             raise GraphError(f"add: all {c.batch} slots (max_batch) hold sequences; step until one finishes")
-        self.slots[slot] = Sequence(self._next_id, slot, ids, max_new_tokens, eos_token_id)
+        if not any(self.slots):
+            self._release_rows()  # the pages decode() kept
+        sequence = Sequence(self._next_id, slot, ids, max_new_tokens, eos_token_id)
+        if c.prefill_chunk:  # the prefill rows write positions before the last; the batch row starts there
+            sequence.pos = ids.numel() - 1
+        else:                # the batch row reads the prompt from position 0
+            sequence.prefilled = ids.numel() - 1
+        self.slots[slot] = sequence
         self._next_id += 1
         self.kernel.tensor(self.graph.inputs["history"])[slot, :ids.numel()] = ids  # between launches
         self.kernel.tensor(self.graph.inputs["prompt_len"])[slot] = ids.numel()
-        self.kernel.tensor(self.graph.inputs["pos"])[slot] = 0
-        return self.slots[slot].id
+        self.kernel.tensor(self.graph.inputs["pos"])[slot] = -1 if sequence.prefilling else sequence.pos
+        return sequence.id
 
     def step(self, steps: int = 1) -> dict[int, list[int]]:
-        """Advance every sequence by ``steps`` positions in one launch (a sequence still in its prompt
-        reads the next prompt token; the others sample one token each); returns the new tokens of each
-        sequence that made some. A sequence that has all its tokens, or ends with its eos token, frees
-        its slot (tokens it sampled past its end in the same launch are dropped)."""
+        """One launch of ``steps`` steps. Its first step prefills up to ``prefill_chunk`` prompt tokens of the
+        sequences still in their prompts (in the order they were added); every other sequence advances
+        ``steps`` positions (one still in its prompt without prefill rows reads the next prompt token;
+        the others sample one token each). Returns the new tokens of each sequence that made some. A
+        sequence that has all its tokens, or ends with its eos token, frees its slot and its KV pages
+        (tokens it sampled past its end in the same launch are dropped). Out of KV pages: ``KVCacheFull``,
+        nothing run or changed."""
+        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+            raise GraphError(f"step: steps must be a positive int, got {steps!r}")
         active = [s for s in self.slots if s is not None]
         if not active:
             return {}
-        history = self.kernel.run(steps=steps)["history"]
+        chunk = self._plan_prefill(active)
+        running = [s for s in active if not s.prefilling or s.id in chunk.finishing]
+        with self.pool.transaction():
+            for s, first, count in chunk.parts:
+                self.pool.grow(s.slot, first + count, f"sequence {s.id}")
+            for s in running:
+                self.pool.grow(s.slot, min(s.pos + steps, s.last_position + 1), f"sequence {s.id}")
+        self._bind_prefill(chunk)
+        for s in running:  # a sequence whose prefill ends in this launch starts in its batch row
+            self.kernel.tensor(self.graph.inputs["pos"])[s.slot] = s.pos
+        out = self.kernel.run({"block_table": self.pool.table}, steps=steps)
+        history, self.logits = out["history"], out["logits"][:, :self.config.vocab].float()
+        for s, first, count in chunk.parts:
+            s.prefilled = first + count
         new: dict[int, list[int]] = {}
-        for s in active:
+        for s in running:
             start, s.pos = s.pos, s.pos + steps
             first = max(start + 1, s.prompt.numel())  # the first position this launch sampled into
             made = history[s.slot, first:s.pos + 1].tolist()[:s.max_new - len(s.tokens)]
@@ -347,29 +413,95 @@ class DecodeModel:
                 new[s.id] = made
             if len(s.tokens) == s.max_new or (s.eos is not None and made and made[-1] == s.eos):
                 s.done = True
-                self.slots[s.slot] = None
-                self.kernel.tensor(self.graph.inputs["pos"])[s.slot] = -1  # no sequence: no work
+                self._free(s)
                 self.finished[s.id] = torch.cat([s.prompt, torch.tensor(s.tokens, dtype=torch.int64)])
         return new
 
+    def cancel(self, sequence_id: int) -> torch.Tensor:
+        """Stop a sequence of ``add`` now: its slot and pages are free for others. Returns its prompt and the
+        tokens it made."""
+        sequence = next((s for s in self.slots if s is not None and s.id == sequence_id), None)
+        if sequence is None:
+            running = [s.id for s in self.slots if s is not None]
+            raise GraphError(f"cancel: no running sequence has id {sequence_id!r} (running: {running})")
+        self._free(sequence)
+        return torch.cat([sequence.prompt, torch.tensor(sequence.tokens, dtype=torch.int64)])
+
+    def _free(self, s: Sequence) -> None:
+        self.slots[s.slot] = None
+        self.pool.release(s.slot)
+        self.kernel.tensor(self.graph.inputs["pos"])[s.slot] = -1  # no sequence: no work
+
+    def _plan_prefill(self, active: list[Sequence]) -> "Chunk":
+        """The prompt positions the prefill rows take in the next launch: each prefilling sequence in turn
+        (oldest first), up to ``prefill_chunk`` positions in all."""
+        chunk, room = Chunk(), self.config.prefill_chunk
+        for s in sorted((s for s in active if s.prefilling), key=lambda s: s.id):
+            count = min(room, s.prompt.numel() - 1 - s.prefilled)
+            if count == 0:
+                break
+            chunk.parts.append((s, s.prefilled, count))
+            room -= count
+            if s.prefilled + count == s.prompt.numel() - 1:
+                chunk.finishing.add(s.id)
+        return chunk
+
+    def _bind_prefill(self, chunk: "Chunk") -> None:
+        """Write the chunk's tokens, positions and block table rows (between launches)."""
+        c = self.config
+        if not c.prefill_chunk:
+            return
+        tokens = torch.zeros(c.prefill_chunk, dtype=torch.int64)
+        positions = torch.full((c.prefill_chunk,), -1)
+        row = 0
+        for s, first, count in chunk.parts:
+            tokens[row:row + count] = s.prompt[first:first + count]
+            positions[row:row + count] = torch.arange(first, first + count)
+            for j in range(row, row + count):
+                self.pool.share(c.batch + j, s.slot)
+            row += count
+        for j in range(row, c.prefill_chunk):
+            self.pool.release(c.batch + j)
+        self.kernel.tensor(self.graph.inputs["prefill_tokens"]).copy_(tokens)
+        self.kernel.tensor(self.graph.inputs["prefill_pos"]).copy_(positions)
+
     def _generate_each(self, prompts, max_new_tokens: int, eos_token_id: int | None) -> list[torch.Tensor]:
-        """Greedy continuous batching: every prompt (1-D ids, of any lengths) gets a slot as one frees,
-        and each launch runs until the next sequence ends (so that a waiting prompt joins then). Returns
-        one tensor per prompt, prompt + new tokens: what it would get alone."""
+        """Greedy continuous batching: every prompt (1-D ids, of any lengths) gets a slot as one frees and
+        the pool has the pages it will need, and each launch runs until the next sequence ends (so that a
+        waiting prompt joins then; one launch while a prompt is being prefilled). Returns one tensor
+        per prompt, prompt + new tokens: what it would get alone."""
         if max_new_tokens == 0:
             return [torch.as_tensor(p, dtype=torch.int64).reshape(-1).clone() for p in prompts]
         waiting = list(enumerate(prompts))
         ids: dict[int, int] = {}  # sequence id -> prompt index
         out: list[torch.Tensor | None] = [None] * len(waiting)
+        pages = lambda s: self.pool.pages_for(s.last_position + 1)  # noqa: E731 (all a sequence will take)
         while waiting or any(self.slots):
             while waiting and None in self.slots:
-                index, prompt = waiting.pop(0)
-                ids[self.add(prompt, max_new_tokens, eos_token_id)] = index
+                index, prompt = waiting[0]
+                sequence_id = self.add(prompt, max_new_tokens, eos_token_id)
+                running = [s for s in self.slots if s is not None]
+                if sum(pages(s) - len(self.pool.held[s.slot]) for s in running) > len(self.pool.free):
+                    self.cancel(sequence_id)  # waits for pages (an empty batch always has them)
+                    if len(running) == 1:
+                        raise KVCacheFull(f"generate: a prompt of {len(prompt)} tokens and {max_new_tokens} new "
+                                          f"ones need more than the pool's {self.pool.pages} pages of "
+                                          f"{self.pool.page_size} positions")
+                    break
+                ids[sequence_id] = index
+                waiting.pop(0)
             running = [s for s in self.slots if s is not None]
-            self.step(min(max(0, s.prompt.numel() - 1 - s.pos) + s.max_new - len(s.tokens) for s in running))
+            if any(s.prefilling for s in running):
+                self.step()
+            else:
+                self.step(min(s.last_position + 1 - s.pos for s in running))
             for sequence_id in [i for i in ids if i in self.finished]:
                 out[ids.pop(sequence_id)] = self.finished.pop(sequence_id)
         return out
+
+    def _release_rows(self) -> None:
+        for row in range(self.config.rows):
+            self.pool.release(row)
 
     def _require_no_sequences(self, what: str) -> None:
         busy = [s.id for s in self.slots if s is not None]
@@ -390,14 +522,26 @@ class DecodeModel:
         self.kernel.close()
 
 
-def from_hf(model, *, max_seq_len: int, max_batch: int = 1, parallelism: int | str = "auto",
-            **kernel_options) -> DecodeModel:
+@dataclass
+class Chunk:
+    """The prefill rows of a launch: (sequence, first position, positions) parts, and the sequences whose
+    prompt they finish."""
+
+    parts: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    finishing: set[int] = field(default_factory=set)
+
+
+def from_hf(model, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
+            prefill_chunk: int = 0, parallelism: int | str = "auto", **kernel_options) -> DecodeModel:
     """Shard ``model`` (already in memory; nothing is downloaded) for this rank and compile its decode step.
 
-    ``parallelism``: the number of workers the step's tiles are sized for; "auto" (see ``DecodeModel``).
+    The KV cache is a pool of ``kv_pages`` pages of ``page_size`` positions (None: enough for every batch
+    row at ``max_seq_len``); ``prefill_chunk``: prompt tokens a launch prefills besides the batch rows
+    (0: a prompt goes through its batch row a token per step). ``parallelism``: the number of workers
+    the step's tiles are sized for; "auto" (see ``DecodeModel``).
     """
     world, rank = current_world()
-    config = config_of(model, max_seq_len, max_batch)
+    config = config_of(model, max_seq_len, max_batch, page_size, kv_pages, prefill_chunk)
     rope_at = None
     if model.model.rotary_emb.rope_type in LENGTH_DEPENDENT_ROPE:
         rope_at = _rope_frequencies(copy.deepcopy(model.model.rotary_emb))
@@ -406,13 +550,13 @@ def from_hf(model, *, max_seq_len: int, max_batch: int = 1, parallelism: int | s
     return DecodeModel(config, weights, parallelism, rope_at, **kernel_options)
 
 
-def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, parallelism: int | str = "auto",
-                    **kernel_options) -> DecodeModel:
+def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
+                    prefill_chunk: int = 0, parallelism: int | str = "auto", **kernel_options) -> DecodeModel:
     """Load a checkpoint directory (``config.json`` + ``*.safetensors``, one file or shards, as
     ``save_pretrained`` writes it; nothing is downloaded) straight into this rank's heap and compile
     its decode step. Only this rank's slices are read (``Checkpoint``): no whole model in host memory.
     The model's modules are made on the meta device (no memory) for what ``from_hf`` reads off them;
-    the RoPE frequencies from its rotary module's class, made for real.
+    the RoPE frequencies from its rotary module's class, made for real. The other arguments are ``from_hf's``.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -430,7 +574,7 @@ def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, parallelism: 
     checkpoint = Checkpoint(path, {key: tuple(t.shape) for key, t in skeleton.state_dict().items()})
     skeleton.to(checkpoint["model.embed_tokens.weight"].dtype)  # the dtype the weights are stored in
     world, rank = current_world()
-    decoder = config_of(skeleton, max_seq_len, max_batch)
+    decoder = config_of(skeleton, max_seq_len, max_batch, page_size, kv_pages, prefill_chunk)
     rotary = type(skeleton.model.rotary_emb)(config)  # on the host: the frequencies for real
     weights = shard_weights(checkpoint, decoder, Shard.of(decoder, rank, world), rotary.inv_freq,
                             tied=bool(config.tie_word_embeddings))

@@ -1,0 +1,74 @@
+"""The host's allocator of KV cache pages, and the block table it keeps for the device.
+
+The pool holds ``pages`` pages of ``page_size`` positions (``tasks.attention``: paged caches); one
+more, the spill page, is every unallocated entry of the block table, so that a row that runs past the
+pages it was given (a sequence that ended inside a launch) writes only there, never into another
+sequence's pages. Pages are taken as a row grows and given back when it is released; a launch's
+growth is all or nothing (``transaction``): out of pages, nothing it took stays taken.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from ..errors import GraphError
+
+
+class KVCacheFull(GraphError):
+    """The KV cache pool has no free page for a sequence: the message names the sequence and the pool.
+    Nothing changed: cancel a sequence (``DecodeModel.cancel``) or build with more ``kv_pages``."""
+
+
+class PagePool:
+    def __init__(self, pages: int, page_size: int, rows: int, max_pages: int):
+        self.pages, self.page_size = pages, page_size
+        self.free = list(range(pages - 1, -1, -1))          # popped from the end: lowest page first
+        self.held: list[list[int]] = [[] for _ in range(rows)]  # per block table row, its pages in order
+        self.table = torch.full((rows, max_pages), pages, dtype=torch.int64)  # unallocated: the spill page
+        self._taken: list[tuple[int, int]] | None = None    # (row, page) taken in the open transaction
+
+    def pages_for(self, positions: int) -> int:
+        return -(-positions // self.page_size)
+
+    def grow(self, row: int, positions: int, who: str) -> None:
+        """Give ``row`` pages for its first ``positions`` positions; ``who`` names it in the error."""
+        need = self.pages_for(positions) - len(self.held[row])
+        if need > len(self.free):
+            raise KVCacheFull(f"KV cache full: {who} needs {need} more page(s) of {self.page_size} positions for "
+                              f"{positions} positions; the pool has {self.pages} pages and {len(self.free)} free. "
+                              f"Nothing changed: cancel a sequence, or build with more kv_pages")
+        for _ in range(max(need, 0)):
+            page = self.free.pop()
+            self.table[row, len(self.held[row])] = page
+            self.held[row].append(page)
+            if self._taken is not None:
+                self._taken.append((row, page))
+
+    def release(self, row: int) -> None:
+        """Give back every page of ``row``; its block table row points at the spill page again."""
+        self.free.extend(reversed(self.held[row]))
+        self.held[row] = []
+        self.table[row] = self.pages
+
+    def share(self, row: int, source: int) -> None:
+        """Block table row ``row`` holds ``source``'s pages (a prefill row of the sequence in ``source``)."""
+        self.table[row] = self.table[source]
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Every ``grow`` inside is undone if the block raises."""
+        if self._taken is not None:
+            raise GraphError("page pool: transactions do not nest")
+        self._taken = []
+        try:
+            yield
+        except BaseException:
+            for row, page in reversed(self._taken):
+                self.held[row].pop()
+                self.table[row, len(self.held[row])] = self.pages
+                self.free.append(page)
+            raise
+        finally:
+            self._taken = None
