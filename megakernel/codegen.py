@@ -75,9 +75,6 @@ def kernel_source(specs: list[Spec], target: str, protocol: str | None = None) -
         consts = [f"{k}={_constexpr_source(k, v)}" for k, v in spec.constexprs]
         keyword = "if" if opcode == 0 else "elif"
         call = f"{task_type.tile.fn.__name__}({', '.join([*task_type.context, *words, *consts])})"
-        if spec.guarded:  # the guard word follows the tile's words: skip the tile when it reads NO_SEQUENCE
-            guard = f"tl.load(heap_ptr(base, tl.load(args + {len(spec.arg_names)}), tl.int64))"
-            call = f"if {guard} != NO_SEQUENCE:\n            {call}"
         branches.append(f"    {keyword} opcode == {opcode}:\n        {call}")
     dispatch = "\n".join(branches) or "    pass"
     opcodes = "\n".join(f"    {opcode}: {spec.label}" for opcode, spec in enumerate(specs))
@@ -91,7 +88,7 @@ Opcodes:
 import triton
 import triton.language as tl
 
-from megakernel.device import NO_SEQUENCE, heap_ptr, persistent_loop, {CLOCKS[target]}, {PROTOCOLS[protocol]}
+from megakernel.device import persistent_loop, {CLOCKS[target]}, {PROTOCOLS[protocol]}
 {imports}
 
 

@@ -189,9 +189,10 @@ def signal_event(bases, rank, dst, events_off, event, increment, SCOPED: tl.cons
 
 
 # The task row layout (scheduler.tables), as constexprs for the kernel.
-ROW_OPCODE, ROW_WAIT_EVENT, ROW_FAN_IN, ROW_CARRY_EVENT, ROW_CARRY_FAN_IN, ROW_SIGNAL_START, ROW_SIGNAL_COUNT, ROW_ARG0 = (
-    tl.constexpr(i) for i in (tables.OPCODE, tables.WAIT_EVENT, tables.FAN_IN, tables.CARRY_EVENT, tables.CARRY_FAN_IN,
-                              tables.SIGNAL_START, tables.SIGNAL_COUNT, tables.ARG0))
+(ROW_OPCODE, ROW_WAIT_EVENT, ROW_FAN_IN, ROW_CARRY_EVENT, ROW_CARRY_FAN_IN, ROW_SIGNAL_START, ROW_SIGNAL_COUNT, ROW_GUARD,
+ ROW_ARG0) = (tl.constexpr(i) for i in (tables.OPCODE, tables.WAIT_EVENT, tables.FAN_IN, tables.CARRY_EVENT,
+                                       tables.CARRY_FAN_IN, tables.SIGNAL_START, tables.SIGNAL_COUNT, tables.GUARD,
+                                       tables.ARG0))
 SIGNAL_WORDS = tl.constexpr(tables.SIGNAL_WORDS)
 
 
@@ -215,6 +216,16 @@ def task_header(tasks, queue, i, last, ROW: tl.constexpr):
 
 
 @triton.jit
+def skipped(base, guard):
+    """Whether a task skips its tile this step: its ``guard`` (a heap offset; -1: none) holds NO_SEQUENCE.
+    Read after the task's waits: the guard's writers are among the producers it waited for."""
+    skip = 0
+    if guard >= 0:
+        skip = (tl.load(heap_ptr(base, guard, tl.int64)) == NO_SEQUENCE).to(tl.int32)
+    return skip
+
+
+@triton.jit
 def wait_for(events, event, target, abort, status, task, timeout_ns, WAIT: tl.constexpr, CLOCK: tl.constexpr):
     """Wait until ``event`` counts ``target`` (no wait for a target of 0); whether it did. A wait that times
     out writes this worker's status record and stops every worker of the rank."""
@@ -232,7 +243,8 @@ def persistent_loop(bases_addr, rank, worker, epoch, steps, timeout_ns, tasks_of
                     events_off, status_off, trace_off, ROW: tl.constexpr, RUN_TILE: tl.constexpr,
                     CLOCK: tl.constexpr, WAIT: tl.constexpr, SCOPED_SIGNALS: tl.constexpr, TRACE: tl.constexpr):
     """One worker's whole launch: ``steps`` steps (epochs ``epoch``, ``epoch + 1``, ...), each running the
-    worker's queue: for each task, wait, run the tile, signal.
+    worker's queue: for each task, wait, run the tile (unless its guard skips it this step, ``skipped``),
+    signal.
 
     A task waits for its event to count ``epoch * fan_in`` (its producers of this step) and for its
     carried event to count ``(epoch - 1) * carry_fan_in`` (those of the previous step, which the host
@@ -278,7 +290,8 @@ def persistent_loop(bases_addr, rank, worker, epoch, steps, timeout_ns, tasks_of
                     tl.debug_barrier()
                     if TRACE:
                         tl.store(stamp + 1, CLOCK())
-                    RUN_TILE(opcode, base, bases, status, row + ROW_ARG0)
+                    if skipped(base, tl.load(row + ROW_GUARD)) == 0:
+                        RUN_TILE(opcode, base, bases, status, row + ROW_ARG0)
                     tl.debug_barrier()
                     if TRACE:  # before the signals: a consumer may start as soon as they are sent
                         tl.store(stamp + 2, CLOCK())

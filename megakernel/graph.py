@@ -18,7 +18,7 @@ import torch
 
 from .errors import GraphError, is_count
 from .layout import align
-from .scheduler import Region, Spec, Tasks, task_cost
+from .scheduler import NO_GUARD, Region, Spec, Tasks, task_cost
 from .tasks import DTYPES, OPS, TaskType
 
 
@@ -262,11 +262,11 @@ class Graph:
             raise GraphError(f"task type {task_type.name}: {'missing' if missing else 'unknown'} constexpr {name!r}; "
                              f"its tile takes {', '.join(task_type.constexpr_names) or 'none'}")
         consts = tuple((k, DTYPES[v] if isinstance(v, torch.dtype) else v) for k, v in constexprs.items())
-        key = (task_type.name, consts, self._guard is not None)
+        key = (task_type.name, consts)
         opcode = self._spec_index.get(key)
         if opcode is None:
             opcode = self._spec_index[key] = len(self.specs)
-            self.specs.append(Spec(*key[:2], task_type.arg_names, guarded=key[2]))
+            self.specs.append(Spec(task_type.name, consts, task_type.arg_names))
             names = task_type.arg_names  # itemgetter gives a tuple only for two names or more
             getter = itemgetter(*names) if len(names) > 1 else lambda words: tuple(words[n] for n in names)
             self._words.append((getter, len(names)))
@@ -283,9 +283,10 @@ class Graph:
             args = words_of(words)
         except KeyError:
             self._bad_words(opcode, words)
+        guard = NO_GUARD
         if self._guard is not None:
-            args, reads = (*args, self._guard[0]), (*reads, self._guard[1])
-        self.tasks.append(opcode, args, reads, writes, task_cost(bytes, flops), len(self.op_names) - 1, remote)
+            guard, reads = self._guard[0], (*reads, self._guard[1])
+        self.tasks.append(opcode, args, reads, writes, task_cost(bytes, flops), len(self.op_names) - 1, remote, guard)
 
     def _bad_words(self, opcode: int, words: dict) -> None:
         spec = self.specs[opcode]
@@ -346,7 +347,7 @@ class Graph:
         del self.op_names[ops:], self.buffers[buffers:]
         self.tasks.truncate(tasks)
         for spec in self.specs[specs:]:
-            del self._spec_index[(spec.task_type, spec.constexprs, spec.guarded)]
+            del self._spec_index[(spec.task_type, spec.constexprs)]
         del self.specs[specs:], self._words[specs:]
         self.heap_bytes = heap_bytes
 

@@ -16,7 +16,7 @@ import torch
 from .device import NO_SEQUENCE
 from .errors import GraphError
 from .heap import HeapView
-from .scheduler import ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, NO_EVENT, OPCODE, SIGNAL_COUNT, SIGNAL_START, WAIT_EVENT, QueueTables
+from .scheduler import ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_EVENT, NO_GUARD, OPCODE, SIGNAL_COUNT, SIGNAL_START, WAIT_EVENT, QueueTables
 from .tasks import TASK_TYPES
 
 
@@ -44,8 +44,9 @@ def execute_ranks(tables: list[QueueTables], heaps: list[torch.Tensor], steps: i
                                      f"{raised[rank][event]}")
             spec = t.specs[row[OPCODE]]
             task_type = TASK_TYPES[spec.task_type]
-            task = SimpleNamespace(**dict(zip(spec.words, row[ARG0:])), **dict(spec.constexprs))
-            if not (spec.guarded and int(views[rank].tensor(task.guard, torch.int64, 1, 1, 1)) == NO_SEQUENCE.value):
+            task = SimpleNamespace(**dict(zip(spec.arg_names, row[ARG0:])), **dict(spec.constexprs))
+            guard = row[GUARD]
+            if guard == NO_GUARD or int(views[rank].tensor(guard, torch.int64, 1, 1, 1)) != NO_SEQUENCE.value:
                 task_type.reference(views[rank], task, *([views] if task_type.needs_peers else []))
             start = row[SIGNAL_START]
             for dst, ev, increment in t.signals[start:start + row[SIGNAL_COUNT]].tolist():

@@ -14,7 +14,7 @@ from .deps import infer_dependencies, infer_periodic
 from .events import NO_EVENT, Events, encode_events, queue_positions
 from .remote import Exchange, Split, incoming_writes, split_producers, with_remote_producers
 from .placement import POLICIES, Placement, bottom_levels, place, task_cost
-from .tables import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, OPCODE, SIGNAL_COUNT, SIGNAL_START, VERSION, WAIT_EVENT, FormatError,
+from .tables import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_GUARD, OPCODE, SIGNAL_COUNT, SIGNAL_START, VERSION, WAIT_EVENT, FormatError,
                      QueueTables, Spec, build_tables, deserialize, disassemble, serialize)
 from .task import Region, Task, Tasks
 
@@ -112,7 +112,7 @@ def _connect_ranks(tasks: Tasks, placement: Placement, events: Events, split: Sp
 
 
 __all__ = [
-    "ARG0", "CARRY_EVENT", "CARRY_FAN_IN", "FAN_IN", "NO_EVENT", "OPCODE", "POLICIES", "SIGNAL_COUNT", "SIGNAL_START", "VERSION", "WAIT_EVENT",
+    "ARG0", "CARRY_EVENT", "CARRY_FAN_IN", "FAN_IN", "GUARD", "NO_EVENT", "NO_GUARD", "OPCODE", "POLICIES", "SIGNAL_COUNT", "SIGNAL_START", "VERSION", "WAIT_EVENT",
     "Capacity", "Events", "FormatError", "Placement", "QueueTables", "Region", "Spec", "Task", "Tasks", "bottom_levels",
     "build_tables", "check_acyclic", "check_periodic", "check_tables", "deserialize", "disassemble", "encode_events", "find_cycle",
     "infer_dependencies", "infer_periodic", "place", "schedule", "serialize", "task_cost",

@@ -5,17 +5,19 @@ Version 3 layout of a serialized table (all integers little-endian int64):
     header   HEADER_WORDS words: MAGIC, VERSION, rank, world_size, workers, events,
              tasks, row_words, signals, metadata_bytes (each a count)
     tasks    tasks x row_words: opcode, wait_event, fan_in, carry_event, carry_fan_in, signal_start,
-             signal_count, args...
+             signal_count, guard, args...
     signals  signals x 3: rank, event, increment
     queue    tasks: task ids, worker 0's queue, then worker 1's, ...
     index    workers + 1: where each worker's queue starts in ``queue``
     task_op  tasks: index of the graph op each task came from
-    metadata UTF-8 JSON: opcode specs (task type, constexprs, argument names, guarded), op names, and the
+    metadata UTF-8 JSON: opcode specs (task type, constexprs, argument names), op names, and the
              other ranks' tasks that raise this rank's events (rank, task, worker, position, op)
 
 A task waits for ``wait_event`` to count ``epoch * fan_in`` (its producers in the step) and for
 ``carry_event`` to count ``(epoch - 1) * carry_fan_in`` (its producers in the previous step, see
-``scheduler.events``). A task's row number is its position in the global order: program order, the same key on every rank. Argument words that address memory are
+``scheduler.events``). A task whose ``guard`` is a heap offset (not -1) skips its tile, still waiting
+and signalling, in a step where the int64 there is -1 (``Graph.guarded``). A task's row number is its
+position in the global order: program order, the same key on every rank. Argument words that address memory are
 byte offsets into the heap: every process maps the heap at its own address, so the kernel adds its
 local heap base (or a peer's, for a remote store or signal).
 """
@@ -35,9 +37,9 @@ from .task import Tasks
 MAGIC = 0x4D4B5154_41424C45  # "MKTABLE"
 VERSION = 3
 HEADER_WORDS = 10
-OPCODE, WAIT_EVENT, FAN_IN, CARRY_EVENT, CARRY_FAN_IN, SIGNAL_START, SIGNAL_COUNT, ARG0 = range(8)
+OPCODE, WAIT_EVENT, FAN_IN, CARRY_EVENT, CARRY_FAN_IN, SIGNAL_START, SIGNAL_COUNT, GUARD, ARG0 = range(9)
 SIGNAL_WORDS = 3
-GUARD_WORD = "guard"
+NO_GUARD = -1
 
 
 class FormatError(GraphError):
@@ -46,24 +48,16 @@ class FormatError(GraphError):
 
 @dataclass(frozen=True)
 class Spec:
-    """What an opcode runs: a task type and the compile-time constants of its tile. A ``guarded`` opcode's
-    rows carry one more word after the tile's, ``guard``: the heap offset of an int64 that, when it is
-    -1 (``device.NO_SEQUENCE``), makes the task skip its tile (it still waits and signals)."""
+    """What an opcode runs: a task type and the compile-time constants of its tile."""
 
     task_type: str
     constexprs: tuple[tuple[str, object], ...]
-    arg_names: tuple[str, ...]   # the tile's argument words
-    guarded: bool = False
-
-    @property
-    def words(self) -> tuple[str, ...]:
-        """The argument words of a row, in order."""
-        return (*self.arg_names, GUARD_WORD) if self.guarded else self.arg_names
+    arg_names: tuple[str, ...]
 
     @property
     def label(self) -> str:
         consts = ", ".join(f"{k}={v}" for k, v in self.constexprs)
-        return f"{self.task_type}[{consts}]{' guarded' if self.guarded else ''}"
+        return f"{self.task_type}[{consts}]"
 
 
 @dataclass
@@ -129,6 +123,7 @@ def build_tables(tasks: Tasks, placement: Placement, events: Events, *, specs: l
     signal_counts = np.fromiter(map(len, events.signals), dtype=np.int64, count=n)[order]
     rows[:, SIGNAL_START] = np.cumsum(signal_counts) - signal_counts
     rows[:, SIGNAL_COUNT] = signal_counts
+    rows[:, GUARD] = np.frombuffer(tasks.guard, dtype=np.int64)[order]
     # Argument words, one block per argument count (a graph has a handful): the block's tasks' words
     # in one array, reshaped to [tasks, count] and stored into those tasks' rows.
     for count in np.unique(arg_counts[arg_counts > 0]).tolist():
@@ -149,7 +144,7 @@ def build_tables(tasks: Tasks, placement: Placement, events: Events, *, specs: l
 
 def serialize(t: QueueTables) -> bytes:
     meta = json.dumps({
-        "specs": [[s.task_type, [list(kv) for kv in s.constexprs], list(s.arg_names), s.guarded] for s in t.specs],
+        "specs": [[s.task_type, [list(kv) for kv in s.constexprs], list(s.arg_names)] for s in t.specs],
         "ops": t.op_names,
         "remote_producers": [[event, [list(p) for p in ps]] for event, ps in sorted(t.remote_producers.items())],
     }).encode()
@@ -179,8 +174,7 @@ def deserialize(blob: bytes) -> QueueTables:
     tasks, signals, queue, index, task_op = np.split(words, np.cumsum(sizes)[:-1])
     try:
         meta = json.loads(blob[len(blob) - meta_len:].decode())
-        specs = [Spec(name, tuple((k, v) for k, v in consts), tuple(args), bool(guarded))
-                 for name, consts, args, guarded in meta["specs"]]
+        specs = [Spec(name, tuple((k, v) for k, v in consts), tuple(args)) for name, consts, args in meta["specs"]]
         remote = {int(event): [tuple(map(int, p)) for p in ps] for event, ps in meta["remote_producers"]}
         ops = [str(name) for name in meta["ops"]]
     except (ValueError, KeyError, TypeError) as error:
@@ -230,7 +224,8 @@ def disassemble(t: QueueTables) -> str:
                              *([] if row[CARRY_EVENT] == NO_EVENT else [f"ev{row[CARRY_EVENT]}>=(e-1)*{row[CARRY_FAN_IN]}"])]) or "-"
             start, count = row[SIGNAL_START], row[SIGNAL_COUNT]
             sigs = " ".join(f"r{r}:ev{e}+{i}" for r, e, i in t.signals[start:start + count]) or "-"
-            args = " ".join(f"{name}={int(v)}" for name, v in zip(spec.words, row[ARG0:]))
+            args = " ".join(f"{name}={int(v)}" for name, v in zip(spec.arg_names, row[ARG0:]))
+            guard = "" if row[GUARD] == NO_GUARD else f" guard@{row[GUARD]}"
             lines.append(f"  [{pos:>4}] task {tid:>5} {t.op_names[t.task_op[tid]]:<16} {spec.task_type:<14} "
-                         f"wait {wait:<12} signal {sigs:<16} {args}")
+                         f"wait {wait:<12} signal {sigs:<16} {args}{guard}")
     return "\n".join(lines)

@@ -33,6 +33,7 @@ class Task(NamedTuple):
     cost: float
     op: int
     remote: tuple[tuple[int, Region], ...] = ()
+    guard: int = -1   # heap offset of the int64 whose -1 makes the task skip its tile (``Graph.guarded``); -1: none
 
 
 @dataclass
@@ -54,9 +55,10 @@ class Tasks:
     cost: array[float] = field(default_factory=partial(array, "d"))
     op: array[int] = field(default_factory=partial(array, "q"))
     remote: list[tuple[tuple[int, Region], ...]] = field(default_factory=list)
+    guard: array[int] = field(default_factory=partial(array, "q"))
 
     def append(self, opcode: int, args: tuple[int, ...], reads: tuple[Region, ...], writes: tuple[Region, ...],
-               cost: float, op: int, remote: tuple[tuple[int, Region], ...] = ()) -> None:
+               cost: float, op: int, remote: tuple[tuple[int, Region], ...] = (), guard: int = -1) -> None:
         self.opcode.append(opcode)
         self.args.append(args)
         self.reads.append(reads)
@@ -64,6 +66,7 @@ class Tasks:
         self.cost.append(cost)
         self.op.append(op)
         self.remote.append(remote)
+        self.guard.append(guard)
 
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` tasks (drops the tiles of an op that failed)."""
@@ -75,4 +78,4 @@ class Tasks:
 
     def __getitem__(self, tid: int) -> Task:
         return Task(self.opcode[tid], self.args[tid], self.reads[tid], self.writes[tid], self.cost[tid],
-                    self.op[tid], self.remote[tid])
+                    self.op[tid], self.remote[tid], self.guard[tid])

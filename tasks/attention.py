@@ -39,9 +39,9 @@ COMBINE_SPLITS = 32  # partials a combine tile reads per step (16 KiB of float32
 
 @triton.jit
 def cache_row(base, table, position, pages, PAGE: tl.constexpr):
-    """The cache row of a sequence's ``position`` (in range): itself in a contiguous cache (PAGE 0); in a
-    paged one, a pool row through the block table row at heap offset ``table`` (a page number outside
-    the pool's ``pages``: clamped, so that no access leaves the pool)."""
+    """The cache row of a sequence's ``position`` (in range; a scalar or a vector of them): itself in a
+    contiguous cache (PAGE 0); in a paged one, a pool row through the block table row at heap offset
+    ``table`` (a page number outside the pool's ``pages``: clamped, so that no access leaves the pool)."""
     if PAGE == 0:
         return position
     page = tl.load(heap_ptr(base, table, tl.int64) + position // PAGE)

@@ -1,12 +1,15 @@
 """Serving: sequences at positions of their own in the rows of one batch, joining and leaving (continuous
-batching), each generating what it would alone (``transformers.generate``)."""
+batching), their KV cache in pages of a pool, their prompts prefilled in chunks, each generating what it
+would alone (``transformers.generate``)."""
 import functools
 
 import pytest
 import torch
 
 import megakernel as mk
+from megakernel.heap import HeapView
 from megakernel.models import KVCacheFull, from_hf
+from megakernel.reference import execute
 
 from helpers import assert_close
 from test_decode import hf_model
@@ -54,19 +57,23 @@ def test_a_sequence_joins_others_mid_generation_and_reuses_a_freed_slot_and_its_
     try:
         a, b = m.add(_prompt(4), 6), m.add(_prompt(2), 2)
         tokens = {a: [], b: []}
-        for sequence, made in m.step().items():  # prefills both prompts but their last tokens: 3 + 1 positions
-            tokens[sequence] += made
-        assert {a, b} == set(tokens) and all(len(t) == 1 for t in tokens.values())
+
+        def step():
+            for sequence, made in m.step().items():
+                tokens[sequence] += made
+
+        step()  # a's prompt but its last token prefilled (a block of chunk rows is one sequence's), a's token
+        assert len(tokens[a]) == 1 and tokens[b] == []
+        step()  # then b's, while a makes its second token
+        assert len(tokens[a]) == 2 and len(tokens[b]) == 1
         b_pages = list(m.pool.held[1])
-        for sequence, made in m.step().items():  # b has its 2 tokens: its slot and pages are free again
-            tokens[sequence] += made
+        step()  # b has its 2 tokens: its slot and pages are free again
         assert m.slots[1] is None and b in m.finished and m.pool.held[1] == []
         c = m.add(_prompt(5), 4)  # joins a mid-generation, in b's old slot, on b's old pages
         assert m.slots[1].id == c
         tokens[c] = []
         while any(m.slots):
-            for sequence, made in m.step().items():
-                tokens[sequence] += made
+            step()
             if len(tokens[c]) == 1:  # c's prompt is in its pages now
                 assert set(m.pool.held[1]) & set(b_pages), "c took none of b's freed pages"
         for sequence, (length, new) in {a: (4, 6), b: (2, 2), c: (5, 4)}.items():
@@ -224,9 +231,54 @@ def test_a_guarded_part_runs_only_in_steps_whose_flag_is_not_minus_one():
         kernel.poison()  # NaN in every buffer the graph makes
         assert torch.isnan(kernel.run({"flag": torch.tensor([-1])}, steps=2)["sum"]).all()
         assert int(kernel.tensor(g.inputs["count"])) == 0
-        assert torch.equal(kernel.run({"flag": torch.tensor([3])}, steps=3)["sum"], 2 * x0)
+        kernel.bind({"flag": torch.tensor([3])})
+        heap = kernel.heap.clone()
+        assert torch.equal(kernel.run(steps=3)["sum"], 2 * x0)
         assert int(kernel.tensor(g.inputs["count"])) == 1 and int(kernel.tensor(g.inputs["flag"])) == -1
+        execute(kernel.tables, heap, steps=3)  # the reference executor skips the same tiles
+        assert int(HeapView(heap).tensor(g.inputs["count"].addr(0, 0), torch.int64, 1, 1, 1)) == 1
     other = mk.Graph(world_size=1, rank=0)
     with pytest.raises(mk.GraphError, match="one int64 element"):
         with other.guarded(other.input("x", (8,), torch.float32)):
             pass
+
+
+@pytest.mark.parametrize("page_size, window", [(4, None), (16, 6)])
+def test_chunk_attention_is_causal_over_the_chunk_and_the_cached_pages(page_size, window):
+    """A chunk of two blocks: 16 rows of sequence A at positions 5-20 (0-4 cached by an earlier chunk),
+    then 2 rows of sequence B at positions 0-1 and 2 unused rows. Each row attends to its sequence's
+    keys at or before its position (inside the window): float64 attention over the positions."""
+    rows, head_dim, max_pages = 20, 16, -(-24 // page_size)
+    pool_pages = 2 * max_pages + 1
+    g = mk.Graph(world_size=1, rank=0)
+    q, kv = g.input("q", (rows, 64), torch.float32), g.input("kv", (rows, 32), torch.float32)
+    pos, table = g.input("pos", (rows,), torch.int64), g.input("table", (rows, max_pages), torch.int64)
+    paging = dict(table=table, page_size=page_size)
+    k_pool = g.kv_append(g.input("k", (pool_pages * page_size, 32), torch.float32), kv, pos, rows, **paging)
+    v_pool = g.kv_append(g.input("v", (pool_pages * page_size, 32), torch.float32), kv.block(), pos, rows, **paging)
+    g.output("out", g.chunk_attention(q, k_pool, v_pool, pos, head_dim, window=window, **paging))
+    gen = torch.Generator().manual_seed(page_size)
+    pages = torch.randperm(pool_pages, generator=gen)[:2 * max_pages].reshape(2, max_pages)
+    positions = torch.tensor([*range(5, 21), 0, 1, -1, -1])
+    owner = torch.tensor([0] * 16 + [1] * 4)
+    values = {"q": torch.randn(rows, 64, generator=gen), "kv": torch.randn(rows, 32, generator=gen),
+              "k": torch.randn(pool_pages * page_size, 32, generator=gen), "pos": positions, "table": pages[owner]}
+    values["v"] = values["k"].clone()
+    with mk.Megakernel(g, workers=2) as kernel:
+        kernel.poison()
+        out = kernel.run(values)["out"]
+    cache = values["k"].double().clone()
+    row_of = lambda s, p: int(pages[s, p // page_size]) * page_size + p % page_size  # noqa: E731
+    for r, p in enumerate(positions.tolist()):
+        if p >= 0:
+            cache[row_of(int(owner[r]), p)] = values["kv"][r].double()
+    for r, p in enumerate(positions.tolist()):
+        if p < 0:
+            assert torch.equal(out[r], torch.zeros(64)), f"unused row {r}"
+            continue
+        first = max(0, p + 1 - (window or p + 1))
+        keys = cache[[row_of(int(owner[r]), key) for key in range(first, p + 1)]]
+        for head in range(4):  # two query heads per KV head
+            kv_cols = slice((head // 2) * 16, (head // 2 + 1) * 16)
+            scores = torch.softmax(values["q"][r, head * 16:(head + 1) * 16].double() @ keys[:, kv_cols].T / 4.0, -1)
+            assert_close(out[r, head * 16:(head + 1) * 16], scores @ keys[:, kv_cols], 1e-5, f"row {r} head {head}")

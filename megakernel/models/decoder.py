@@ -172,12 +172,14 @@ def layer_inputs(g: Graph, c: DecoderConfig, s: Shard, i: int) -> dict[str, Tens
 
 
 def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, inv_freq: Tensor, i: int,
-                  w: dict[str, Tensor] | None = None, kv: KVCache | None = None, row0: int = 0) -> Tensor:
+                  w: dict[str, Tensor] | None = None, kv: KVCache | None = None, row0: int = 0,
+                  chunk: bool = False) -> Tensor:
     """One pre-norm decoder layer over the residual stream ``x`` [rows, hidden]; returns the new stream.
 
     ``w``: the layer's inputs (``layer_inputs``; made here by default), ``kv``: its paged cache (by
     default a contiguous one made here, ``max_seq_len`` positions per row), ``row0``: the first row of
-    the biases that ``x``'s rows use."""
+    the biases that ``x``'s rows use; ``chunk``: the rows are a prefill chunk (``chunk_attention``: blocks
+    of a sequence's consecutive positions) rather than a batch of one position per sequence."""
     hd, q_cols, kv_cols = c.head_dim, s.heads * c.head_dim, s.kv_heads * c.head_dim
     w = w or layer_inputs(g, c, s, i)
     bias = lambda name: w[name][row0:row0 + x.rows]  # noqa: E731
@@ -198,8 +200,9 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
         k_cache, v_cache, paging = kv.k, kv.v, {"table": kv.table, "page_size": kv.page_size}
     k_cache = g.kv_append(k_cache, k, pos, x.rows, **paging)
     v_cache = g.kv_append(v_cache, v, pos, x.rows, **paging)
-    attn = g.decode_attention(q, k_cache, v_cache, pos, x.rows, hd, window=c.windows[i] if c.windows else None,
-                              **paging)
+    window = c.windows[i] if c.windows else None
+    attn = (g.chunk_attention(q, k_cache, v_cache, pos, hd, window=window, **paging) if chunk
+            else g.decode_attention(q, k_cache, v_cache, pos, x.rows, hd, window=window, **paging))
     out = _row_parallel(g, s, g.linear(attn, w["o"]))
     x = g.add(x, g.add(out, bias("o_bias")) if c.o_bias else out)  # a row-parallel bias: once, after
     h = g.rms_norm(x, w["post_norm"], c.eps, unit_offset=c.gemma)
@@ -232,7 +235,8 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     maps each row's positions to pages (``tasks.attention``). With ``prefill_chunk`` C > 0, the step
     also runs C more rows in each layer, guarded (``Graph.guarded``) by ``prefill_pos[0]``: prompt
     tokens ``prefill_tokens`` at positions ``prefill_pos`` [C] (-1: unused), each with its sequence's
-    pages in block table row ``batch + j``. They write the KV cache of those positions before the batch
+    pages in block table row ``batch + j``, a sequence's rows starting at a multiple of
+    ``chunk_attention.BLOCK_ROWS``. They write the KV cache of those positions before the batch
     rows' attention of the same layer reads it, make no logits, and are off (-1) after the step: one
     launch prefills up to C prompt tokens, the last prompt token of a sequence then runs in its batch row.
 
@@ -266,7 +270,8 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
             if c.prefill_chunk:
                 with g.scope("prefill"), g.guarded(prefill_pos[0]):
                     chunk = decoder_layer(g, c, s, chunk, prefill_pos, inv_freq, i, w,
-                                          KVCache(kv.k, kv.v, table[c.batch:], c.page_size), row0=c.batch)
+                                          KVCache(kv.k, kv.v, table[c.batch:], c.page_size), row0=c.batch,
+                                          chunk=True)
             x = decoder_layer(g, c, s, x, pos, inv_freq, i, w, KVCache(kv.k, kv.v, table[:c.batch], c.page_size))
     with g.scope("head"):
         h = g.rms_norm(x, g.input("norm", (c.hidden,), c.dtype), c.eps, unit_offset=c.gemma)

@@ -24,6 +24,7 @@ from ..bootstrap import current_world
 from ..errors import GraphError, is_count
 from ..graph import Graph
 from ..runtime import Megakernel
+from ..tasks.chunk_attention import BLOCK_ROWS
 from .decoder import DecoderConfig, Shard, decode_step
 from .pages import KVCacheFull, PagePool
 
@@ -390,7 +391,7 @@ class DecodeModel:
         chunk = self._plan_prefill(active)
         running = [s for s in active if not s.prefilling or s.id in chunk.finishing]
         with self.pool.transaction():
-            for s, first, count in chunk.parts:
+            for s, first, count, _ in chunk.parts:
                 self.pool.grow(s.slot, first + count, f"sequence {s.id}")
             for s in running:
                 self.pool.grow(s.slot, min(s.pos + steps, s.last_position + 1), f"sequence {s.id}")
@@ -399,7 +400,7 @@ class DecodeModel:
             self.kernel.tensor(self.graph.inputs["pos"])[s.slot] = s.pos
         out = self.kernel.run({"block_table": self.pool.table}, steps=steps)
         history, self.logits = out["history"], out["logits"][:, :self.config.vocab].float()
-        for s, first, count in chunk.parts:
+        for s, first, count, _ in chunk.parts:
             s.prefilled = first + count
         new: dict[int, list[int]] = {}
         for s in running:
@@ -434,14 +435,15 @@ class DecodeModel:
 
     def _plan_prefill(self, active: list[Sequence]) -> "Chunk":
         """The prompt positions the prefill rows take in the next launch: each prefilling sequence in turn
-        (oldest first), up to ``prefill_chunk`` positions in all."""
-        chunk, room = Chunk(), self.config.prefill_chunk
+        (oldest first), from a row at a multiple of ``BLOCK_ROWS`` (a block of rows holds one sequence's),
+        up to ``prefill_chunk`` rows in all."""
+        chunk, row = Chunk(), 0
         for s in sorted((s for s in active if s.prefilling), key=lambda s: s.id):
-            count = min(room, s.prompt.numel() - 1 - s.prefilled)
-            if count == 0:
+            count = min(self.config.prefill_chunk - row, s.prompt.numel() - 1 - s.prefilled)
+            if count <= 0:
                 break
-            chunk.parts.append((s, s.prefilled, count))
-            room -= count
+            chunk.parts.append((s, s.prefilled, count, row))
+            row += -(-count // BLOCK_ROWS) * BLOCK_ROWS
             if s.prefilled + count == s.prompt.numel() - 1:
                 chunk.finishing.add(s.id)
         return chunk
@@ -453,15 +455,13 @@ class DecodeModel:
             return
         tokens = torch.zeros(c.prefill_chunk, dtype=torch.int64)
         positions = torch.full((c.prefill_chunk,), -1)
-        row = 0
-        for s, first, count in chunk.parts:
+        for j in range(c.prefill_chunk):
+            self.pool.release(c.batch + j)
+        for s, first, count, row in chunk.parts:
             tokens[row:row + count] = s.prompt[first:first + count]
             positions[row:row + count] = torch.arange(first, first + count)
             for j in range(row, row + count):
                 self.pool.share(c.batch + j, s.slot)
-            row += count
-        for j in range(row, c.prefill_chunk):
-            self.pool.release(c.batch + j)
         self.kernel.tensor(self.graph.inputs["prefill_tokens"]).copy_(tokens)
         self.kernel.tensor(self.graph.inputs["prefill_pos"]).copy_(positions)
 
@@ -524,10 +524,10 @@ class DecodeModel:
 
 @dataclass
 class Chunk:
-    """The prefill rows of a launch: (sequence, first position, positions) parts, and the sequences whose
-    prompt they finish."""
+    """The prefill rows of a launch: (sequence, first position, positions, first row) parts, and the
+    sequences whose prompt they finish."""
 
-    parts: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    parts: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
     finishing: set[int] = field(default_factory=set)
 
 

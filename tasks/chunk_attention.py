@@ -1,0 +1,165 @@
+"""Causal attention of a prefill chunk: blocks of a sequence's consecutive prompt rows against its KV cache.
+
+A prefill chunk holds prompt tokens at positions of their own (``pos`` [rows], -1: an unused row). The
+chunk's rows are cut into blocks of BLOCK_ROWS; the rows of a block belong to one sequence (the host
+packs a sequence's rows from a block boundary), so they share its pages: a tile per (block, KV head)
+scores the block's rows against the keys of positions up to the block's last (its own rows' keys,
+written by ``kv_append`` just before, and the pages of earlier chunks) with ``tl.dot`` and an online
+softmax, each row masked to the keys at or before its position (and inside its window). A chunk of C
+rows is C / BLOCK_ROWS x KV heads tiles, against C x KV heads x splits partial tiles and C x heads
+combine tiles for decode attention. The cache is a paged pool (``attention``) or contiguous.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..device import heap_ptr
+from .attention import _cache_rows, _paging, cache_row
+from .common import TaskType, require_float, rounded, row_positions
+
+BLOCK_ROWS = 16   # chunk rows per tile (a sequence's part of a chunk starts at a multiple of it)
+BLOCK_KEYS = 16   # key positions per step; both are tl.dot's smallest dimension
+
+
+@triton.jit
+def chunk_attention_tile(base,
+                         out, q,         # heap offsets of the block's first row at the KV head's first query head
+                         k, v,           # heap offsets of the KV head's column in the first cache row of the
+                         #                 block's sequence (paged: the pool's)
+                         pos,            # heap offset of the block's first row's int64 position
+                         rows,           # rows in the block
+                         seq_len,        # positions of a sequence: later ones are clamped
+                         table, pages,   # paged: heap offset of the block's block table row, the pool's pages
+                         window,         # keys attended: p - window < key <= p
+                         q_stride, out_stride, cache_stride,  # row strides, in elements
+                         DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
+    """``out = softmax(q k^T) v`` for ``rows`` rows x GROUP query heads, each row over its sequence's keys
+    at or before its position (a row of no sequence: zeros).
+
+    One query head at a time: a ``[BLOCK_M, BLOCK_N]`` ``tl.dot`` of scores per step of BLOCK_N keys, an
+    online softmax per row, float32 throughout (the interpreter's bfloat16 dot is wrong); the later
+    heads of the group find the keys in cache. The state is small (a [BLOCK_M, BLOCK_D] accumulator),
+    as every tile of the one kernel shares its register budget.
+    """
+    i = tl.arange(0, BLOCK_M)
+    used = i < rows
+    d = tl.arange(0, BLOCK_D)[None, :]
+    positions = tl.load(heap_ptr(base, pos, tl.int64) + i, mask=used, other=-1)
+    positions = tl.where(positions < 0, -1, tl.minimum(positions, seq_len - 1))     # [BLOCK_M]
+    last = tl.max(positions, axis=0)
+    first = tl.maximum(tl.min(tl.where(positions < 0, seq_len, positions), axis=0) + 1 - window, 0)
+    k_ptr, v_ptr = heap_ptr(base, k, DTYPE), heap_ptr(base, v, DTYPE)
+    j = tl.arange(0, BLOCK_N)
+    for g in range(GROUP):
+        q_rows = i[:, None] * q_stride + g * HEAD_DIM + d
+        qg = tl.load(heap_ptr(base, q, DTYPE) + q_rows, mask=used[:, None] & (d < HEAD_DIM), other=0.0)
+        qg = qg.to(tl.float32) * SCALE
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for s0 in range(first - first % BLOCK_N, last + 1, BLOCK_N):
+            keys = s0 + j
+            if PAGE % BLOCK_N == 0:  # the step's keys lie in one page (or a contiguous cache): consecutive rows
+                cache_rows = cache_row(base, table, s0, pages, PAGE) + j
+            else:                    # pages smaller than a step: a page lookup per key
+                cache_rows = cache_row(base, table, tl.minimum(keys, last), pages, PAGE)
+            cache = cache_rows[:, None] * cache_stride + d
+            mask = (keys <= last)[:, None] & (d < HEAD_DIM)
+            kk = tl.load(k_ptr + cache, mask=mask, other=0.0).to(tl.float32)
+            vv = tl.load(v_ptr + cache, mask=mask, other=0.0).to(tl.float32)
+            seen = (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - window)
+            scores = tl.where(seen, tl.dot(qg, tl.trans(kk), input_precision="ieee"), float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no key yet stays empty
+            p = tl.exp(scores - shift[:, None])
+            alpha = tl.exp(m - shift)
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, vv, input_precision="ieee")
+            m = m_new
+        o = acc / tl.where(l > 0, l, 1.0)[:, None]
+        out_rows = i[:, None] * out_stride + g * HEAD_DIM + d
+        tl.store(heap_ptr(base, out, DTYPE) + out_rows, rounded(o, DTYPE), mask=used[:, None] & (d < HEAD_DIM))
+
+
+def _reference(heap, task) -> None:
+    group, hd, dtype = task.GROUP, task.HEAD_DIM, task.DTYPE
+    positions = heap.tensor(task.pos, torch.int64, 1, task.rows, task.rows)[0].clamp(max=task.seq_len - 1)
+    q = heap.tensor(task.q, dtype, task.rows, group * hd, task.q_stride).float().reshape(task.rows, group, hd)
+    out = heap.tensor(task.out, dtype, task.rows, group * hd, task.out_stride)
+    last = int(positions.max())
+    if last < 0:
+        out.zero_()
+        return
+    rows = _cache_rows(heap, task, torch.arange(last + 1))
+    pool = int(rows.max()) + 1
+    k = heap.tensor(task.k, dtype, pool, hd, task.cache_stride)[rows].float()
+    v = heap.tensor(task.v, dtype, pool, hd, task.cache_stride)[rows].float()
+    keys = torch.arange(last + 1)
+    seen = (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - task.window)  # [rows, keys]
+    scores = torch.einsum("rgd,kd->rgk", q * task.SCALE, k).masked_fill(~seen[:, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)   # a row of no sequence: no key, zeros
+    out.copy_(torch.einsum("rgk,kd->rgd", weights, v).reshape(task.rows, group * hd))
+
+
+def chunk_attention(g, q, k_cache, v_cache, pos, head_dim: int, window: int | None = None, table=None,
+                    page_size: int | None = None):
+    """Causal attention of a prefill chunk's rows ``q`` [rows, heads * head_dim] at positions ``pos``
+    ([rows] int64, -1: an unused row, which gets zeros) over their sequence's cache: contiguous
+    (``k_cache`` [max_seq, ...], one sequence) or paged (``table`` [rows, max_pages], ``page_size``).
+    Every block of BLOCK_ROWS rows holds one sequence's rows: its first row's block table row serves
+    the block. ``window``: keys ``p - window < key <= p``."""
+    heads, kv_heads = q.cols // head_dim, k_cache.cols // head_dim
+    g.check(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0
+            and k_cache.shape == v_cache.shape,
+            f"chunk_attention: q {q.shape} and caches {k_cache.shape}, {v_cache.shape} are not whole heads of "
+            f"{head_dim} with query heads a multiple of KV heads")
+    require_float(g, "chunk_attention", q=q, k_cache=k_cache, v_cache=v_cache)
+    g.check(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
+            f"chunk_attention: window must be None or a positive integer, got {window!r}")
+    rows = q.rows
+    paging = _paging(g, "chunk_attention", k_cache, rows if table is not None else 1, table, page_size)
+    positions = row_positions(g, "chunk_attention", pos, rows)
+    g.check(pos.block().cols == rows, f"chunk_attention: pos must have one position per row ({rows},), got {pos.shape}")
+    group = heads // kv_heads
+    out = g.new_tensor(q.shape, q.dtype)
+    opcode = g.opcode(CHUNK_ATTENTION, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim,
+                      SCALE=1.0 / math.sqrt(head_dim), BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS,
+                      BLOCK_D=max(BLOCK_KEYS, triton.next_power_of_2(head_dim)), PAGE=paging.page)
+    size = q.element_size
+    for r0 in range(0, rows, BLOCK_ROWS):
+        n = min(BLOCK_ROWS, rows - r0)
+        for h in range(kv_heads):
+            cols = h * group * head_dim
+            g.add_task(opcode, out=out.addr(r0, cols), q=q.addr(r0, cols), k=k_cache.addr(0, h * head_dim),
+                       v=v_cache.addr(0, h * head_dim), pos=positions[r0][0], rows=n, seq_len=paging.max_seq,
+                       table=paging.table_row(r0), pages=paging.pages, window=min(window or paging.max_seq,
+                                                                                  paging.max_seq),
+                       q_stride=q.row_stride, out_stride=out.row_stride, cache_stride=k_cache.row_stride,
+                       reads=(q.region(r0, n, cols, group * head_dim), pos.block().region(0, 1, r0, n),
+                              *paging.table_region(r0), paging.rows(k_cache, 0, h * head_dim, head_dim),
+                              paging.rows(v_cache, 0, h * head_dim, head_dim)),
+                       writes=(out.region(r0, n, cols, group * head_dim),),
+                       bytes=2 * paging.max_seq * head_dim * size, flops=4 * n * group * paging.max_seq * head_dim)
+    return out
+
+
+def _example(g):
+    """A chunk of 20 rows (two blocks, the second partly used) with two query heads per KV head, over a
+    paged pool (pages of 16 rows, 3 per row, 40 pages: any index input is a page) and a contiguous cache."""
+    q = g.input("chunk_attention.q", (20, 96), torch.bfloat16)
+    pos = g.input("chunk_attention.pos", (20,), torch.int64)
+    table = g.input("chunk_attention.table", (20, 3), torch.int64)
+    pool = g.input("chunk_attention.pool", (40 * 16, 48), torch.bfloat16)
+    cache = g.input("chunk_attention.cache", (48, 48), torch.bfloat16)
+    return (g.chunk_attention(q, pool, pool, pos, 48, table=table, page_size=16),
+            g.chunk_attention(q, cache, cache, pos, 48, window=20))
+
+
+CHUNK_ATTENTION = TaskType("chunk_attention", chunk_attention_tile, _reference, _example)
+TASK_TYPES = (CHUNK_ATTENTION,)
+OPS = {"chunk_attention": chunk_attention}
