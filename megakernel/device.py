@@ -199,8 +199,8 @@ SIGNAL_WORDS = tl.constexpr(tables.SIGNAL_WORDS)
 @triton.jit
 def task_header(tasks, queue, i, last, ROW: tl.constexpr):
     """Queue entry ``i``'s task and the words of its row the loop needs: (task, wait event, fan-in,
-    carried wait's event, its fan-in, opcode, first signal, signal count); an empty header (no wait, no
-    signal) past ``last``.
+    carried wait's event, its fan-in, opcode, first signal, signal count, guard); an empty header (no
+    wait, no signal) past ``last``.
 
     The tables do not change during a run, so the loop loads the next task's header before running
     the current one: its latency hides behind the current task, and it is not re-fetched after the
@@ -212,7 +212,7 @@ def task_header(tasks, queue, i, last, ROW: tl.constexpr):
     return (task, tl.load(row + ROW_WAIT_EVENT, mask=more, other=-1), tl.load(row + ROW_FAN_IN, mask=more, other=0),
             tl.load(row + ROW_CARRY_EVENT, mask=more, other=-1), tl.load(row + ROW_CARRY_FAN_IN, mask=more, other=0),
             tl.load(row + ROW_OPCODE, mask=more, other=0), tl.load(row + ROW_SIGNAL_START, mask=more, other=0),
-            tl.load(row + ROW_SIGNAL_COUNT, mask=more, other=0))
+            tl.load(row + ROW_SIGNAL_COUNT, mask=more, other=0), tl.load(row + ROW_GUARD, mask=more, other=-1))
 
 
 @triton.jit
@@ -274,7 +274,7 @@ def persistent_loop(bases_addr, rank, worker, epoch, steps, timeout_ns, tasks_of
             tl.store(status + DONE, 0)
             tl.store(status + EPOCH, now)  # DONE counts tasks of this step; peers' reports read both
             i = first
-            task, event, fan_in, carry, carry_fan_in, opcode, first_signal, signal_count = task_header(
+            task, event, fan_in, carry, carry_fan_in, opcode, first_signal, signal_count, guard = task_header(
                 tasks, queue, i, last, ROW)
             while (i < last) & (running == 1):
                 row = tasks + task * ROW
@@ -290,7 +290,7 @@ def persistent_loop(bases_addr, rank, worker, epoch, steps, timeout_ns, tasks_of
                     tl.debug_barrier()
                     if TRACE:
                         tl.store(stamp + 1, CLOCK())
-                    if skipped(base, tl.load(row + ROW_GUARD)) == 0:
+                    if skipped(base, guard) == 0:
                         RUN_TILE(opcode, base, bases, status, row + ROW_ARG0)
                     tl.debug_barrier()
                     if TRACE:  # before the signals: a consumer may start as soon as they are sent
@@ -300,5 +300,5 @@ def persistent_loop(bases_addr, rank, worker, epoch, steps, timeout_ns, tasks_of
                         signal_event(bases, rank, tl.load(signal), events_off, tl.load(signal + 1),
                                      tl.load(signal + 2), SCOPED_SIGNALS)
                     tl.store(status + DONE, i - first + 1)
-                task, event, fan_in, carry, carry_fan_in, opcode, first_signal, signal_count = next_header
+                task, event, fan_in, carry, carry_fan_in, opcode, first_signal, signal_count, guard = next_header
                 i += 1

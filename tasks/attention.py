@@ -257,7 +257,7 @@ def kv_append(g, cache, x, pos, batch: int, table=None, page_size: int | None = 
                    seq_len=paging.max_seq, table=paging.table_row(b), pages=paging.pages, cols=x.cols,
                    cache_stride=cache.row_stride,
                    reads=(x.region(b, 1, 0, x.cols), position_region, *paging.table_region(b)),
-                   writes=(paging.rows(cache, b, 0, cache.cols),),
+                   writes=(paging.written(cache, b),),
                    bytes=2 * x.cols * x.element_size, flops=0)
     return cache
 
@@ -287,9 +287,20 @@ class Paging:
         return (self.table.region(b, 1, 0, self.table.cols),) if self.page else ()
 
     def rows(self, cache, b: int, col: int, cols: int):
-        """The region of ``cache`` batch row b may touch: its block, or the whole pool."""
+        """The region of ``cache`` batch row b may read: its block, or the whole pool."""
         return (cache.region(0, cache.rows, col, cols) if self.page
                 else cache.region(b * self.max_seq, self.max_seq, col, cols))
+
+    def written(self, cache, b: int):
+        """The region a ``kv_append`` of batch row b declares it writes: its block; in a pool, the pool row
+        numbered like b's block table row (modulo the pool), a stand-in for the row it writes, which is
+        known only on the device. Sequences have pages of their own and a sequence's rows write distinct
+        positions, so appends of different rows need no order between them (the spill page takes only
+        writes no one reads); every reader declares the whole pool, so it comes after every append of
+        its step and before those of the next."""
+        if not self.page:
+            return self.rows(cache, b, 0, cache.cols)
+        return cache.region((self.table.row0 + b) % cache.rows, 1, 0, cache.cols)
 
 
 def _paging(g, op: str, cache, batch: int, table, page_size: int | None) -> Paging:

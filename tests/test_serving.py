@@ -123,9 +123,13 @@ def test_a_full_pool_is_a_clear_error_that_harms_no_other_sequence():
         m.close()
     m = from_hf(model, max_seq_len=16, max_batch=1, page_size=4, kv_pages=2, workers=1)
     try:
-        with pytest.raises(KVCacheFull, match="need more than the pool's 2 pages"):
+        m.decode(torch.tensor([5]), 0)  # row 0 keeps a page for the positions decode() wrote
+        kept = list(m.pool.held[0])
+        with pytest.raises(KVCacheFull, match="prompt 0 and 10 new tokens need 4 pages of 4 positions; the pool has 2"):
             m.generate([_prompt(5)], 10)
-        assert m.kernel.launches == 0 and len(m.pool.free) == 2
+        with pytest.raises(KVCacheFull, match="1 rows of 5 prompt \\+ 10 new tokens need 4 pages"):
+            m.generate(_prompt(5).reshape(1, -1), 10)
+        assert m.kernel.launches == 1 and m.pool.held[0] == kept and len(m.pool.free) == 1
     finally:
         m.close()
 

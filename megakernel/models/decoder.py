@@ -181,6 +181,7 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     the biases that ``x``'s rows use; ``chunk``: the rows are a prefill chunk (``chunk_attention``: blocks
     of a sequence's consecutive positions) rather than a batch of one position per sequence."""
     hd, q_cols, kv_cols = c.head_dim, s.heads * c.head_dim, s.kv_heads * c.head_dim
+    g.check(not chunk or kv is not None, "decoder_layer: a prefill chunk needs its sequences' paged cache (kv)")
     w = w or layer_inputs(g, c, s, i)
     bias = lambda name: w[name][row0:row0 + x.rows]  # noqa: E731
     h = g.rms_norm(x, w["input_norm"], c.eps, unit_offset=c.gemma)

@@ -309,6 +309,10 @@ class DecodeModel:
             return ids.clone()
         self._require_no_sequences("generate")
         steps = prompt + max_new_tokens - 1  # step p embeds the token at p and samples the one at p + 1
+        if c.batch * self.pool.pages_for(steps) > self.pool.pages:  # before the rows' pages are given back
+            raise KVCacheFull(f"KV cache full: generate: {c.batch} rows of {prompt} prompt + {max_new_tokens} new "
+                              f"tokens need {c.batch * self.pool.pages_for(steps)} pages of {self.pool.page_size} "
+                              f"positions; the pool has {self.pool.pages}. Nothing changed")
         self._release_rows()  # each row keeps its pages afterwards, as decode() does: decode() may go on
         with self.pool.transaction():
             for row in range(c.batch):
@@ -476,19 +480,20 @@ class DecodeModel:
         ids: dict[int, int] = {}  # sequence id -> prompt index
         out: list[torch.Tensor | None] = [None] * len(waiting)
         pages = lambda s: self.pool.pages_for(s.last_position + 1)  # noqa: E731 (all a sequence will take)
+        for index, prompt in waiting:  # before anything runs or any page is given back
+            need = self.pool.pages_for(torch.as_tensor(prompt).numel() + max_new_tokens - 1)
+            if need > self.pool.pages:
+                raise KVCacheFull(f"KV cache full: generate: prompt {index} and {max_new_tokens} new tokens need {need} "
+                                  f"pages of {self.pool.page_size} positions; the pool has {self.pool.pages}. "
+                                  f"Nothing changed")
         while waiting or any(self.slots):
             while waiting and None in self.slots:
                 index, prompt = waiting[0]
-                sequence_id = self.add(prompt, max_new_tokens, eos_token_id)
                 running = [s for s in self.slots if s is not None]
-                if sum(pages(s) - len(self.pool.held[s.slot]) for s in running) > len(self.pool.free):
-                    self.cancel(sequence_id)  # waits for pages (an empty batch always has them)
-                    if len(running) == 1:
-                        raise KVCacheFull(f"generate: a prompt of {len(prompt)} tokens and {max_new_tokens} new "
-                                          f"ones need more than the pool's {self.pool.pages} pages of "
-                                          f"{self.pool.page_size} positions")
-                    break
-                ids[sequence_id] = index
+                need = self.pool.pages_for(torch.as_tensor(prompt).numel() + max_new_tokens - 1)
+                if sum(pages(s) - len(self.pool.held[s.slot]) for s in running) + need > len(self.pool.free):
+                    break  # waits for pages (an empty batch always has them)
+                ids[self.add(prompt, max_new_tokens, eos_token_id)] = index
                 waiting.pop(0)
             running = [s for s in self.slots if s is not None]
             if any(s.prefilling for s in running):
