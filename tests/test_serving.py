@@ -51,7 +51,7 @@ def test_prompts_of_different_lengths_generate_what_each_would_alone(world, page
         assert made == launches
 
 
-def test_a_sequence_joins_others_mid_generation_and_reuses_a_freed_slot_and_its_pages():
+def test_sequences_join_others_mid_generation_and_reuse_a_freed_slot_and_its_pages():
     model = hf_model("llama", layers=1)
     m = from_hf(model, max_seq_len=16, max_batch=3, page_size=4, prefill_chunk=4, workers=1)
     try:
@@ -66,17 +66,19 @@ def test_a_sequence_joins_others_mid_generation_and_reuses_a_freed_slot_and_its_
         assert len(tokens[a]) == 1 and tokens[b] == []
         step()  # then b's, while a makes its second token
         assert len(tokens[a]) == 2 and len(tokens[b]) == 1
-        b_pages = list(m.pool.held[1])
-        step()  # b has its 2 tokens: its slot and pages are free again
-        assert m.slots[1] is None and b in m.finished and m.pool.held[1] == []
-        c = m.add(_prompt(5), 4)  # joins a mid-generation, in b's old slot, on b's old pages
-        assert m.slots[1].id == c
+        c = m.add(_prompt(5), 4)  # joins while a and b are mid-generation
         tokens[c] = []
+        b_pages = list(m.pool.held[1])
+        step()  # b has its 2 tokens: its slot and pages are free again; c prefilled, its first token
+        assert m.slots[1] is None and b in m.finished and m.pool.held[1] == [] and len(tokens[c]) == 1
+        d = m.add(_prompt(3), 3)  # joins a and c mid-generation, in b's old slot, on b's old pages
+        assert m.slots[1].id == d
+        tokens[d] = []
         while any(m.slots):
             step()
-            if len(tokens[c]) == 1:  # c's prompt is in its pages now
-                assert set(m.pool.held[1]) & set(b_pages), "c took none of b's freed pages"
-        for sequence, (length, new) in {a: (4, 6), b: (2, 2), c: (5, 4)}.items():
+            if len(tokens[d]) == 1:  # d's prompt is in its pages now
+                assert set(m.pool.held[1]) & set(b_pages), "d took none of b's freed pages"
+        for sequence, (length, new) in {a: (4, 6), b: (2, 2), c: (5, 4), d: (3, 3)}.items():
             expected = _alone(model, _prompt(length), new)
             assert tokens[sequence] == expected[length:].tolist(), f"sequence {sequence}"
             assert torch.equal(m.finished[sequence], expected)

@@ -173,13 +173,15 @@ def layer_inputs(g: Graph, c: DecoderConfig, s: Shard, i: int) -> dict[str, Tens
 
 def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, inv_freq: Tensor, i: int,
                   w: dict[str, Tensor] | None = None, kv: KVCache | None = None, row0: int = 0,
-                  chunk: bool = False) -> Tensor:
+                  chunk: bool = False, kv_only: bool = False) -> Tensor | None:
     """One pre-norm decoder layer over the residual stream ``x`` [rows, hidden]; returns the new stream.
 
     ``w``: the layer's inputs (``layer_inputs``; made here by default), ``kv``: its paged cache (by
     default a contiguous one made here, ``max_seq_len`` positions per row), ``row0``: the first row of
     the biases that ``x``'s rows use; ``chunk``: the rows are a prefill chunk (``chunk_attention``: blocks
-    of a sequence's consecutive positions) rather than a batch of one position per sequence."""
+    of a sequence's consecutive positions) rather than a batch of one position per sequence;
+    ``kv_only``: stop after the KV cache append and return None (a prefill chunk's last layer, whose
+    output nothing reads)."""
     hd, q_cols, kv_cols = c.head_dim, s.heads * c.head_dim, s.kv_heads * c.head_dim
     g.check(not chunk or kv is not None, "decoder_layer: a prefill chunk needs its sequences' paged cache (kv)")
     w = w or layer_inputs(g, c, s, i)
@@ -201,6 +203,8 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
         k_cache, v_cache, paging = kv.k, kv.v, {"table": kv.table, "page_size": kv.page_size}
     k_cache = g.kv_append(k_cache, k, pos, x.rows, **paging)
     v_cache = g.kv_append(v_cache, v, pos, x.rows, **paging)
+    if kv_only:
+        return None
     window = c.windows[i] if c.windows else None
     attn = (g.chunk_attention(q, k_cache, v_cache, pos, hd, window=window, **paging) if chunk
             else g.decode_attention(q, k_cache, v_cache, pos, x.rows, hd, window=window, **paging))
@@ -238,8 +242,9 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     tokens ``prefill_tokens`` at positions ``prefill_pos`` [C] (-1: unused), each with its sequence's
     pages in block table row ``batch + j``, a sequence's rows starting at a multiple of
     ``chunk_attention.BLOCK_ROWS``. They write the KV cache of those positions before the batch
-    rows' attention of the same layer reads it, make no logits, and are off (-1) after the step: one
-    launch prefills up to C prompt tokens, the last prompt token of a sequence then runs in its batch row.
+    rows' attention of the same layer reads it (in the last layer they stop there), make no logits, and
+    are off (-1) after the step: one launch prefills up to C prompt tokens, the last prompt token of a
+    sequence then runs in its batch row.
 
     Built into ``g``, or a new ``Graph(parallelism=parallelism)``: the number of workers the step is
     meant for, which sizes its tiles (split-K linears, attention splits).
@@ -272,7 +277,7 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
                 with g.scope("prefill"), g.guarded(prefill_pos[0]):
                     chunk = decoder_layer(g, c, s, chunk, prefill_pos, inv_freq, i, w,
                                           KVCache(kv.k, kv.v, table[c.batch:], c.page_size), row0=c.batch,
-                                          chunk=True)
+                                          chunk=True, kv_only=i == c.layers - 1)
             x = decoder_layer(g, c, s, x, pos, inv_freq, i, w, KVCache(kv.k, kv.v, table[:c.batch], c.page_size))
     with g.scope("head"):
         h = g.rms_norm(x, g.input("norm", (c.hidden,), c.dtype), c.eps, unit_offset=c.gemma)
