@@ -480,8 +480,8 @@ class DecodeModel:
         ids: dict[int, int] = {}  # sequence id -> prompt index
         out: list[torch.Tensor | None] = [None] * len(waiting)
         pages = lambda s: self.pool.pages_for(s.last_position + 1)  # noqa: E731 (all a sequence will take)
-        for index, prompt in waiting:  # before anything runs or any page is given back
-            need = self.pool.pages_for(torch.as_tensor(prompt).numel() + max_new_tokens - 1)
+        needs = [self.pool.pages_for(torch.as_tensor(prompt).numel() + max_new_tokens - 1) for prompt in prompts]
+        for index, need in enumerate(needs):  # before anything runs or any page is given back
             if need > self.pool.pages:
                 raise KVCacheFull(f"KV cache full: generate: prompt {index} and {max_new_tokens} new tokens need {need} "
                                   f"pages of {self.pool.page_size} positions; the pool has {self.pool.pages}. "
@@ -490,8 +490,7 @@ class DecodeModel:
             while waiting and None in self.slots:
                 index, prompt = waiting[0]
                 running = [s for s in self.slots if s is not None]
-                need = self.pool.pages_for(torch.as_tensor(prompt).numel() + max_new_tokens - 1)
-                if sum(pages(s) - len(self.pool.held[s.slot]) for s in running) + need > len(self.pool.free):
+                if sum(pages(s) - len(self.pool.held[s.slot]) for s in running) + needs[index] > len(self.pool.free):
                     break  # waits for pages (an empty batch always has them)
                 ids[self.add(prompt, max_new_tokens, eos_token_id)] = index
                 waiting.pop(0)
