@@ -6,7 +6,7 @@
 3. a Llama-3-8B-shaped decoder layer (bfloat16, batch 1) as one megakernel launch, checked against
    an eager PyTorch layer computed in float32, and timed against the eager layer and against
    CUDA-graph replay of it, with its fraction of the memory-bandwidth floor (copy bandwidth measured
-   here, in the same run);
+   here, in the same run), and its own launch captured in a graph (``Megakernel.capture``) and replayed;
 4. per-task dispatch overhead (many empty tasks);
 5. cross-rank signal latency and small all-reduces between two virtual ranks (two persistent
    kernels resident at once on one GPU);
@@ -435,6 +435,10 @@ def check_layer(s: Setup) -> list[Row]:
             kernel.view.tensor(b.offset, b.dtype, b.rows, b.cols, b.cols)[:pos].copy_(rows)
         y = kernel.run()["y"].cpu()
         mk_device, mk_wall = median_launch(kernel, repeats)  # the same step again: same work, same result
+        captured = kernel.capture()  # the launch as a graph: no host work per step
+        mk_replay = timed(captured.replay, repeats, device)
+        kernel.check()
+        replayed = torch.equal(kernel.tensor(g.outputs["y"]).cpu(), y)
         workers, tasks = kernel.workers, len(g.tasks)
     finally:
         kernel.close()
@@ -451,7 +455,9 @@ def check_layer(s: Setup) -> list[Row]:
     step = functools.partial(eager_layer, c, on, xd, pos, freq, *caches)
     eager = timed(step, repeats, device)
     rows = [Row(f"layer {c.hidden}x{c.intermediate} bf16 ({tasks} tasks, {workers} workers) vs fp32 eager",
-                f"max rel. error {error:.1e}", "<= 3e-2", error <= 3e-2)]
+                f"max rel. error {error:.1e}", "<= 3e-2", error <= 3e-2),
+            Row("layer: captured launch replayed (Megakernel.capture)", f"{mk_replay * 1e6:.1f} us per replay, "
+                f"{'bitwise equal to run()' if replayed else 'DIFFERS from run()'}", "equal", replayed)]
     if device == "cpu":
         rows.append(Row("layer: megakernel / eager (cpu interpreter, wall)", f"{mk_wall * 1e3:.1f} / {eager * 1e3:.1f} ms"))
         return rows
@@ -471,6 +477,7 @@ def check_layer(s: Setup) -> list[Row]:
         Row("copy bandwidth (read + write)", f"{bandwidth / 1e12:.2f} TB/s"),
         Row(f"layer floor ({layer_bytes(c, pos) / 2**20:.0f} MiB at copy bandwidth)", f"{floor * 1e6:.1f} us"),
         Row("layer: megakernel launch", f"{mk_device * 1e6:.1f} us ({mk_wall * 1e6:.0f} us wall per run)"),
+        Row("layer: run() wall vs replay of the captured launch", f"{mk_wall * 1e6:.0f} / {mk_replay * 1e6:.1f} us"),
         Row("layer: eager PyTorch", f"{eager * 1e6:.1f} us"),
         Row("layer: CUDA-graph replay of eager", f"{replay * 1e6:.1f} us"),
         Row("layer: fraction of the bandwidth floor", f"{fraction:.0%}", ">= 75%", fraction >= 0.75, timing=True),

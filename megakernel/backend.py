@@ -14,7 +14,7 @@ Virtual ranks (threads of one process) carve their heaps from one allocation on 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -51,6 +51,14 @@ class Backend(Protocol):
         (GPU: device time). On a failure, set ``abort`` (the rank's abort word) so the other workers
         stop, and raise ``BackendError``. Interrupted (KeyboardInterrupt), return only when no worker
         runs any more (or set ``lost_workers``), then re-raise."""
+
+    def capture(self, args: dict[str, int], abort: torch.Tensor) -> Callable[[], None]:
+        """The launch with ``args`` recorded once: a function that enqueues it again with no host work (GPU:
+        a CUDA/HIP graph replayed on the current stream; cpu: the launch, run again)."""
+
+    def synchronize(self, launches: int) -> None:
+        """Return when this rank's ``launches`` launches enqueued since the last wait have ended
+        (``BackendError`` if one failed or does not end in time)."""
 
     def close(self) -> None:
         """Release the heap and the workers' mappings of it."""

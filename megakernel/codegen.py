@@ -19,7 +19,7 @@ import types
 from pathlib import Path
 
 from . import device
-from .device import CLOCKS, PROTOCOLS
+from .device import CLOCKS, FENCES, PROTOCOLS
 from .errors import BackendError, GraphError
 from .files import private_dir, replace_with
 from .layout import HeapLayout
@@ -28,8 +28,8 @@ from .tasks import TASK_TYPES
 
 TARGETS = tuple(CLOCKS)  # "interpreter", "cuda", "hip"
 # Every argument is an int64, whatever its value (Triton would type a small int as int32), and none
-# is specialised (an epoch of 1 must not compile another kernel): one compiled kernel serves every launch.
-KERNEL_ARGS = ("bases_addr", "rank", "worker", "epoch", "steps", "timeout_ns", *HeapLayout.offset_names())
+# is specialised (a launch of 1 step must not compile another kernel): one compiled kernel serves every launch.
+KERNEL_ARGS = ("bases_addr", "rank", "worker", "steps", "timeout_ns", *HeapLayout.offset_names())
 
 
 def cache_dir() -> Path:
@@ -88,7 +88,7 @@ Opcodes:
 import triton
 import triton.language as tl
 
-from megakernel.device import persistent_loop, {CLOCKS[target]}, {PROTOCOLS[protocol]}
+from megakernel.device import persistent_loop, {CLOCKS[target]}, {FENCES[target]}, {PROTOCOLS[protocol]}
 {imports}
 
 
@@ -101,8 +101,9 @@ def run_tile(opcode, base, bases, status, args):
 def megakernel({params}, ROW: tl.constexpr, TRACE: tl.constexpr):
     """Program ``p`` of a launch is worker ``worker + p``: a GPU launches every worker in one grid with
     ``worker = 0``; the cpu backend runs each worker as its own grid of one."""
-    persistent_loop({loop_args}, ROW=ROW, RUN_TILE=run_tile, CLOCK={CLOCKS[target]}, WAIT={PROTOCOLS[protocol]},
-                    SCOPED_SIGNALS={protocol == "poll"}, TRACE=TRACE)
+    persistent_loop({loop_args}, ROW=ROW, RUN_TILE=run_tile, CLOCK={CLOCKS[target]}, FENCE={FENCES[target]},
+                    WAIT={PROTOCOLS[protocol]}, SCOPED_SIGNALS={protocol == "poll"},
+                    RELAXED_ADDS={protocol == "poll" and target != "interpreter"}, TRACE=TRACE)
 '''
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import os
 import signal
 import socket
@@ -28,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -315,6 +317,12 @@ class CpuBackend:
             if failure is not None:
                 raise failure
             return time.perf_counter() - start
+
+    def capture(self, args: dict[str, int], abort: torch.Tensor) -> Callable[[], None]:
+        return functools.partial(self.launch, dict(args), abort)  # no graphs to record: the same launch again
+
+    def synchronize(self, launches: int) -> None:
+        pass  # a launch returns when its workers have finished
 
     def _stop(self, running: dict) -> None:
         """Wait a little for the ``running`` workers (told to abort) to answer their run message; kill

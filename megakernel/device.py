@@ -11,8 +11,10 @@ forever. Two wait/signal protocols share the one loop (code generation picks one
 
 - ``poll`` (the default where Triton has ``tl.atomic_poll``): one thread of the program polls the
   counter with relaxed loads for a slice of POLL_SLICE_NS, then one acquire fence and one barrier;
-  between slices the abort word is read and the total timeout counted in slices. Signals release at
-  gpu scope when the event is this rank's and at system scope when it is a peer's.
+  between slices the abort word is read and the total timeout counted in slices. A task's signals
+  pay one release fence, at gpu scope when every event it signals is this rank's and at system
+  scope when one is a peer's, then relaxed adds at the scope of each event (under the interpreter
+  every add releases instead).
 - ``spin`` (triton 3.6, and the baseline that ``bench/gpu_check.py`` compares with): every thread
   reads the counter and the abort word with scalar atomics, and a program-wide clock, each
   iteration; every signal is a system-scope release.
@@ -34,7 +36,7 @@ STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE, EPOCH, CLOCK_SLOT, FAULT, FAULT_AT
     tl.constexpr(i) for i in (layout.STATE, layout.TASK, layout.EVENT, layout.OBSERVED, layout.EXPECTED, layout.DONE,
                               layout.EPOCH, layout.CLOCK_SLOT, layout.FAULT, layout.FAULT_AT, layout.FAULT_VALUE,
                               layout.FAULT_BOUND))
-TIMED_OUT, STOPPED = tl.constexpr(layout.TIMED_OUT), tl.constexpr(layout.STOPPED)
+TIMED_OUT, STOPPED, FAULTED = tl.constexpr(layout.TIMED_OUT), tl.constexpr(layout.STOPPED), tl.constexpr(layout.FAULTED)
 
 
 @triton.jit
@@ -69,6 +71,37 @@ def hip_clock():
 
 
 CLOCKS = {"interpreter": "interpreter_clock", "cuda": "cuda_clock", "hip": "hip_clock"}
+
+
+def interpreter_fence(system):
+    """Nothing to do: under the interpreter the adds themselves release (``RELAXED_ADDS`` is off), as a
+    relaxed atomic on a weakly ordered host (aarch64) would not order the tile's stores before it."""
+
+
+@triton.jit
+def cuda_fence(system):
+    """Release (and acquire) fence of this thread: at system scope if ``system``, else at gpu scope."""
+    if system != 0:
+        tl.inline_asm_elementwise("fence.acq_rel.sys;\nmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    else:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@triton.jit
+def hip_fence(system):
+    """Release fence of this thread, as LLVM's memory model writes one for gfx942: write back the L2 (its
+    lines of non-coherent memory; with ``sc0`` too for system scope), then wait for every store."""
+    if system != 0:
+        tl.inline_asm_elementwise("buffer_wbl2 sc0 sc1\ns_waitcnt vmcnt(0) lgkmcnt(0)\nv_mov_b32 $0, 0", "=v", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("buffer_wbl2 sc1\ns_waitcnt vmcnt(0) lgkmcnt(0)\nv_mov_b32 $0, 0", "=v", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+FENCES = {"interpreter": "interpreter_fence", "cuda": "cuda_fence", "hip": "hip_fence"}
 
 
 @triton.jit
@@ -178,14 +211,32 @@ def row_position(status, pos, bound):
 
 
 @triton.jit
-def signal_event(bases, rank, dst, events_off, event, increment, SCOPED: tl.constexpr):
-    """Release-add ``increment`` to ``event`` on rank ``dst`` (this rank or a peer): with ``SCOPED``, at gpu
-    scope when ``dst`` is this rank (the data and the event stayed on this GPU), else at system scope."""
+def signal_event(bases, rank, dst, events_off, event, increment, SCOPED: tl.constexpr, SEM: tl.constexpr):
+    """Add ``increment`` to ``event`` on rank ``dst`` (this rank or a peer) with semantics ``SEM``: with
+    ``SCOPED`` at gpu scope when ``dst`` is this rank (the data and the event stayed on this GPU), else
+    (and always without) at system scope."""
     counter = peer_ptr(bases, dst, events_off + event * 8, tl.int64)
     if SCOPED and dst == rank:
-        tl.atomic_add(counter, increment, sem="release", scope="gpu")
+        tl.atomic_add(counter, increment, sem=SEM, scope="gpu")
     else:
-        tl.atomic_add(counter, increment, sem="release", scope="sys")
+        tl.atomic_add(counter, increment, sem=SEM, scope="sys")
+
+
+@triton.jit
+def signal_all(bases, rank, signals, first, count, events_off, FENCE: tl.constexpr, SCOPED: tl.constexpr,
+               RELAXED_ADDS: tl.constexpr):
+    """Send a task's ``count`` signals from signal ``first`` on, after its tile's stores (and a barrier).
+    With ``RELAXED_ADDS``, one release fence covers them all (at system scope if one goes to a peer),
+    then relaxed adds; without, every add releases."""
+    if RELAXED_ADDS and count > 0:
+        remote = 0
+        for s in range(first, first + count):
+            remote |= (tl.load(signals + s * SIGNAL_WORDS) != rank).to(tl.int32)
+        FENCE(remote)
+    for s in range(first, first + count):
+        signal = signals + s * SIGNAL_WORDS
+        signal_event(bases, rank, tl.load(signal), events_off, tl.load(signal + 1), tl.load(signal + 2), SCOPED,
+                     "relaxed" if RELAXED_ADDS else "release")
 
 
 # The task row layout (scheduler.tables), as constexprs for the kernel.
@@ -194,6 +245,13 @@ def signal_event(bases, rank, dst, events_off, event, increment, SCOPED: tl.cons
                                        tables.CARRY_FAN_IN, tables.SIGNAL_START, tables.SIGNAL_COUNT, tables.GUARD,
                                        tables.ARG0))
 SIGNAL_WORDS = tl.constexpr(tables.SIGNAL_WORDS)
+
+
+@triton.jit
+def header_word(row, word, more, default):
+    """Word ``word`` of a task row (a count or an index), as int32: the next task's header stays live
+    across the current tile, and int32 words take half the registers of int64 ones."""
+    return tl.load(row + word, mask=more, other=default).to(tl.int32)
 
 
 @triton.jit
@@ -207,12 +265,13 @@ def task_header(tasks, queue, i, last, ROW: tl.constexpr):
     next acquire (which invalidates the L1 cache).
     """
     more = i < last
-    task = tl.load(queue + i, mask=more, other=0)
+    task = tl.load(queue + i, mask=more, other=0).to(tl.int32)
     row = tasks + task * ROW
-    return (task, tl.load(row + ROW_WAIT_EVENT, mask=more, other=-1), tl.load(row + ROW_FAN_IN, mask=more, other=0),
-            tl.load(row + ROW_CARRY_EVENT, mask=more, other=-1), tl.load(row + ROW_CARRY_FAN_IN, mask=more, other=0),
-            tl.load(row + ROW_OPCODE, mask=more, other=0), tl.load(row + ROW_SIGNAL_START, mask=more, other=0),
-            tl.load(row + ROW_SIGNAL_COUNT, mask=more, other=0), tl.load(row + ROW_GUARD, mask=more, other=-1))
+    return (task, header_word(row, ROW_WAIT_EVENT, more, -1), header_word(row, ROW_FAN_IN, more, 0),
+            header_word(row, ROW_CARRY_EVENT, more, -1), header_word(row, ROW_CARRY_FAN_IN, more, 0),
+            header_word(row, ROW_OPCODE, more, 0), header_word(row, ROW_SIGNAL_START, more, 0),
+            header_word(row, ROW_SIGNAL_COUNT, more, 0),
+            tl.load(row + ROW_GUARD, mask=more, other=-1))  # a heap offset: int64
 
 
 @triton.jit
@@ -239,20 +298,28 @@ def wait_for(events, event, target, abort, status, task, timeout_ns, WAIT: tl.co
 
 
 @triton.jit
-def persistent_loop(bases_addr, rank, worker, epoch, steps, timeout_ns, tasks_off, signals_off, queue_off, index_off,
+def persistent_loop(bases_addr, rank, worker, steps, timeout_ns, tasks_off, signals_off, queue_off, index_off,
                     events_off, status_off, trace_off, ROW: tl.constexpr, RUN_TILE: tl.constexpr,
-                    CLOCK: tl.constexpr, WAIT: tl.constexpr, SCOPED_SIGNALS: tl.constexpr, TRACE: tl.constexpr):
+                    CLOCK: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, SCOPED_SIGNALS: tl.constexpr,
+                    RELAXED_ADDS: tl.constexpr, TRACE: tl.constexpr):
     """One worker's whole launch: ``steps`` steps (epochs ``epoch``, ``epoch + 1``, ...), each running the
     worker's queue: for each task, wait, run the tile (unless its guard skips it this step, ``skipped``),
     signal.
 
+    A launch starts at the step after the last one the worker's status record holds (EPOCH; 0 after
+    the host clears the records), so the host passes no epoch: every launch of a kernel with the same
+    ``steps`` has the same arguments, and a CUDA graph may replay one.
+
     A task waits for its event to count ``epoch * fan_in`` (its producers of this step) and for its
     carried event to count ``(epoch - 1) * carry_fan_in`` (those of the previous step, which the host
-    no longer separates from this one). ``WAIT`` and ``SCOPED_SIGNALS`` are the protocol's (see the
-    module docstring).
+    no longer separates from this one). ``WAIT``, ``SCOPED_SIGNALS`` and ``RELAXED_ADDS`` are the
+    protocol's (see the module docstring; the interpreter keeps releasing adds, ``interpreter_fence``).
 
     ``RUN_TILE(opcode, base, bases, status, args)`` dispatches to the tile functions (generated per graph). A wait
-    that times out writes this worker's status record and stops every worker of the rank. With
+    that times out writes this worker's status record and stops every worker of the rank; a launch
+    that finds the rank stopped (a stall whose records the host has not read: replays) runs nothing.
+    A task whose tile met an index out of range raises the rank's FAULTED word before its signals,
+    so the host of any rank its results reach finds it. With
     ``TRACE``, each task records when it started waiting, started running and finished (its stores
     done, just before its signals) at ``trace[task * TRACE_WORDS]``, the last step's; without it no
     clock is read and nothing is stored.
@@ -265,9 +332,10 @@ def persistent_loop(bases_addr, rank, worker, epoch, steps, timeout_ns, tasks_of
     events = heap_ptr(base, events_off, tl.int64)
     abort = heap_ptr(base, status_off, tl.int64)
     status = abort + STATUS_WORDS * (worker + 1)
-    first = tl.load(heap_ptr(base, index_off, tl.int64) + worker)
-    last = tl.load(heap_ptr(base, index_off, tl.int64) + worker + 1)
-    running = 1
+    epoch = tl.load(status + EPOCH) + 1
+    first = tl.load(heap_ptr(base, index_off, tl.int64) + worker).to(tl.int32)  # int32: live across every tile
+    last = tl.load(heap_ptr(base, index_off, tl.int64) + worker + 1).to(tl.int32)
+    running = (tl.load(abort) == 0).to(tl.int32)  # a stall the host has not read yet: keep its records
     for step in range(0, steps):
         if running == 1:
             now = epoch + step
@@ -293,12 +361,12 @@ def persistent_loop(bases_addr, rank, worker, epoch, steps, timeout_ns, tasks_of
                     if skipped(base, guard) == 0:
                         RUN_TILE(opcode, base, bases, status, row + ROW_ARG0)
                     tl.debug_barrier()
+                    if tl.load(status + FAULT) == now:  # a tile met an index out of range: tell the host
+                        tl.atomic_max(abort + FAULTED, now, sem="relaxed", scope="gpu")  # before the signals
                     if TRACE:  # before the signals: a consumer may start as soon as they are sent
                         tl.store(stamp + 2, CLOCK())
-                    for s in range(first_signal, first_signal + signal_count):
-                        signal = signals + s * SIGNAL_WORDS
-                        signal_event(bases, rank, tl.load(signal), events_off, tl.load(signal + 1),
-                                     tl.load(signal + 2), SCOPED_SIGNALS)
+                    signal_all(bases, rank, signals, first_signal, signal_count, events_off, FENCE, SCOPED_SIGNALS,
+                               RELAXED_ADDS)
                     tl.store(status + DONE, i - first + 1)
                 task, event, fan_in, carry, carry_fan_in, opcode, first_signal, signal_count, guard = next_header
                 i += 1

@@ -20,7 +20,8 @@ from .trace import Trace, rank_trace
 
 
 def status_records(words: np.ndarray) -> np.ndarray:
-    """The status region's words -> one record per worker, [workers, STATUS_WORDS] (the abort word dropped)."""
+    """The status region's words -> one record per worker, [workers, STATUS_WORDS] (the rank's header record
+    dropped)."""
     return words.reshape(-1, STATUS_WORDS)[1:]
 
 

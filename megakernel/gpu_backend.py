@@ -13,6 +13,12 @@ the grid is checked against the compiled kernel's registers and shared memory be
 a process rank launches cooperatively where Triton can (the driver then refuses a grid that cannot be
 resident at once, e.g. because another process holds SMs, instead of a hang). Virtual ranks' R
 kernels must run at once: each stream needs a hardware queue of its own (``check_queues``).
+
+The host path of a launch is short: the compiled kernel is launched through its own launcher
+(``_enqueue``; none of the JIT's argument binding and cache lookup), its arguments are the same for
+every launch (the epoch lives on the device), and nothing synchronises until ``run`` waits for the
+end. So a launch can be recorded in a CUDA (HIP) graph (``capture``) and replayed with no host
+work; the runtime reads two words of status back after a run, the records only when they say so.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import threading
 import time
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -123,6 +130,7 @@ class GpuBackend:
         # Cooperative launches of virtual ranks' concurrent kernels are untried: those launch plainly.
         self.options = launch_options(name, cooperative=not group.virtual)
         # The arguments are all int64 and unspecialised (codegen): any values compile the one kernel.
+        self.constants = (row_words, trace)  # ROW and TRACE: the compiled kernel's constexprs
         self.compiled = self._compile(dict.fromkeys(codegen.KERNEL_ARGS, 0) | dict(ROW=row_words, TRACE=trace))
         self.limits = occupancy.device_limits(self.device.index)
         self.resources = occupancy.kernel_resources(self.compiled, NUM_WARPS)
@@ -184,16 +192,14 @@ class GpuBackend:
     def launch(self, args: dict[str, int], abort: torch.Tensor) -> float:
         # ``abort`` is for workers the host must stop; a launch either runs every program or none,
         # and the device watchdog ends every wait, so there is nothing to stop from here.
-        args = dict(bases_addr=self.bases.data_ptr(), rank=self.group.rank, worker=0, **args)
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         try:
-            with torch.cuda.stream(self.stream):
-                start.record()
-                self.kernel[(self.workers,)](**args, **self.options)
-                end.record()
-            self._wait(end)
+            start.record(self.stream)
+            self._enqueue(args)
+            end.record(self.stream)
+            self._wait(end, self.launch_limit)
         except KeyboardInterrupt:  # the programs' waits time out by themselves: let them end before going on
             try:
                 self.stream.synchronize()
@@ -202,19 +208,58 @@ class GpuBackend:
                 raise
             raise
         except Exception as error:  # a fault makes the CUDA/HIP context unusable: say where it happened
-            raise BackendError(f"rank {self.group.rank}: the {self.name} launch of {self.workers} programs on "
-                               f"{self.device} failed: {type(error).__name__}: {error}") from None
+            raise self._failed("launch", error) from None
         current.wait_stream(self.stream)
         return start.elapsed_time(end) / 1e3
 
-    def _wait(self, end: torch.cuda.Event) -> None:
-        """Until the launch ends: spin briefly (a decode step takes microseconds), then poll with sleeps,
-        up to ``launch_limit`` seconds."""
+    def _enqueue(self, args: dict[str, int]) -> None:
+        """Launch every worker on ``self.stream`` through the compiled kernel's own launcher: no argument
+        binding or cache lookup of the JIT path, nothing that synchronises (a graph may record it)."""
+        args = dict(bases_addr=self.bases.data_ptr(), rank=self.group.rank, worker=0, **args)
+        if (args["ROW"], args["TRACE"]) != self.constants:
+            raise BackendError(f"the kernel was compiled for (ROW, TRACE) = {self.constants}, launched with "
+                               f"{(args['ROW'], args['TRACE'])}")
+        values = [args[name] for name in codegen.KERNEL_ARGS] + [args["ROW"], args["TRACE"]]
+        self.compiled[(self.workers, 1, 1)](*values, stream=self.stream.cuda_stream)
+
+    def capture(self, args: dict[str, int], abort: torch.Tensor) -> Callable[[], None]:
+        graph = torch.cuda.CUDAGraph()
+        try:  # thread-local capture: virtual ranks (threads) record theirs at the same time
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                self._enqueue(args)
+        except Exception as error:
+            raise self._failed("recording of the launch in a graph", error) from None
+
+        def replay() -> None:
+            current = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(current)
+            with torch.cuda.stream(self.stream):  # a stream of this rank's own: virtual ranks run at once
+                graph.replay()
+            current.wait_stream(self.stream)
+        return replay
+
+    def synchronize(self, launches: int) -> None:
+        end = torch.cuda.Event()
+        try:
+            end.record(self.stream)
+            self._wait(end, max(launches, 1) * self.launch_limit)
+        except Exception as error:
+            raise self._failed("launch", error) from None
+
+    def _failed(self, what: str, error: Exception) -> BackendError:
+        if isinstance(error, BackendError):
+            return error
+        return BackendError(f"rank {self.group.rank}: the {self.name} {what} of {self.workers} programs on "
+                            f"{self.device} failed: {type(error).__name__}: {error}")
+
+    def _wait(self, end: torch.cuda.Event, limit: float) -> None:
+        """Until ``end`` (recorded after the launches) is reached: spin briefly (a decode step takes
+        microseconds), then poll with sleeps, up to ``limit`` seconds."""
         started = time.monotonic()
         while not end.query():
             waited = time.monotonic() - started
-            if waited > self.launch_limit:
-                raise BackendError(f"still running after {self.launch_limit:.0f} s although every wait ends within "
+            if waited > limit:
+                raise BackendError(f"still running after {limit:.0f} s although every wait ends within "
                                    f"the timeout: a program is stuck outside a wait (not resident, or a fault)")
             if waited > 1e-3:
                 time.sleep(min(waited / 10, 0.01))

@@ -4,9 +4,13 @@ The heap holds the graph's buffers, then the kernel's regions: event counters, t
 the task tables and, with tracing, the timestamps. ``device.py`` wraps the record layouts below as
 constexprs for the kernel; the runtime and the hang diagnosis read the same numbers.
 
-Status region: word 0 is the rank's abort flag (a whole record wide), then one record of
-STATUS_WORDS per worker. A worker writes DONE (tasks finished in this step) and EPOCH (the step it
-is in: run ``e`` of a kernel that ran one step per launch) as it goes, and on a stall the rest: STATE, the TASK it waited for, that task's EVENT, the count it
+Status region: a header record of the rank, then one record of STATUS_WORDS per worker. The
+header's ABORT word is set by a worker that stops the rank's run (a stall, or the host stopping
+it); its FAULTED word is the last step in which a tile of the rank met an index out of range. The
+host reads these two words after a run and the workers' records only when one of them says so.
+A worker writes DONE (tasks finished in this step) and EPOCH (the step it is in: run ``e`` of a
+kernel that ran one step per launch; a launch starts after it, so the host passes no epoch) as it
+goes, and on a stall the rest: STATE, the TASK it waited for, that task's EVENT, the count it
 OBSERVED and the count it EXPECTED. CLOCK_SLOT is the kernel's own scratch word. A tile that met a
 data-dependent index out of range (a token id, a position) sets FAULT to the step's epoch and records
 the VALUE, the BOUND it had to stay below, and FAULT_AT: the worker's DONE count then, i.e. the queue
@@ -24,6 +28,7 @@ STATUS_WORDS = 12
 (STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE, EPOCH, CLOCK_SLOT,
  FAULT, FAULT_AT, FAULT_VALUE, FAULT_BOUND) = range(STATUS_WORDS)
 RUNNING, TIMED_OUT, STOPPED = range(3)  # values of STATE
+ABORT, FAULTED = 0, 1  # words of the header record
 
 TRACE_WORDS = 3  # per task: wait start, run start, end (ns on the backend's clock)
 

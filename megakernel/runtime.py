@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -16,7 +17,7 @@ from .cpu_backend import CpuBackend, WorkerPool
 from .errors import BackendError, DeadlockError, GraphError, check_timeout, is_count
 from .graph import Graph, Tensor
 from .heap import HeapView
-from .layout import STATUS_WORDS, TRACE_WORDS, HeapLayout
+from .layout import ABORT, FAULTED, STATUS_WORDS, TRACE_WORDS, HeapLayout
 from .scheduler import ARG0, check_periodic, schedule, serialize
 from .trace import Trace, rank_trace
 
@@ -54,8 +55,8 @@ class Megakernel:
         check_agreement(self.group, "op", graph.op_calls)
         self.results = graph.seal(set().union(*self.group.all_gather(graph.remote_targets())))
         check_agreement(self.group, "buffer", graph.buffer_layout())
-        self.backend: Backend = _make_backend(resolve(backend), self.group, graph, workers, trace, self.timeout,
-                                              pool)
+        self.backend: Backend = _make_backend(resolve(backend), self.group, graph, workers, self.tracing,
+                                              self.timeout, pool)
         self.workers = self.backend.workers
         self.kernel_path = self.backend.kernel_path  # the generated kernel module
         if graph.heap_bytes > self.backend.free_memory():  # before the scheduler walks buffers this large
@@ -69,6 +70,7 @@ class Megakernel:
         sizes = [max(column) for column in zip(*self.group.all_gather(HeapLayout.sizes(self.tables, self.tracing)))]
         self.layout = HeapLayout.of(graph.heap_bytes, sizes)
         self.epoch = 0          # steps run so far: the last step's epoch
+        self._checked = self._checked_launches = 0  # the last step (launch) whose faults and stalls were checked
         self.launches = 0       # launches so far (each runs one or more steps)
         self._broken: str | None = None  # why this kernel can run no more
         self._bound: set[str] = set()
@@ -112,7 +114,8 @@ class Megakernel:
     def _reset_events(self) -> None:
         self.words(self.layout.events_off, max(self.tables.num_events, 1)).zero_()
         self.words(self.layout.status_off, STATUS_WORDS * (self.workers + 1)).zero_()
-        self.epoch = 0
+        self.epoch = self._checked = 0
+        self._checked_launches = self.launches
 
     def tensor(self, t: Tensor) -> torch.Tensor:
         """The heap memory under graph tensor ``t`` (a view: writes go to the heap; it keeps the memory
@@ -183,54 +186,127 @@ class Megakernel:
             return self._run({} if inputs is None else inputs, steps)
 
     def _run(self, inputs: Mapping[str, torch.Tensor], steps: int) -> dict[str, torch.Tensor]:
-        self.bind(inputs)
-        missing = [name for name in self.graph.inputs if name not in self._bound]
-        if missing:
-            raise GraphError(f"input {missing[0]!r} was never bound: pass it to run(); "
-                             f"unbound: {', '.join(missing)}")
+        self._prepare(inputs)
         if self.tracing:
             self.words(self.layout.trace_off, TRACE_WORDS * len(self.tables.rows)).zero_()
-        self.backend.settle()
-        if self._meet:
-            self.group.barrier(timeout=self.timeout)
-            self._meet = False
-        first = self.epoch + 1
+        self._meet_peers()
         self.epoch += steps
         self.launches += 1
-        args = dict(epoch=first, steps=steps, timeout_ns=int(self.timeout * 1e9), **self.layout.offsets(),
-                    ROW=self.tables.row_words, TRACE=self.tracing)
         failure = None
         try:
-            self.launch_seconds = self.backend.launch(args, self.words(self.layout.status_off, 1))
+            self.launch_seconds = self.backend.launch(self._launch_args(steps), self.words(self.layout.status_off, 1))
         except BackendError as error:
             failure = error
         except BaseException:
             self._after_failure(f"launch {self.launches} was interrupted")
             raise
-        status = self._status() if failure is None else None
-        if failure is None and diagnosis.stalled(status):
-            report = self.deadlock_report()
-            files = diagnosis.write_hang_files(report, self.tables, self.epoch,
-                                               self._stamps() if self.tracing else None)
-            failure = DeadlockError(f"rank {self.graph.rank}: the watchdog stopped launch {self.launches} (steps "
-                                    f"{first} to {self.epoch}): a wait exceeded {self.timeout} s (report: "
-                                    f"{', '.join(map(str, files))})", report)
-        if failure is not None:
-            self._after_failure(f"launch {self.launches} failed")
-            raise failure
+        self._check_launches(failure)
         if self.tracing:  # a debugging mode: the ranks exchange their spans (a host meeting per run)
             every = self.group.all_gather(rank_trace(self.tables, self._stamps()))
             self.trace = Trace([s for spans, _ in every for s in spans], [e for _, edges in every for e in edges])
+        return {name: self.tensor(t).clone() for name, t in self.results.items()}
+
+    def _prepare(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        self.bind(inputs)
+        missing = [name for name in self.graph.inputs if name not in self._bound]
+        if missing:
+            raise GraphError(f"input {missing[0]!r} was never bound: pass it to run(); "
+                             f"unbound: {', '.join(missing)}")
+
+    def _meet_peers(self) -> None:
+        """Before the first launch (and after a collective poison): this rank's host writes are done, and
+        so are every peer's, before any peer's stores may land here."""
+        if self._meet:
+            self.backend.settle()
+            self.group.barrier(timeout=self.timeout)
+            self._meet = False
+
+    def _launch_args(self, steps: int) -> dict[str, int]:
+        """The kernel's arguments: the same for every launch of ``steps`` steps (the epoch is on the device)."""
+        return dict(steps=steps, timeout_ns=int(self.timeout * 1e9), **self.layout.offsets(),
+                    ROW=self.tables.row_words, TRACE=self.tracing)
+
+    def _check_launches(self, failure: BackendError | None = None) -> None:
+        """Raise what went wrong in the launches since the last check (they have ended): ``failure`` (the
+        backend's), a stall (``DeadlockError``, report files written) or an index out of range. Reads the
+        workers' records only when the rank's header says a wait stopped or a tile faulted."""
+        since, self._checked = self._checked + 1, self.epoch
+        first, self._checked_launches = self._checked_launches + 1, self.launches
+        what = (f"launch {first}" if first == self.launches else f"launches {first} to {self.launches}") + (
+            f" (steps {since} to {self.epoch})")
+        header = self._header() if failure is None else None
+        if failure is None and header[ABORT]:
+            status = self._status()
+            if diagnosis.stalled(status):
+                report = self.deadlock_report()
+                files = diagnosis.write_hang_files(report, self.tables, self.epoch,
+                                                   self._stamps() if self.tracing else None)
+                failure = DeadlockError(f"rank {self.graph.rank}: the watchdog stopped {what}: a wait exceeded "
+                                        f"{self.timeout} s (report: {', '.join(map(str, files))})", report)
+        if failure is not None:
+            self._after_failure(f"{what} failed")
+            raise failure
         # A fault anywhere counts: a peer's clamped data may be in this rank's outputs. Every task whose
         # results reach them finished before this launch did, its record written (a peer's record may
         # also tell of a fault in its next launch, which will raise there too).
-        faults = diagnosis.index_faults(self.tables, status, first)
+        faults = diagnosis.index_faults(self.tables, self._status(), since) if header[FAULTED] >= since else []
         for rank, heap in sorted(self.peers.items()):
-            faults += diagnosis.index_faults(self.tables, self._status(heap), first, rank)
+            if self._header(heap)[FAULTED] >= since:
+                faults += diagnosis.index_faults(self.tables, self._status(heap), since, rank)
         if faults:  # the run finished (the tiles clamped): the kernel stays usable, its outputs are not valid
-            raise GraphError(f"launch {self.launches} (steps {first} to {self.epoch}) read an index out of range "
-                             f"(clamped; the outputs are not valid):\n" + "\n".join(faults))
-        return {name: self.tensor(t).clone() for name, t in self.results.items()}
+            raise GraphError(f"{what} read an index out of range (clamped; the outputs are not valid):\n"
+                             + "\n".join(faults))
+
+    # -- replaying without the host ---------------------------------------------------------------------
+    def capture(self, steps: int = 1) -> "Captured":
+        """Record one launch of ``steps`` steps, to replay with no host work at all: on a GPU a CUDA (HIP)
+        graph of the launch, which ``Captured.replay`` enqueues on the current stream without waiting
+        for it (the kernel counts each replay's steps on the host: replay it through ``replay``
+        alone, not inside a graph of your own); on the cpu backend the
+        same launch, run again. Every launch of a kernel has the same arguments (the epoch lives on the
+        device), so the recording stays valid; inputs are rebound between replays by writing their
+        heap memory (``tensor``, ``bind``) on the current stream, and outputs are read the same way.
+        A replay checks nothing: ``check()`` waits for the replays and raises what went wrong in any
+        of them since the last check. A collective with several ranks (each rank replays its own
+        recording, in the same order as its peers). Not with ``trace``."""
+        if not is_count(steps):
+            raise GraphError(f"steps must be a positive integer, got {steps!r}")
+        if self.tracing:
+            raise GraphError("capture: a traced kernel reads its stamps back after every launch; build one with "
+                             "trace=False to capture")
+        with self._lock:
+            self._prepare({})
+            self._meet_peers()
+            if self.graph.world_size > 1:  # no peer's kernel runs while this rank records (a device sync)
+                self.group.barrier(timeout=self.timeout, why="capture the launch")
+            launch = self.backend.capture(self._launch_args(steps), self.words(self.layout.status_off, 1))
+            if self.graph.world_size > 1:
+                self.group.barrier(timeout=self.timeout, why="capture the launch")
+        return Captured(self, steps, launch)
+
+    def _replay(self, captured: "Captured") -> None:
+        with self._lock:
+            self._require_usable()
+            self._meet_peers()  # after a collective poison, as a run would
+            self.epoch += captured.steps
+            self.launches += 1
+            try:
+                captured.launch()
+            except BaseException:
+                self._after_failure(f"launch {self.launches} (a replay) failed")
+                raise
+
+    def check(self) -> None:
+        """Wait until this rank's launches have ended; raise what went wrong in any of them since the last
+        check (``run`` checks its own launch): a stall (``DeadlockError``) or an index out of range."""
+        with self._lock:
+            self._require_usable()
+            failure = None
+            try:
+                self.backend.synchronize(self.launches - self._checked_launches)
+            except BackendError as error:
+                failure = error
+            self._check_launches(failure)
 
     def _after_failure(self, what: str) -> None:
         """After a run that did not finish (no worker runs any more): one rank starts again from a clean
@@ -265,6 +341,10 @@ class Megakernel:
                  heap=self.heap.cpu().numpy(), outputs=np.frombuffer(json.dumps(outputs).encode(), dtype=np.uint8))
 
     # -- diagnosis --------------------------------------------------------------------------------
+    def _header(self, heap: torch.Tensor | None = None) -> np.ndarray:
+        """The rank's header record of this rank's heap, or of a peer's: ABORT and FAULTED (a copy)."""
+        return self.words(self.layout.status_off, FAULTED + 1, heap).cpu().numpy()
+
     def _status(self, heap: torch.Tensor | None = None) -> np.ndarray:
         """Per-worker status records [workers, STATUS_WORDS] of this rank's heap, or of a peer's (a copy)."""
         words = self.words(self.layout.status_off, STATUS_WORDS * (self.workers + 1), heap)
@@ -307,3 +387,17 @@ def _make_backend(name: str, group: Group, graph: Graph, workers: int | None, tr
     from .gpu_backend import GpuBackend
     row_words = ARG0 + max(map(len, graph.tasks.args))
     return GpuBackend(name, group, codegen.kernel_path(graph.specs, name), row_words, trace, workers, timeout)
+
+
+@dataclass(frozen=True)
+class Captured:
+    """One launch of ``steps`` steps recorded by ``Megakernel.capture``; ``replay()`` runs it again."""
+
+    kernel: Megakernel
+    steps: int
+    launch: Callable[[], None]
+
+    def replay(self) -> None:
+        """Enqueue the launch again (GPU: on the current stream, without waiting; cpu: run it); the kernel
+        counts its steps. ``kernel.check()`` tells whether it went well."""
+        self.kernel._replay(self)

@@ -8,6 +8,7 @@ per target for the whole module.
 import functools
 import re
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -176,8 +177,16 @@ CLOCK = {"cuda": "%globaltimer", "hip": "s_memrealtime"}
 BARRIER = {"cuda": "bar.sync", "hip": "s_barrier"}
 RMW = {"cuda": ("atom.", "red."), "hip": ("global_atomic",)}
 ACQUIRE = {"cuda": "fence.acquire.sys", "hip": "buffer_inv sc0 sc1"}
-RELEASE = {"cuda": {"gpu": "red.global.gpu.release.add", "sys": "red.global.sys.release.add"},
+RELEASE = {"cuda": {"gpu": "red.global.gpu.release.add", "sys": "red.global.sys.release.add"},  # fence + add in one
            "hip": {"gpu": re.compile(r"buffer_wbl2 sc1\n"), "sys": re.compile(r"buffer_wbl2 sc0 sc1\n")}}
+FENCE = {"cuda": {"gpu": "fence.acq_rel.gpu", "sys": "fence.acq_rel.sys"}, "hip": RELEASE["hip"]}
+RELAXED_ADD = {"cuda": {"gpu": "red.global.gpu.relaxed.add", "sys": "red.global.sys.relaxed.add"},  # no result
+               "hip": {"gpu": re.compile(r"global_atomic_add_x2 v\[\d+:\d+\], v\[\d+:\d+\], off\n"),
+                       "sys": re.compile(r"global_atomic_add_x2 v\[\d+:\d+\], v\[\d+:\d+\], off sc1\n")}}
+
+
+def found(pattern: str | re.Pattern, text: str) -> bool:
+    return (pattern in text) if isinstance(pattern, str) else bool(pattern.search(text))
 
 
 def inner_loops(assembly: str) -> list[str]:
@@ -230,12 +239,51 @@ def test_a_poll_is_one_thread_reading_relaxed_then_one_fence_and_one_barrier(tar
 
 
 @pytest.mark.parametrize("target", ["sm_90", "gfx942"])
-def test_local_signals_release_at_gpu_scope_and_remote_ones_at_system_scope(target):
+def test_signals_pay_one_fence_at_the_widest_scope_then_relaxed_adds_at_their_own(target):
+    """A task's signals: one release fence, at gpu scope when every event is this rank's and at system scope
+    when one is a peer's, then a loop of relaxed adds (gpu scope for this rank's events) with no fence in it.
+    The old protocol releases every add at system scope."""
     vendor = TARGETS[target].backend
-    found = lambda pattern, text: (pattern in text) if isinstance(pattern, str) else bool(pattern.search(text))  # noqa: E731
     poll, spin = protocol_kernel(target, "poll").assembly, protocol_kernel(target, "spin").assembly
-    assert found(RELEASE[vendor]["gpu"], poll) and found(RELEASE[vendor]["sys"], poll)
-    assert found(RELEASE[vendor]["sys"], spin) and not found(RELEASE[vendor]["gpu"], spin)
+    for scope in ("gpu", "sys"):
+        assert found(FENCE[vendor][scope], poll) and found(RELAXED_ADD[vendor][scope], poll), scope
+        if vendor == "cuda":  # (on AMD a release add is the fence's own instructions, then the add)
+            assert not found(RELEASE[vendor][scope], poll), scope
+    adds = [loop for loop in inner_loops(poll) if any(found(add, loop) for add in RELAXED_ADD[vendor].values())]
+    assert adds and not any(found(fence, loop) for loop in adds for fence in FENCE[vendor].values()), adds
+    assert not found(FENCE[vendor]["gpu"], spin)
+    assert any(found(RELEASE[vendor]["sys"], loop) for loop in inner_loops(spin))  # a release per add
+
+
+FENCE_CHOICE = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch, triton, triton.language as tl
+from megakernel.device import signal_all
+fences = []
+
+def recording_fence(system):
+    fences.append(1 if system != 0 else 0)
+
+@triton.jit
+def send(bases, signals, count, FENCE: tl.constexpr):
+    signal_all(bases, 0, signals, 0, count, 0, FENCE, True, True)  # rank 0, events at heap offset 0
+
+heap = torch.zeros(8, dtype=torch.int64)
+bases = torch.tensor([heap.data_ptr()] * 2)  # rank 1's heap mapped at the same place: one counter array
+for table in ([[0, 3, 1], [0, 5, 2]], [[0, 3, 1], [1, 5, 2]], [[1, 3, 1]], [[0, 3, 1]]):
+    send[(1,)](bases, torch.tensor(table), len(table), FENCE=recording_fence)
+send[(1,)](bases, torch.zeros(1, 3, dtype=torch.int64), 0, FENCE=recording_fence)
+print(fences, heap.tolist())
+"""
+
+
+def test_a_tasks_signals_choose_the_fence_by_the_ranks_they_reach():
+    """One fence per task, at system scope exactly when a signal goes to a peer, none without signals,
+    and every add made (run under the interpreter with a fence that records its scope)."""
+    done = subprocess.run([sys.executable, "-c", FENCE_CHOICE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "[0, 1, 1, 0] [0, 0, 0, 4, 0, 4, 0, 0]", done.stdout
 
 
 def test_launches_are_cooperative_where_triton_can_and_virtual_ranks_need_their_queues(monkeypatch):

@@ -1,6 +1,7 @@
 """Several ranks (processes) per test: collectives, tensor parallelism, reruns, divergence, faults."""
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -307,6 +308,50 @@ def test_virtual_ranks_are_threads_carving_one_heap():
     assert offsets[0] == 0 and offsets == sorted(set(offsets)), f"each rank its own slice, got {offsets}"
     assert [r[2] for r in results] == [f"megakernel-rank-{r}" for r in range(3)]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("megakernel-")]
+
+
+def _replayed_all_reduce() -> list[torch.Tensor]:
+    g = mk.Graph()
+    x = g.input("x", (2, 24), torch.float32)
+    g.output("y", g.all_reduce(g.mul(x, x), algorithm="two_shot"))  # puts into peers in both phases
+    outputs = []
+    with mk.Megakernel(g, workers=1, timeout=20) as kernel:
+        kernel.bind({"x": _value(g.rank, 0, (2, 24))})
+        captured = kernel.capture(steps=2)
+        for replay in range(2):
+            kernel.bind({"x": _value(g.rank, replay, (2, 24))})  # read by this rank's tiles alone
+            captured.replay()
+            kernel.check()
+            outputs.append(kernel.tensor(kernel.results["y"]).clone())
+    return outputs
+
+
+def test_captured_launches_replay_across_ranks():
+    results = mk.launch(_replayed_all_reduce, world_size=2, virtual=True, timeout=300)
+    for replay in range(2):
+        expected = sum(_value(r, replay, (2, 24)).double() ** 2 for r in range(2))
+        assert torch.equal(results[0][replay], results[1][replay]), "ranks differ"
+        assert_close(results[0][replay], expected, 1e-6, f"replay {replay + 1}")
+
+
+def _fault_on_rank_1() -> str:
+    g = mk.Graph()
+    tokens = g.input("tokens", (2,), torch.int64)
+    table = g.input("table", (4, 16), torch.float32)
+    g.output("y", g.all_reduce(g.embedding(tokens, table)))
+    with mk.Megakernel(g, workers=1, timeout=20) as kernel:
+        try:
+            kernel.run({"tokens": torch.tensor([1, 9 if g.rank == 1 else 2]), "table": torch.randn(4, 16)})
+        except mk.GraphError as error:
+            return str(error)
+    return "no error"
+
+
+def test_a_fault_on_one_rank_is_raised_on_every_rank_its_results_reach():
+    """Rank 0's output sums rank 1's clamped rows: rank 0 raises too (rank 1's header word is raised before
+    the faulting task's signals, so rank 0 finds it however the ranks' launches end)."""
+    for message in mk.launch(_fault_on_rank_1, world_size=2, virtual=True, timeout=300):
+        assert re.search(r"rank 1 worker 0 step 1 .*index 9 is outside \[0, 4\)", message), message
 
 
 def test_virtual_rank_failure_names_the_rank_and_releases_the_others():

@@ -135,6 +135,16 @@ def test_a_token_id_past_the_table_is_clamped_and_reported():
         assert not (kernel.tensor(g.outputs["rows"]) == 7.0).any(), "the neighbouring buffer was read"
         out = kernel.run({"tokens": torch.tensor([3, 0])})["rows"]  # the kernel stays usable
         assert torch.equal(out, values["table"][[3, 0]])
+        captured = kernel.capture()  # replays are checked by check(), for every replay since the last
+        captured.replay()
+        kernel.bind({"tokens": torch.tensor([-1, 2])})
+        captured.replay()
+        with pytest.raises(mk.GraphError, match=r"launches 3 to 4 \(steps 3 to 4\).*\n.*step 4 task 0 .*index -1 is"):
+            kernel.check()
+        kernel.bind({"tokens": torch.tensor([2, 1])})
+        captured.replay()
+        kernel.check()
+        assert torch.equal(kernel.tensor(g.outputs["rows"]), values["table"][[2, 1]])
 
 
 def test_a_position_past_the_cache_writes_nothing_outside_it():

@@ -42,6 +42,29 @@ def test_inputs_stay_bound_between_runs():
         assert not torch.equal(first, second)
 
 
+def test_a_captured_launch_replays_with_fresh_inputs_and_the_epoch_kept_on_the_device():
+    g = mlp_block(hidden=64, intermediate=96, batch=2)
+    with mk.Megakernel(g, workers=2, timeout=10) as kernel:
+        with pytest.raises(mk.GraphError, match="'x' was never bound"):
+            kernel.capture()
+        kernel.bind(random_inputs(g, seed=5, scale=0.3))
+        captured = kernel.capture(steps=2)  # every launch has the same arguments: no epoch among them
+        assert kernel.launches == 0
+        for replay in range(2):
+            inputs = random_inputs(g, seed=50 + replay, scale=0.3)
+            kernel.bind(inputs)
+            kernel.poison()
+            captured.replay()
+            kernel.check()
+            assert (kernel.epoch, kernel.launches) == (2 * replay + 2, replay + 1)
+            assert_close(kernel.tensor(g.outputs["y"]), _mlp_reference(inputs), 1e-5, f"replay {replay + 1}")
+        inputs = random_inputs(g, seed=60, scale=0.3)
+        assert_close(kernel.run(inputs)["y"], _mlp_reference(inputs), 1e-5, "a run after the replays")
+    with mk.Megakernel(g, workers=1, trace=True) as kernel:
+        with pytest.raises(mk.GraphError, match="trace=False to capture"):
+            kernel.capture()
+
+
 def test_outputs_are_copies():
     g = mlp_block(hidden=64, intermediate=96)
     with mk.Megakernel(g, workers=1) as kernel:
@@ -126,6 +149,12 @@ def test_missing_signal_gives_deadlock_error_within_the_timeout_and_no_orphans()
         report = info.value.report
         assert f"at task {consumer} " in report and f"event {event} observed 0, expected" in report
         assert f"producer task {producer} " in report and ": ran" in report
+        captured = kernel.capture()  # a replay checks nothing; check() reports its stall
+        captured.replay()
+        captured.replay()  # finds the rank stopped: runs nothing, and the first replay's records stay
+        with pytest.raises(mk.DeadlockError, match=r"launches 2 to 3 \(steps 1 to 2\)") as info:
+            kernel.check()
+        assert f"at task {consumer} " in info.value.report and ": timed out" in info.value.report, info.value.report
         # the kernel recovers: fix the tables, run again, right answer
         kernel.tables.signals[:] = saved
         kernel.upload_tables()
