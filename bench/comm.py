@@ -33,7 +33,7 @@ def _chain(steps: int) -> mk.Graph:
     peer = (g.rank + 1) % g.world_size
     x = g.input("x", (1, 8), torch.float32)
     for i in range(steps):
-        x = g.put(x, to_rank=peer, into=g.new_tensor((1, 8), torch.float32, name=f"hop{i}"))
+        x = g.put(x, to_rank=peer, into=g.new_tensor((1, 8), torch.float32, name=f"hop{i}", comm=True))
     g.output("y", g.add(x, x))
     return g
 

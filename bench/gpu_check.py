@@ -523,7 +523,7 @@ def _chain(steps: int) -> mk.Graph:
     g = mk.Graph()
     x = g.input("x", (1, 8), torch.float32)
     for i in range(steps):
-        x = g.put(x, to_rank=1 - g.rank, into=g.new_tensor((1, 8), torch.float32, name=f"hop{i}"))
+        x = g.put(x, to_rank=1 - g.rank, into=g.new_tensor((1, 8), torch.float32, name=f"hop{i}", comm=True))
     g.output("y", x)
     return g
 

@@ -7,9 +7,11 @@ owns the memory and the processors:
 | backend | heap | workers |
 | --- | --- | --- |
 | ``cpu`` | POSIX shared memory | interpreter processes (``cpu_backend``) |
-| ``cuda``, ``hip`` | device memory, shared by IPC | programs of one persistent launch (``gpu_backend``) |
+| ``cuda`` | device memory, shared by IPC | programs of one persistent launch (``gpu_backend``) |
+| ``hip`` | the same; the comm area fine-grained (``finegrained``) | the same |
 
-Virtual ranks (threads of one process) carve their heaps from one allocation on every backend.
+Virtual ranks (threads of one process) carve their heaps from allocations rank 0 makes (one; on hip
+one for the data areas and one for the comm areas).
 """
 from __future__ import annotations
 
@@ -20,16 +22,19 @@ import torch
 
 from .bootstrap import default_backend
 from .errors import BackendError
+from .heap import RankHeap
 
 BACKENDS = ("auto", "cpu", "cuda", "hip")
 
 
 @dataclass
 class Heaps:
-    """This rank's heap and every peer's, as flat uint8 tensors this process can read and write."""
+    """This rank's heap and every peer's, as this process can read and write them, and ``delta``: this
+    rank's comm area address minus its data area's, as its programs see them (``layout.device_words``)."""
 
-    local: torch.Tensor
-    peers: dict[int, torch.Tensor]
+    local: RankHeap
+    peers: dict[int, RankHeap]
+    delta: int
 
 
 class Backend(Protocol):
@@ -40,8 +45,10 @@ class Backend(Protocol):
     def free_memory(self) -> int:
         """Bytes a heap can take on this backend now."""
 
-    def allocate(self, size: int) -> Heaps:
-        """Collective over the ranks: every rank's heap of ``size`` bytes, mapped where workers see it."""
+    def allocate(self, data_size: int, comm_size: int) -> Heaps:
+        """Collective over the ranks: every rank's heap (a data area of ``data_size`` bytes, a comm area of
+        ``comm_size``), mapped where workers see it; the comm area where peers' stores and atomics stay
+        coherent."""
 
     def settle(self) -> None:
         """Finish this process's pending writes to the heap (inputs, poison) before the ranks meet."""

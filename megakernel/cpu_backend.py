@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from .errors import BackendError
-from .heap import SHM_DIR, SharedHeap
+from .heap import SHM_DIR, RankHeap, SharedHeap
 
 PR_SET_PDEATHSIG = 1
 _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megakernel-spawner")
@@ -94,6 +94,8 @@ def _worker_main(fd: int) -> None:
                 parts, rank = payload
                 mapped = {p.name: SharedHeap(p.name, p.segment_size) for p in parts}
                 heaps[parts[rank].key] = list(mapped.values())
+                # every rank's heap here: with each comm area right after its data area, the kernel's bases
+                # (``heap.kernel_bases``: every comm area less delta = data_size) are the heaps' starts
                 bases[parts[rank].key] = torch.tensor([mapped[p.name].address + p.offset for p in parts],
                                                       dtype=torch.int64)
                 conn.send((number, "ok", None))
@@ -260,9 +262,9 @@ class CpuBackend:
         shm = os.statvfs(SHM_DIR)
         return shm.f_bavail * shm.f_frsize
 
-    def allocate(self, size: int):
+    def allocate(self, data_size: int, comm_size: int):
         from .backend import Heaps
-        group, rank = self.group, self.group.rank
+        group, rank, size = self.group, self.group.rank, data_size + comm_size  # one segment: data, then comm
         if group.virtual:  # rank 0 makes one segment; each rank's heap is a slice of it
             created = SharedHeap.create(group.world_size * size) if rank == 0 else None
             segment = group.all_gather(created)[0]
@@ -285,7 +287,8 @@ class CpuBackend:
         finally:
             if created is not None:
                 created.unlink()  # mapped by every process that needs it: the name can go now
-        return Heaps(tensors.pop(rank), tensors)
+        heaps = {r: RankHeap.split(tensor, data_size) for r, tensor in tensors.items()}
+        return Heaps(heaps.pop(rank), heaps, delta=data_size)
 
     def settle(self) -> None:
         pass  # host writes to shared memory are visible at once

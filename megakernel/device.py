@@ -277,9 +277,10 @@ def task_header(tasks, queue, i, last, ROW: tl.constexpr):
 @triton.jit
 def skipped(base, guard):
     """Whether a task skips its tile this step: its ``guard`` (a heap offset; -1: none) holds NO_SEQUENCE.
-    Read after the task's waits: the guard's writers are among the producers it waited for."""
+    Read after the task's waits: the guard's writers are among the producers it waited for. (A comm-area
+    offset, rewritten, may be negative; never -1: areas are aligned.)"""
     skip = 0
-    if guard >= 0:
+    if guard != -1:
         skip = (tl.load(heap_ptr(base, guard, tl.int64)) == NO_SEQUENCE).to(tl.int32)
     return skip
 

@@ -1,12 +1,13 @@
 """The cuda and hip backends: every worker of a rank is a program of one persistent launch on its GPU,
 and the heap is device memory.
 
-Process ranks (one GPU each) share their heaps by IPC: torch exports each rank's heap as an IPC
-handle (``cudaIpcGetMemHandle``; on ROCm torch's HIP build calls ``hipIpcGetMemHandle``), the ranks
-exchange handles over the host group, and each opens its peers' and enables peer access to their
-GPUs, so a store through a peer's base lands in that GPU's memory. Virtual ranks (threads of one
-process) carve their heaps from one allocation on one GPU and launch on streams of their own, each
-rank with its share of the programs that can be resident at once.
+Process ranks (one GPU each) share their heaps by IPC: each rank exports what peers write as an IPC
+handle (on cuda the whole heap, through torch's ``cudaIpcGetMemHandle``; on hip the comm area, a
+fine-grained allocation of its own: ``finegrained``), the ranks exchange handles over the host
+group, and each opens its peers' and enables peer access to their GPUs, so a store through a peer's
+base lands in that GPU's memory. Virtual ranks (threads of one process) carve their heaps from
+allocations rank 0 makes on one GPU and launch on streams of their own, each rank with its share of
+the programs that can be resident at once.
 
 A persistent kernel whose programs wait on each other deadlocks if one of them is not resident, so
 the grid is checked against the compiled kernel's registers and shared memory before any launch, and
@@ -31,9 +32,10 @@ from typing import Callable
 
 import torch
 
-from . import codegen, occupancy
+from . import codegen, finegrained, occupancy
 from .backend import Heaps
 from .errors import BackendError
+from .heap import RankHeap, kernel_bases
 
 NUM_WARPS = 4              # threads per program: 128 (NVIDIA) / 256 (AMD, wave64)
 # The kernel inlines every tile; its register count is the heaviest tile's. On NVIDIA it is capped
@@ -142,7 +144,7 @@ class GpuBackend:
         self.workers = occupancy.max_grid(self.limits, self.resources) // self.share if workers is None else workers
         self._check()
         self.stream = torch.cuda.Stream(self.device)
-        self.heaps: list[torch.Tensor] = []
+        self.heaps: list[RankHeap] = []
         self.bases: torch.Tensor | None = None
         self.lost_workers = False  # an interrupted launch is waited for: it ends by the device watchdog
 
@@ -162,25 +164,45 @@ class GpuBackend:
             ranks = f" ({self.share} virtual ranks of {self.workers} workers)" if self.share > 1 else ""
             raise BackendError(f"rank {self.group.rank}{ranks}: {error}") from None
 
-    def allocate(self, size: int) -> Heaps:
-        group, rank = self.group, self.group.rank
-        if group.virtual:  # rank 0 allocates for everyone; each rank's heap is a slice
-            whole = torch.zeros(group.world_size * size, dtype=torch.uint8, device=self.device) if rank == 0 else None
-            whole = group.all_gather(whole)[0]
-            self.heaps = [whole[r * size:(r + 1) * size] for r in range(group.world_size)]
+    def allocate(self, data_size: int, comm_size: int) -> Heaps:
+        """The heaps: on cuda each rank's data and comm areas in one allocation (the comm area right after
+        the data); on hip the comm area fine-grained (``finegrained``), a peer's data area not mapped
+        (nothing reads it). Virtual ranks' areas are slices of allocations rank 0 makes."""
+        group, rank, world = self.group, self.group.rank, self.group.world_size
+        split = self.name == "hip"
+        size = data_size if split else data_size + comm_size  # of the data allocation
+
+        def heap_of(memory: torch.Tensor, comm: torch.Tensor | None) -> RankHeap:
+            return RankHeap(memory, comm) if split else RankHeap.split(memory, data_size)
+
+        if group.virtual:  # rank 0 allocates for everyone; each rank's areas are slices
+            made = (torch.zeros(world * size, dtype=torch.uint8, device=self.device),
+                    finegrained.allocate(world * comm_size, self.device) if split else None) if rank == 0 else None
+            whole, comm = group.all_gather(made)[0]
+            heaps = [heap_of(whole[r * size:(r + 1) * size], comm[r * comm_size:(r + 1) * comm_size] if split else None)
+                     for r in range(world)]
         else:
             own = torch.zeros(size, dtype=torch.uint8, device=self.device)
+            own_comm = finegrained.allocate(comm_size, self.device) if split else None
+
+            def peer(handle) -> RankHeap:  # on hip only its comm area: nothing reads a peer's data
+                if split:
+                    return RankHeap(own[:0], finegrained.open_handle(handle, comm_size, self.device))
+                return heap_of(ipc_open(handle), None)
+
             try:
-                handles = group.all_gather(ipc_export(own))
-                self.heaps = [own if r == rank else ipc_open(h) for r, h in enumerate(handles)]
-                for heap in self.heaps:
-                    enable_peer_access(self.device, heap.device)
+                handles = group.all_gather(finegrained.export(own_comm) if split else ipc_export(own))
+                heaps = [heap_of(own, own_comm) if r == rank else peer(h) for r, h in enumerate(handles)]
+                for heap in heaps:
+                    enable_peer_access(self.device, heap.comm.device)
             except RuntimeError as error:
                 raise BackendError(f"rank {rank}: could not share heaps by IPC on {self.device}: {error}") from None
-        self.bases = torch.tensor([h.data_ptr() for h in self.heaps], dtype=torch.int64, device=self.device)
+        self.heaps = heaps
+        bases, delta = kernel_bases(heaps, rank)
+        self.bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
         torch.cuda.synchronize(self.device)
         group.barrier(timeout=120, why="map every heap")
-        return Heaps(self.heaps[rank], {r: h for r, h in enumerate(self.heaps) if r != rank})
+        return Heaps(heaps[rank], {r: h for r, h in enumerate(heaps) if r != rank}, delta)
 
     def free_memory(self) -> int:
         return torch.cuda.mem_get_info(self.device)[0]
@@ -265,4 +287,4 @@ class GpuBackend:
                 time.sleep(min(waited / 10, 0.01))
 
     def close(self) -> None:
-        self.heaps, self.bases = [], None  # torch frees the memory and closes IPC mappings
+        self.heaps, self.bases = [], None  # torch (a hip comm area: finegrained) frees the memory, closes mappings

@@ -1,7 +1,9 @@
 """The graph users build: symmetric heap buffers, tensor views of them, and ops split into tile tasks.
 
 Every buffer gets its heap offset when it is created, in program order, so two ranks that build the
-same graph get the same layout (the heap is symmetric). Tensors are views: a rectangle of a 2-D
+same graph get the same layout (the heap is symmetric). A buffer that other ranks' puts write is a
+communication buffer, in the heap's comm area (``layout``): ``new_tensor(..., comm=True)``; the
+collectives make theirs, and ``put`` wants one. Tensors are views: a rectangle of a 2-D
 buffer (1-D tensors are one row). Ops come from the task library (``megakernel.tasks``): each op
 splits into tile tasks that declare the regions they read and write, and the scheduler infers
 dependencies from those regions.
@@ -17,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import GraphError, is_count
-from .layout import align
+from .layout import COMM, align
 from .scheduler import NO_GUARD, Region, Spec, Tasks, task_cost
 from .tasks import DTYPES, OPS, TaskType
 
@@ -29,7 +31,12 @@ class Buffer:
     rows: int
     cols: int
     dtype: torch.dtype
-    offset: int   # bytes from the heap base, the same on every rank
+    offset: int   # bytes from the heap base, the same on every rank (from ``layout.COMM`` on: the comm area)
+
+    @property
+    def comm(self) -> bool:
+        """A communication buffer: other ranks may write it."""
+        return self.offset >= COMM
 
     @property
     def nbytes(self) -> int:
@@ -149,7 +156,8 @@ class Graph:
         self.op_names: list[str] = []
         self._scope = ""  # label prefix of the ops built now, e.g. "layer3/"
         self.op_calls: list[str] = []  # one line per op call, what ranks compare before a launch
-        self.heap_bytes = 0
+        self.heap_bytes = 0  # of data buffers
+        self.comm_bytes = 0  # of communication buffers
         self._spec_index: dict[tuple, int] = {}
         self._words: list[tuple[Callable[[dict], tuple], int]] = []  # per opcode: keywords -> words, how many
         self.results: dict[str, Tensor] | None = None  # once sealed: where each output is read after a run
@@ -182,7 +190,8 @@ class Graph:
             for value in (*args, *kwargs.values()):
                 if isinstance(value, Tensor):
                     self._own(value, name)
-            mark = (len(self.op_names), len(self.tasks), len(self.buffers), len(self.specs), self.heap_bytes)
+            mark = (len(self.op_names), len(self.tasks), len(self.buffers), len(self.specs), self.heap_bytes,
+                    self.comm_bytes)
             self.op_names.append(self._scope + name)
             try:
                 result = build(self, *args, **kwargs)
@@ -207,13 +216,18 @@ class Graph:
         of this rank alone: a peer that already runs the next step may write the output again while
         the host reads this one, but never the copy (its own writes into the output wait, across the
         wrap, for the copy tiles to have read it). An input that peers write is refused: the host
-        writes inputs while peers may run.
+        writes inputs while peers may run; so is any other buffer that peers write and that is not a
+        communication buffer (``new_tensor(..., comm=True)``).
         """
         if self.results is None:
             for name, t in self.inputs.items():
                 if t.buffer.index in remote_targets:
                     raise GraphError(f"input {name!r} is written by other ranks' puts; inputs are written by the host "
                                      f"between runs, when peers may already run the next one: put into a new tensor")
+            for b in self.buffers:
+                if b.index in remote_targets and not b.comm:
+                    raise GraphError(f"buffer {b.name!r} is written by other ranks' puts but is not a communication "
+                                     f"buffer: create it with new_tensor(..., comm=True)")
             from .tasks.comm import put_tiles
             results = {}
             for name, t in self.outputs.items():
@@ -239,7 +253,9 @@ class Graph:
         if not condition:
             raise GraphError(message)
 
-    def new_tensor(self, shape, dtype: torch.dtype, name: str | None = None) -> Tensor:
+    def new_tensor(self, shape, dtype: torch.dtype, name: str | None = None, comm: bool = False) -> Tensor:
+        """A new buffer; ``comm``: a communication buffer, one that other ranks' puts may write (it lives
+        where their stores stay coherent, ``layout``)."""
         shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
         if len(shape) not in (1, 2) or not all(map(is_count, shape)):
             raise GraphError(f"{name or 'tensor'}: shape must be 1-D or 2-D of positive ints, got {shape}")
@@ -248,8 +264,12 @@ class Graph:
                              f"{', '.join(str(d) for d in DTYPES)}")
         rows, cols = (1, shape[0]) if len(shape) == 1 else shape
         index = len(self.buffers)
-        buffer = Buffer(index, name or f"t{index}", rows, cols, dtype, self.heap_bytes)
-        self.heap_bytes += align(buffer.nbytes)
+        if comm:
+            buffer = Buffer(index, name or f"t{index}", rows, cols, dtype, COMM + self.comm_bytes)
+            self.comm_bytes += align(buffer.nbytes)
+        else:
+            buffer = Buffer(index, name or f"t{index}", rows, cols, dtype, self.heap_bytes)
+            self.heap_bytes += align(buffer.nbytes)
         self.buffers.append(buffer)
         return Tensor(self, buffer, 0, 0, rows, cols, len(shape))
 
@@ -343,13 +363,13 @@ class Graph:
         op = self.tasks.op[tid]
         return f"task {tid} ({self.op_names[op]} op {op})"
 
-    def _rollback(self, ops: int, tasks: int, buffers: int, specs: int, heap_bytes: int) -> None:
+    def _rollback(self, ops: int, tasks: int, buffers: int, specs: int, heap_bytes: int, comm_bytes: int) -> None:
         del self.op_names[ops:], self.buffers[buffers:]
         self.tasks.truncate(tasks)
         for spec in self.specs[specs:]:
             del self._spec_index[(spec.task_type, spec.constexprs)]
         del self.specs[specs:], self._words[specs:]
-        self.heap_bytes = heap_bytes
+        self.heap_bytes, self.comm_bytes = heap_bytes, comm_bytes
 
     def _own(self, tensor: Tensor, what: str) -> None:
         if not isinstance(tensor, Tensor) or tensor.graph is not self:

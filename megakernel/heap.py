@@ -1,4 +1,5 @@
-"""Heaps on the host side: typed views of any heap, and the cpu backend's shared-memory segment.
+"""Heaps on the host side: a rank's two areas, typed views of them, and the cpu backend's shared-memory
+segment.
 
 The cpu backend's heap is a POSIX shared-memory segment, mode 0600, with an unguessable name that
 carries its creator's pid (and the launch's id, under ``launch``). The creator unlinks the name as
@@ -13,32 +14,73 @@ import mmap
 import os
 import secrets
 import shutil
+from dataclasses import dataclass
 
 import torch
+
+from .layout import COMM
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "megakernel-"
 LAUNCH_ENV = "MEGAKERNEL_LAUNCH_ID"  # set by ``launch``: segments carry it so the launcher can sweep them
 
 
-class HeapView:
-    """Typed torch views of a heap (a flat uint8 tensor, host or device), for the runtime, images and
-    the reference tiles."""
+@dataclass(frozen=True)
+class RankHeap:
+    """A rank's heap as this process maps it: its data area and its comm area (``layout``), flat uint8
+    tensors (on cpu and CUDA two slices of one allocation, the comm area right after the data)."""
 
-    def __init__(self, heap: torch.Tensor):
+    data: torch.Tensor
+    comm: torch.Tensor
+
+    @classmethod
+    def split(cls, whole: torch.Tensor, data_size: int) -> "RankHeap":
+        """The heap laid out as one allocation: the data area, then the comm area."""
+        return cls(whole[:data_size], whole[data_size:])
+
+    def bytes(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The ``nbytes`` at heap ``offset`` (of either area), a view."""
+        area, at = (self.comm, offset - COMM) if offset >= COMM else (self.data, offset)
+        return area[at:at + nbytes]
+
+    def clone(self) -> "RankHeap":
+        return RankHeap(self.data.clone(), self.comm.clone())
+
+    def cpu(self) -> "RankHeap":
+        return RankHeap(self.data.cpu(), self.comm.cpu())
+
+
+def kernel_bases(heaps: list[RankHeap], rank: int) -> tuple[list[int], int]:
+    """What rank ``rank``'s kernel addresses every rank's heap with, its heaps ``heaps`` as mapped in this
+    process: (``bases``, ``delta``). ``delta`` is this rank's comm area address minus its data area's
+    (``layout.device_words`` adds it to comm offsets); ``bases[r]`` is rank r's comm area less ``delta``,
+    so that ``bases[r]`` plus a rewritten comm offset is rank r's comm area plus the offset (a put, a
+    signal), and ``bases[rank]`` is this rank's data area (its own data and comm offsets alike)."""
+    local = heaps[rank]
+    delta = local.comm.data_ptr() - local.data.data_ptr()
+    return [heap.comm.data_ptr() - delta for heap in heaps], delta
+
+
+class HeapView:
+    """Typed torch views of a rank's heap (``RankHeap``, host or device) by heap offset, for the runtime,
+    images and the reference tiles."""
+
+    def __init__(self, heap: RankHeap):
         self.heap = heap
-        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._typed: dict[tuple[bool, torch.dtype], torch.Tensor] = {}
 
     def tensor(self, offset: int, dtype: torch.dtype | str, rows: int, cols: int, row_stride: int) -> torch.Tensor:
         """The ``rows x cols`` view at byte ``offset`` with ``row_stride`` elements between rows;
         ``dtype`` a torch dtype or its name ("bfloat16")."""
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        typed = self._typed.get(dtype)
+        comm = offset >= COMM
+        typed = self._typed.get((comm, dtype))
         if typed is None:
-            typed = self._typed[dtype] = self.heap.view(dtype)
+            typed = self._typed[comm, dtype] = (self.heap.comm if comm else self.heap.data).view(dtype)
+        offset -= COMM if comm else 0
         assert offset % dtype.itemsize == 0, f"misaligned {dtype} at heap offset {offset}"
-        # as_strided counts from the storage's start: a heap that is a slice of a larger one (virtual
-        # ranks) begins at its own storage offset
+        # as_strided counts from the storage's start: an area that is a slice of a larger allocation
+        # (the comm area, virtual ranks' heaps) begins at its own storage offset
         return torch.as_strided(typed, (rows, cols), (row_stride, 1), typed.storage_offset() + offset // dtype.itemsize)
 
 

@@ -14,13 +14,13 @@ import numpy as np
 import torch
 
 from .scheduler import FormatError, QueueTables, deserialize
-from .heap import HeapView
+from .heap import HeapView, RankHeap
 
 
 @dataclass
 class Image:
     tables: QueueTables
-    heap: torch.Tensor | None                         # flat uint8; None for a bare table file
+    heap: RankHeap | None                             # None for a bare table file
     outputs: dict[str, tuple[int, str, int, int, int]]  # name -> (offset, dtype, rows, cols, row_stride)
 
     def output(self, name: str) -> torch.Tensor:
@@ -37,7 +37,8 @@ def load(path: str | Path, heap: bool = True) -> Image:
     with zipfile.ZipFile(path) as archive:
         tables = deserialize(_member(archive, "tables", np.uint8).tobytes())
         outputs = json.loads(_member(archive, "outputs", np.uint8).tobytes().decode())
-        memory = torch.from_numpy(_member(archive, "heap", np.uint8)) if heap else None
+        memory = RankHeap(*(torch.from_numpy(_member(archive, area, np.uint8)) for area in ("heap", "comm"))) \
+            if heap else None
     if not isinstance(outputs, dict) or not all(isinstance(v, list) and len(v) == 5 for v in outputs.values()):
         raise FormatError(f"{path}: the outputs record is not a kernel image's")
     return Image(tables, memory, {k: tuple(v) for k, v in outputs.items()})

@@ -1,8 +1,15 @@
 """Where everything lives on a kernel's heap, declared for the host first.
 
-The heap holds the graph's buffers, then the kernel's regions: event counters, the status records,
-the task tables and, with tracing, the timestamps. ``device.py`` wraps the record layouts below as
-constexprs for the kernel; the runtime and the hang diagnosis read the same numbers.
+A rank's heap has two areas. The data area holds the graph's buffers and the kernel's tables (task
+rows, signals, queues, index, trace stamps): only this rank's programs touch it. The comm area
+holds everything another rank writes: communication buffers (``Graph.new_tensor(..., comm=True)``:
+what peers' puts write), the event counters and the status records. A backend maps the comm area
+where peers' stores and system-scope atomics stay coherent (ROCm: fine-grained memory; elsewhere
+the same allocation as the data area, right after it). Comm-area offsets are tagged: they start at
+COMM, far above any size or index, and the host rewrites them into offsets from the data area's
+base (``device_words``) for the kernel, whose tiles then address both areas as one heap.
+``device.py`` wraps the record layouts below as constexprs for the kernel; the runtime and the hang
+diagnosis read the same numbers.
 
 Status region: a header record of the rank, then one record of STATUS_WORDS per worker. The
 header's ABORT word is set by a worker that stops the rank's run (a stall, or the host stopping
@@ -18,8 +25,11 @@ position of the task that met it. Nothing here is reset between runs: epochs tel
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
+import numpy as np
+
+from .errors import GraphError
 from .scheduler import QueueTables
 
 HEAP_ALIGN = 256  # bytes: every buffer and region starts at a multiple
@@ -33,14 +43,25 @@ ABORT, FAULTED = 0, 1  # words of the header record
 TRACE_WORDS = 3  # per task: wait start, run start, end (ns on the backend's clock)
 
 
+COMM = 1 << 40  # heap offsets from here on are in the comm area, at offset - COMM
+
+
 def align(size: int) -> int:
     """``size`` rounded up to a multiple of HEAP_ALIGN."""
     return -(-size // HEAP_ALIGN) * HEAP_ALIGN
 
 
+def device_words(words: np.ndarray, delta: int) -> np.ndarray:
+    """Table words or kernel arguments as the kernel reads them: a comm-area offset ``COMM + o`` becomes
+    ``delta + o``, where ``delta`` is the comm area's address minus the data area's (the same in every
+    process that runs this rank's programs); every other word is unchanged."""
+    return np.where(words >= COMM, words - COMM + delta, words)
+
+
 @dataclass(frozen=True)
 class HeapLayout:
-    """Byte offsets of the kernel's regions, named as the kernel arguments they become, and the heap size.
+    """Byte offsets of the kernel's regions, named as the kernel arguments they become (events and status
+    in the comm area, tagged), and the sizes of the two areas.
 
     Buffers, events and status are at the same offsets on every rank (peers write them); the region
     sizes are the largest any rank needs, so the whole layout is symmetric.
@@ -53,7 +74,10 @@ class HeapLayout:
     queue_off: int
     index_off: int
     trace_off: int
-    size: int
+    data_size: int
+    comm_size: int
+
+    COMM_REGIONS = ("events_off", "status_off")  # what peers write
 
     @staticmethod
     def sizes(tables: QueueTables, trace: bool) -> list[int]:
@@ -63,17 +87,32 @@ class HeapLayout:
                 8 * TRACE_WORDS * len(tables.rows) if trace else 8]
 
     @classmethod
-    def of(cls, buffers_bytes: int, sizes: list[int]) -> "HeapLayout":
-        offsets, at = [], align(buffers_bytes)
-        for size in sizes:
-            offsets.append(at)
-            at = align(at + max(size, 8))
-        return cls(*offsets, size=at)
+    def of(cls, buffers_bytes: int, comm_bytes: int, sizes: list[int]) -> "HeapLayout":
+        """After ``buffers_bytes`` of data buffers and ``comm_bytes`` of comm buffers, the regions of ``sizes``."""
+        ends = {False: align(buffers_bytes), True: align(comm_bytes)}  # by area: in comm?
+        offsets = []
+        for name, size in zip(cls.offset_names(), sizes):
+            comm = name in cls.COMM_REGIONS
+            offsets.append(ends[comm] + (COMM if comm else 0))
+            ends[comm] = align(ends[comm] + max(size, 8))
+        if max(ends.values()) >= COMM:
+            raise GraphError(f"a heap area of {max(ends.values()):,} bytes: the comm area's tag ({COMM:,}) bounds each")
+        return cls(*offsets, data_size=ends[False], comm_size=ends[True])
+
+    @property
+    def size(self) -> int:
+        """Both areas' bytes."""
+        return self.data_size + self.comm_size
 
     def offsets(self) -> dict[str, int]:
-        """The kernel arguments: every region's offset."""
-        return {name: value for name, value in asdict(self).items() if name != "size"}
+        """Every region's heap offset (comm-area ones tagged), by kernel argument."""
+        return {name: getattr(self, name) for name in self.offset_names()}
+
+    def device_offsets(self, delta: int) -> dict[str, int]:
+        """The kernel arguments: every region's offset from the data area's base (``device_words``)."""
+        names = self.offset_names()
+        return dict(zip(names, device_words(np.array([getattr(self, n) for n in names]), delta).tolist()))
 
     @classmethod
     def offset_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls) if f.name != "size")
+        return tuple(f.name for f in fields(cls) if f.name.endswith("_off"))

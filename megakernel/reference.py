@@ -15,17 +15,17 @@ import torch
 
 from .device import NO_SEQUENCE
 from .errors import GraphError
-from .heap import HeapView
+from .heap import HeapView, RankHeap
 from .scheduler import ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_EVENT, NO_GUARD, OPCODE, SIGNAL_COUNT, SIGNAL_START, WAIT_EVENT, QueueTables
 from .tasks import TASK_TYPES
 
 
-def execute(tables: QueueTables, heap: torch.Tensor, steps: int = 1) -> None:
-    """Run ``steps`` steps of a single rank's ``tables`` on ``heap`` (a flat uint8 tensor laid out like the kernel's)."""
+def execute(tables: QueueTables, heap: RankHeap, steps: int = 1) -> None:
+    """Run ``steps`` steps of a single rank's ``tables`` on ``heap`` (laid out like the kernel's)."""
     execute_ranks([tables], [heap], steps)
 
 
-def execute_ranks(tables: list[QueueTables], heaps: list[torch.Tensor], steps: int = 1) -> None:
+def execute_ranks(tables: list[QueueTables], heaps: list[RankHeap], steps: int = 1) -> None:
     """Run ``steps`` steps of every rank's tables (``tables[r]`` is rank r's, or a world of one) on its heap,
     one after another: the order (step, op, rank, row)."""
     views = {t.rank: HeapView(h) for t, h in zip(tables, heaps)}

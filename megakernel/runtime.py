@@ -16,8 +16,8 @@ from .bootstrap import Group, check_agreement
 from .cpu_backend import CpuBackend, WorkerPool
 from .errors import BackendError, DeadlockError, GraphError, check_timeout, is_count
 from .graph import Graph, Tensor
-from .heap import HeapView
-from .layout import ABORT, FAULTED, STATUS_WORDS, TRACE_WORDS, HeapLayout
+from .heap import HeapView, RankHeap
+from .layout import ABORT, FAULTED, STATUS_WORDS, TRACE_WORDS, HeapLayout, device_words
 from .scheduler import ARG0, check_periodic, schedule, serialize
 from .trace import Trace, rank_trace
 
@@ -59,8 +59,9 @@ class Megakernel:
                                               self.timeout, pool)
         self.workers = self.backend.workers
         self.kernel_path = self.backend.kernel_path  # the generated kernel module
-        if graph.heap_bytes > self.backend.free_memory():  # before the scheduler walks buffers this large
-            raise GraphError(f"the graph's buffers take {graph.heap_bytes:,} bytes; the {self.backend.name} backend "
+        if graph.heap_bytes + graph.comm_bytes > self.backend.free_memory():  # before the scheduler walks them
+            raise GraphError(f"the graph's buffers take {graph.heap_bytes + graph.comm_bytes:,} bytes; the "
+                             f"{self.backend.name} backend "
                              f"has {self.backend.free_memory():,} bytes free for a heap")
         self.tables = schedule(graph.tasks, graph.buffer_shapes(), specs=graph.specs, op_names=graph.op_names,
                                workers=self.workers, policy=policy, rank=graph.rank,
@@ -68,7 +69,7 @@ class Megakernel:
                                exchange=self.group.all_gather)
         self._check_periodic()
         sizes = [max(column) for column in zip(*self.group.all_gather(HeapLayout.sizes(self.tables, self.tracing)))]
-        self.layout = HeapLayout.of(graph.heap_bytes, sizes)
+        self.layout = HeapLayout.of(graph.heap_bytes, graph.comm_bytes, sizes)
         self.epoch = 0          # steps run so far: the last step's epoch
         self._checked = self._checked_launches = 0  # the last step (launch) whose faults and stalls were checked
         self.launches = 0       # launches so far (each runs one or more steps)
@@ -77,8 +78,8 @@ class Megakernel:
         self._meet = graph.world_size > 1  # before the first launch, and after a collective poison
         self._lock = threading.Lock()      # one run at a time, whichever thread calls
         self._finalizer = weakref.finalize(self, self.backend.close)
-        heaps = self.backend.allocate(self.layout.size)
-        self.heap, self.peers = heaps.local, heaps.peers
+        heaps = self.backend.allocate(self.layout.data_size, self.layout.comm_size)
+        self.heap, self.peers, self.delta = heaps.local, heaps.peers, heaps.delta
         self.view = HeapView(self.heap)
         self.upload_tables()
 
@@ -96,16 +97,17 @@ class Megakernel:
             raise GraphError(verdict)
 
     # -- heap access ------------------------------------------------------------------------------
-    def words(self, offset: int, count: int, heap: torch.Tensor | None = None) -> torch.Tensor:
-        """``count`` int64 words at byte ``offset`` of this rank's heap (or of ``heap``), a view."""
+    def words(self, offset: int, count: int, heap: RankHeap | None = None) -> torch.Tensor:
+        """``count`` int64 words at heap ``offset`` of this rank's heap (or of ``heap``), a view."""
         self._require_open()
-        heap = self.heap if heap is None else heap
-        return heap[offset:offset + 8 * count].view(torch.int64)
+        return (self.heap if heap is None else heap).bytes(offset, 8 * count).view(torch.int64)
 
     def upload_tables(self) -> None:
-        """Copy ``self.tables`` into the heap (again, if a test or tool edited them) and clear events."""
+        """Copy ``self.tables`` into the heap (again, if a test or tool edited them) and clear events. The
+        task rows' comm-area offsets go as the kernel reads them (``layout.device_words``)."""
         t, lay = self.tables, self.layout
-        for offset, array in [(lay.tasks_off, t.rows), (lay.signals_off, t.signals), (lay.queue_off, t.queue),
+        rows = device_words(t.rows, self.delta)
+        for offset, array in [(lay.tasks_off, rows), (lay.signals_off, t.signals), (lay.queue_off, t.queue),
                               (lay.index_off, t.queue_index)]:
             if array.size:
                 self.words(offset, array.size).copy_(torch.from_numpy(np.ascontiguousarray(array).reshape(-1)))
@@ -223,7 +225,7 @@ class Megakernel:
 
     def _launch_args(self, steps: int) -> dict[str, int]:
         """The kernel's arguments: the same for every launch of ``steps`` steps (the epoch is on the device)."""
-        return dict(steps=steps, timeout_ns=int(self.timeout * 1e9), **self.layout.offsets(),
+        return dict(steps=steps, timeout_ns=int(self.timeout * 1e9), **self.layout.device_offsets(self.delta),
                     ROW=self.tables.row_words, TRACE=self.tracing)
 
     def _check_launches(self, failure: BackendError | None = None) -> None:
@@ -337,15 +339,15 @@ class Megakernel:
         self._require_open()
         outputs = {name: [t.addr(0, 0), str(t.dtype).removeprefix("torch."), t.rows, t.cols, t.row_stride]
                    for name, t in self.results.items()}
-        np.savez(path, tables=np.frombuffer(serialize(self.tables), dtype=np.uint8),
-                 heap=self.heap.cpu().numpy(), outputs=np.frombuffer(json.dumps(outputs).encode(), dtype=np.uint8))
+        np.savez(path, tables=np.frombuffer(serialize(self.tables), dtype=np.uint8), heap=self.heap.data.cpu().numpy(),
+                 comm=self.heap.comm.cpu().numpy(), outputs=np.frombuffer(json.dumps(outputs).encode(), dtype=np.uint8))
 
     # -- diagnosis --------------------------------------------------------------------------------
-    def _header(self, heap: torch.Tensor | None = None) -> np.ndarray:
+    def _header(self, heap: RankHeap | None = None) -> np.ndarray:
         """The rank's header record of this rank's heap, or of a peer's: ABORT and FAULTED (a copy)."""
         return self.words(self.layout.status_off, FAULTED + 1, heap).cpu().numpy()
 
-    def _status(self, heap: torch.Tensor | None = None) -> np.ndarray:
+    def _status(self, heap: RankHeap | None = None) -> np.ndarray:
         """Per-worker status records [workers, STATUS_WORDS] of this rank's heap, or of a peer's (a copy)."""
         words = self.words(self.layout.status_off, STATUS_WORDS * (self.workers + 1), heap)
         return diagnosis.status_records(words.cpu().numpy().copy())

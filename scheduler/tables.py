@@ -19,7 +19,8 @@ A task waits for ``wait_event`` to count ``epoch * fan_in`` (its producers in th
 and signalling, in a step where the int64 there is -1 (``Graph.guarded``). A task's row number is its
 position in the global order: program order, the same key on every rank. Argument words that address memory are
 byte offsets into the heap: every process maps the heap at its own address, so the kernel adds its
-local heap base (or a peer's, for a remote store or signal).
+local heap base (or a peer's, for a remote store or signal). Offsets into the heap's comm area are
+tagged (``layout.COMM``) here and rewritten when the rows are uploaded (``layout.device_words``).
 """
 from __future__ import annotations
 

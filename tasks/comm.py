@@ -1,7 +1,8 @@
 """Communication tiles and the collectives built from them, all at tile granularity.
 
 A put tile loads a block of a local tensor and stores it into the same-offset buffer of a peer's
-heap (the heap is symmetric), then the protocol loop releases the peer's event. Collectives are
+heap (the heap is symmetric; what peers write is in its comm area, ``layout``), then the protocol
+loop releases the peer's event. Collectives are
 graphs of put tiles and fixed-order sum tiles, so a consumer tile waits only for the tiles it reads
 and communication overlaps computation inside the one launch. Every reduction adds contributions
 in rank order 0, 1, ..., so every rank gets a bitwise identical result.
@@ -55,11 +56,16 @@ def _check_rank(g, op: str, rank: int) -> None:
 
 
 def put(g, x, to_rank: int, into):
-    """Store ``x`` into ``into`` on rank ``to_rank``; returns ``into`` (what peers put into this rank)."""
+    """Store ``x`` into ``into`` on rank ``to_rank``; returns ``into`` (what peers put into this rank).
+    ``into`` is a communication buffer (``g.new_tensor(..., comm=True)``) unless every rank puts into
+    itself."""
     _check_rank(g, "put", to_rank)
     require_float(g, "put", x=x)
     g.check(x.shape == into.shape and x.dtype == into.dtype,
             f"put: x is {x.shape} {x.dtype} but into is {into.shape} {into.dtype}")
+    g.check(to_rank == g.rank or into.buffer.comm,
+            f"put: into ({into.buffer.name!r}) is written by rank {g.rank} on rank {to_rank}: it must be a "
+            f"communication buffer, made with new_tensor(..., comm=True)")
     put_tiles(g, x.block(), to_rank, into.block())
     return into
 
@@ -78,8 +84,8 @@ def all_reduce(g, x, algorithm: str | None = None):
     g.check(algorithm in ("one_shot", "two_shot"), f"all_reduce: unknown algorithm {algorithm!r}")
     src = x.block()
     rows, cols = src.rows, src.cols
-    stage = g.new_tensor((world * rows, cols), x.dtype)  # slot s holds rank s's contribution
-    out = g.new_tensor(x.shape, x.dtype)
+    stage = g.new_tensor((world * rows, cols), x.dtype, comm=True)  # slot s holds rank s's contribution
+    out = g.new_tensor(x.shape, x.dtype, comm=algorithm == "two_shot")  # two-shot: peers gather into it
     if algorithm == "one_shot":
         for dst in range(world):
             put_tiles(g, src, dst, stage.block(me * rows, rows))
@@ -110,7 +116,7 @@ def all_gather(g, x, dim: int = 0):
     require_float(g, "all_gather", x=x)
     shape = list(x.shape)
     shape[dim] *= world
-    out = g.new_tensor(tuple(shape), x.dtype)
+    out = g.new_tensor(tuple(shape), x.dtype, comm=True)
     src = x.block()
     along_rows = x.ndim == 2 and dim == 0
     slot = out.block(me * src.rows, src.rows) if along_rows else out.block(0, src.rows, me * src.cols, src.cols)
@@ -132,7 +138,7 @@ def reduce_scatter(g, x, dim: int = 0):
     shape = list(x.shape)
     shape[dim] //= world
     out = g.new_tensor(tuple(shape), x.dtype)
-    stage = g.new_tensor((world * rows, cols), x.dtype)
+    stage = g.new_tensor((world * rows, cols), x.dtype, comm=True)
     for owner in range(world):
         chunk = src.block(owner * rows, rows) if along_rows else src.block(0, rows, owner * cols, cols)
         put_tiles(g, chunk, owner, stage.block(me * rows, rows))

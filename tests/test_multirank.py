@@ -1,4 +1,5 @@
 """Several ranks (processes) per test: collectives, tensor parallelism, reruns, divergence, faults."""
+import ctypes
 import functools
 import os
 import re
@@ -7,7 +8,9 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +20,8 @@ from megakernel import RankError
 
 from megakernel.reference import execute_ranks
 from megakernel.scheduler import deserialize, serialize
-from megakernel.heap import HeapView
+from megakernel.heap import HeapView, RankHeap, kernel_bases
+from megakernel.layout import COMM, HeapLayout, device_words
 
 from helpers import assert_close
 
@@ -35,7 +39,7 @@ def _collectives_graph() -> mk.Graph:
     me, world = g.rank, g.world_size
     x = g.input("x", (ROWS, COLS), torch.float32)
     big = g.input("big", (20, 1000), torch.float32)  # 80 kB: two-shot by default
-    ring = g.new_tensor((ROWS, COLS), torch.float32, name="ring")
+    ring = g.new_tensor((ROWS, COLS), torch.float32, name="ring", comm=True)
     g.output("put", g.add(g.put(x, to_rank=(me + 1) % world, into=ring), x))
     g.output("one_shot", g.all_reduce(x, algorithm="one_shot"))
     g.output("two_shot", g.all_reduce(x, algorithm="two_shot"))
@@ -297,7 +301,8 @@ def _virtual_heaps():
     g = _collectives_graph()
     with mk.Megakernel(g, workers=1) as kernel:
         segment = kernel.backend.segments
-        return [s.name for s in segment], kernel.heap.data_ptr() - segment[0].address, threading.current_thread().name
+        heap_at = kernel.heap.data.data_ptr() - segment[0].address
+        return [s.name for s in segment], heap_at, threading.current_thread().name
 
 
 def test_virtual_ranks_are_threads_carving_one_heap():
@@ -352,6 +357,86 @@ def test_a_fault_on_one_rank_is_raised_on_every_rank_its_results_reach():
     the faulting task's signals, so rank 0 finds it however the ranks' launches end)."""
     for message in mk.launch(_fault_on_rank_1, world_size=2, virtual=True, timeout=300):
         assert re.search(r"rank 1 worker 0 step 1 .*index 9 is outside \[0, 4\)", message), message
+
+
+# -- the comm area: what peers write -------------------------------------------------------------------------
+def test_put_wants_a_communication_buffer_and_the_collectives_make_theirs():
+    g = mk.Graph(world_size=2, rank=0)
+    x = g.input("x", (2, 8), torch.float32)
+    plain = g.new_tensor((2, 8), torch.float32, name="plain")
+    with pytest.raises(mk.GraphError, match=r"put: into \('plain'\) is written by rank 0 on rank 1: it must be a "
+                                            r"communication buffer, made with new_tensor\(..., comm=True\)"):
+        g.put(x, to_rank=1, into=plain)
+    g.put(x, to_rank=0, into=plain)  # into itself: no peer writes it
+    assert not plain.buffer.comm
+    assert g.put(x, to_rank=1, into=g.new_tensor((2, 8), torch.float32, comm=True)).buffer.comm
+    written = {region[0] for remote in g.tasks.remote for _, region in remote}  # by this rank's puts, on rank 1
+    g.all_reduce(x, algorithm="two_shot")
+    g.all_gather(x)
+    g.reduce_scatter(x)
+    peers_write = {region[0] for remote in g.tasks.remote for _, region in remote}
+    assert len(peers_write - written) == 4 and all(g.buffers[b].comm for b in peers_write)
+    assert g.comm_bytes > 0 and all(b.offset >= COMM for b in g.buffers if b.comm)
+
+
+def test_the_comm_area_is_reached_through_rewritten_offsets_wherever_it_lies():
+    """Events and status go to the comm area; the kernel reaches comm offsets as ``delta`` + offset from its
+    data area, and peers' comm areas through bases that need not be at any distance from their data (hip)."""
+    lay = HeapLayout.of(1000, 300, [16, 200, 64, 48, 32, 24, 8])
+    assert (lay.events_off, lay.status_off, lay.tasks_off) == (COMM + 512, COMM + 768, 1024)
+    assert (lay.data_size, lay.comm_size) == (1024 + 5 * 256, 1024)
+    assert lay.device_offsets(5000)["status_off"] == 5000 + 768 and lay.device_offsets(5000)["tasks_off"] == 1024
+    words = np.array([[-1, 7, COMM + 40, 512]])
+    assert device_words(words, 100).tolist() == [[-1, 7, 140, 512]]
+    heaps = [RankHeap(torch.zeros(64, dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8)) for _ in range(3)]
+    for rank in range(3):  # areas of separate allocations, as on hip
+        bases, delta = kernel_bases(heaps, rank)
+        word = int(device_words(np.array([COMM + 16]), delta)[0])
+        assert bases[rank] == heaps[rank].data.data_ptr()
+        assert [b + word for b in bases] == [heap.comm.data_ptr() + 16 for heap in heaps]
+    whole = torch.zeros(96, dtype=torch.uint8)  # cpu and cuda: one allocation, the comm area after the data
+    heaps = [RankHeap.split(whole, 64)]
+    assert kernel_bases(heaps, 0) == ([whole.data_ptr()], 64)
+
+
+def test_the_rocm_comm_area_needs_hip_python_and_says_so(monkeypatch):
+    from megakernel import finegrained
+    monkeypatch.setitem(sys.modules, "hip", None)  # not installed
+    with pytest.raises(mk.BackendError, match=r"fine-grained memory, allocated through hip-python: pip install "
+                                              r"'megakernel\[rocm\]'"):
+        finegrained.allocate(256, torch.device("cuda", 0))
+
+
+def test_the_rocm_comm_area_is_shared_through_hip_ipc_handles(monkeypatch):
+    """Against hip-python's conventions (every call returns (hipError_t, value...); a struct's int() is its
+    address): the handle's 64 bytes go out and come back into the struct that opens the peer's memory,
+    and the mapping is closed with its last view."""
+    from megakernel import finegrained
+
+    class Handle(ctypes.Structure):
+        _fields_ = [("reserved", ctypes.c_char * 64)]
+
+        def __int__(self):
+            return ctypes.addressof(self)
+
+    calls = []
+    hip = types.SimpleNamespace(
+        hipError_t=types.SimpleNamespace(hipSuccess=0), HIP_IPC_HANDLE_SIZE=64, hipIpcMemLazyEnablePeerAccess=1,
+        hipIpcMemHandle_t=Handle, hipSetDevice=lambda index: (calls.append(("device", index)) or 0,),
+        hipIpcGetMemHandle=lambda address: (0, Handle.from_buffer_copy(bytes(range(address % 7, address % 7 + 64)))),
+        hipIpcOpenMemHandle=lambda handle, flags: (calls.append((bytes(handle), flags)) or 0, 4096),
+        hipIpcCloseMemHandle=lambda address: calls.append(("close", address)))
+    monkeypatch.setitem(sys.modules, "hip", types.SimpleNamespace(hip=hip))
+    monkeypatch.setattr(finegrained, "_tensor", lambda memory: memory)  # no ROCm torch here
+    raw = finegrained.export(types.SimpleNamespace(data_ptr=lambda: 8193))
+    assert raw == bytes(range(3, 67))
+    memory = finegrained.open_handle(raw, 256, torch.device("cuda", 1))
+    assert (memory.address, calls) == (4096, [("device", 1), (raw, 1)])
+    del memory
+    assert calls[-1] == ("close", 4096)
+    hip.hipIpcOpenMemHandle = lambda handle, flags: (2, 0)  # an error code
+    with pytest.raises(mk.BackendError, match="hipIpcOpenMemHandle failed: 2"):
+        finegrained.open_handle(raw, 256, torch.device("cuda", 1))
 
 
 def test_virtual_rank_failure_names_the_rank_and_releases_the_others():

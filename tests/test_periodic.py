@@ -39,7 +39,7 @@ def programs(draw):
 
 def periodic_graph(ops, shift: int) -> tuple[mk.Graph, mk.graph.Tensor]:
     g = mk.Graph()
-    state = g.new_tensor((ROWS, COLS), torch.float32, name="state")
+    state = g.new_tensor((ROWS, COLS), torch.float32, name="state", comm=True)
     values = [state, g.input("x", (ROWS, COLS), torch.float32)]
     for kind, a, b in ops:
         t = values[a % len(values)]
