@@ -37,8 +37,10 @@ def load(path: str | Path, heap: bool = True) -> Image:
     with zipfile.ZipFile(path) as archive:
         tables = deserialize(_member(archive, "tables", np.uint8).tobytes())
         outputs = json.loads(_member(archive, "outputs", np.uint8).tobytes().decode())
-        memory = RankHeap(*(torch.from_numpy(_member(archive, area, np.uint8)) for area in ("heap", "comm"))) \
-            if heap else None
+        memory = None
+        if heap:  # the data area, then the comm area (``layout``)
+            memory = RankHeap(torch.from_numpy(_member(archive, "heap", np.uint8)),
+                              torch.from_numpy(_member(archive, "comm", np.uint8)))
     if not isinstance(outputs, dict) or not all(isinstance(v, list) and len(v) == 5 for v in outputs.values()):
         raise FormatError(f"{path}: the outputs record is not a kernel image's")
     return Image(tables, memory, {k: tuple(v) for k, v in outputs.items()})

@@ -99,15 +99,6 @@ class HeapLayout:
             raise GraphError(f"a heap area of {max(ends.values()):,} bytes: the comm area's tag ({COMM:,}) bounds each")
         return cls(*offsets, data_size=ends[False], comm_size=ends[True])
 
-    @property
-    def size(self) -> int:
-        """Both areas' bytes."""
-        return self.data_size + self.comm_size
-
-    def offsets(self) -> dict[str, int]:
-        """Every region's heap offset (comm-area ones tagged), by kernel argument."""
-        return {name: getattr(self, name) for name in self.offset_names()}
-
     def device_offsets(self, delta: int) -> dict[str, int]:
         """The kernel arguments: every region's offset from the data area's base (``device_words``)."""
         names = self.offset_names()

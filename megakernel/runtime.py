@@ -263,14 +263,14 @@ class Megakernel:
     def capture(self, steps: int = 1) -> "Captured":
         """Record one launch of ``steps`` steps, to replay with no host work at all: on a GPU a CUDA (HIP)
         graph of the launch, which ``Captured.replay`` enqueues on the current stream without waiting
-        for it (the kernel counts each replay's steps on the host: replay it through ``replay``
-        alone, not inside a graph of your own); on the cpu backend the
-        same launch, run again. Every launch of a kernel has the same arguments (the epoch lives on the
-        device), so the recording stays valid; inputs are rebound between replays by writing their
-        heap memory (``tensor``, ``bind``) on the current stream, and outputs are read the same way.
-        A replay checks nothing: ``check()`` waits for the replays and raises what went wrong in any
-        of them since the last check. A collective with several ranks (each rank replays its own
-        recording, in the same order as its peers). Not with ``trace``."""
+        for it; on the cpu backend the same launch, run again. The kernel counts each replay's steps
+        on the host, so replay through ``Captured.replay`` alone, not inside a graph of one's own.
+        Every launch of a kernel has the same arguments (the epoch lives on the device), so the
+        recording stays valid; inputs are rebound between replays by writing their heap memory
+        (``bind``, ``tensor``) on the current stream, and outputs read from
+        ``tensor(results[name])``. A replay checks nothing: ``check()`` waits for the replays and
+        raises what went wrong in any of them since the last check. A collective with several ranks
+        (each rank replays its own recording, in the same order as its peers). Not with ``trace``."""
         if not is_count(steps):
             raise GraphError(f"steps must be a positive integer, got {steps!r}")
         if self.tracing:
