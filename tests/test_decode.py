@@ -215,7 +215,8 @@ def tensor_parallel_generation(family: str, batch: int):
         m.close()
 
 
-@pytest.mark.parametrize("family,world,batch", [("llama", 2, 1), ("qwen3", 2, 2), ("llama", 4, 2), ("qwen3", 4, 1)])
+# (llama at 4 ranks: test_generation_on_the_device_matches_transformers, on virtual ranks)
+@pytest.mark.parametrize("family,world,batch", [("llama", 2, 1), ("qwen3", 2, 2), ("qwen3", 4, 1)])
 def test_tensor_parallel_generation_matches_transformers(family, world, batch):
     model = hf_model(family, kv_heads=1 if family == "llama" else 2)
     ids = prompt(batch)
