@@ -9,7 +9,11 @@ GPU is at hand (``megakernel.occupancy``).
 from __future__ import annotations
 
 import functools
+import re
+import subprocess
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import triton
 import triton.language as tl
@@ -17,6 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import codegen
+from .errors import BackendError
 from .gpu_backend import launch_options
 from .occupancy import KernelResources, binary_resources
 from .scheduler import Spec
@@ -39,6 +44,7 @@ class Compiled:
     num_warps: int
     scalar_registers: int = 0                     # AMD: SGPRs per wave
     assembly: str = field(default="", repr=False)  # PTX or AMDGCN text, for reading
+    spilled: int = 0     # bytes per thread of registers spilled to memory (NVIDIA: local; AMD: scratch)
 
     @property
     def resources(self) -> KernelResources:
@@ -61,8 +67,35 @@ def compile_kernel(specs: list[Spec], target: str, row_words: int, trace: bool =
     binary, text = ("cubin", "ptx") if gpu.backend == "cuda" else ("hsaco", "amdgcn")
     res = binary_resources(compiled.asm, compiled.metadata.name, compiled.metadata.shared,
                            compiled.metadata.num_warps)
+    spilled = (ptxas_spilled(compiled.asm["ptx"], gpu.arch, res.registers) if gpu.backend == "cuda"
+               else amdgcn_spilled(compiled.asm["amdgcn"]))
     return Compiled(target, binary, len(compiled.asm[binary]), res.shared, res.registers, res.num_warps,
-                    res.scalar_registers, compiled.asm[text])
+                    res.scalar_registers, compiled.asm[text], spilled)
+
+
+def ptxas_spilled(ptx: str, arch: int, registers: int) -> int:
+    """Bytes per thread of spill stores in the PTX's kernel, from ``ptxas -v`` run as Triton runs it for the
+    cubin (its ptxas and options); a report of another register count than the cubin's ``registers``
+    would describe other code, and raises. (A local array, such as the argument reduction of ``tl.sin``
+    for huge angles, takes stack but is no spill.)"""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(ptx)
+        report = subprocess.run([get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+                                 f"--gpu-name={sm_arch_from_capability(arch)}", str(source), "-o",
+                                 str(source.with_suffix(".cubin"))], capture_output=True, text=True, check=True).stderr
+    used = re.search(r"Used (\d+) registers", report)
+    stores = re.search(r"(\d+) bytes spill stores", report)
+    if used is None or stores is None or int(used.group(1)) != registers:
+        raise BackendError(f"ptxas -v does not describe the compiled kernel ({registers} registers):\n{report}")
+    return int(stores.group(1))
+
+
+def amdgcn_spilled(assembly: str) -> int:
+    """Bytes per lane of VGPRs an AMDGCN kernel spills to scratch (its metadata's ``vgpr_spill_count``, 4
+    bytes each). SGPRs spilled into VGPR lanes stay in registers and do not count."""
+    return 4 * int(re.search(r"\.vgpr_spill_count:\s*(\d+)", assembly).group(1))
 
 
 @triton.jit

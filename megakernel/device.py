@@ -324,6 +324,12 @@ def persistent_loop(bases_addr, rank, worker, steps, timeout_ns, tasks_off, sign
     ``TRACE``, each task records when it started waiting, started running and finished (its stores
     done, just before its signals) at ``trace[task * TRACE_WORDS]``, the last step's; without it no
     clock is read and nothing is stored.
+
+    Registers: both loops hoist nothing (``disable_licm``). Each tile's loop-invariant work (thread-index
+    arithmetic, the shared-memory addresses of its layout conversions) would otherwise move out of the
+    persistent loop and stay live across every other tile, and spill. The queue is walked by a for
+    loop because a while loop's mark does not reach LLVM; after a stall its remaining iterations only
+    load headers.
     """
     bases = bases_addr.to(tl.pointer_type(tl.int64))
     base = tl.load(bases + rank)
@@ -337,37 +343,36 @@ def persistent_loop(bases_addr, rank, worker, steps, timeout_ns, tasks_off, sign
     first = tl.load(heap_ptr(base, index_off, tl.int64) + worker).to(tl.int32)  # int32: live across every tile
     last = tl.load(heap_ptr(base, index_off, tl.int64) + worker + 1).to(tl.int32)
     running = (tl.load(abort) == 0).to(tl.int32)  # a stall the host has not read yet: keep its records
-    for step in range(0, steps):
+    for step in tl.range(0, steps, disable_licm=True):
         if running == 1:
             now = epoch + step
             tl.store(status + DONE, 0)
             tl.store(status + EPOCH, now)  # DONE counts tasks of this step; peers' reports read both
-            i = first
             task, event, fan_in, carry, carry_fan_in, opcode, first_signal, signal_count, guard = task_header(
-                tasks, queue, i, last, ROW)
-            while (i < last) & (running == 1):
-                row = tasks + task * ROW
+                tasks, queue, first, last, ROW)
+            for i in tl.range(first, last, disable_licm=True):
                 next_header = task_header(tasks, queue, i + 1, last, ROW)
-                if TRACE:
-                    stamp = heap_ptr(base, trace_off, tl.int64) + task * TRACE_WORDS
-                    tl.store(stamp, CLOCK())
-                running = wait_for(events, event, now * fan_in, abort, status, task, timeout_ns, WAIT, CLOCK)
                 if running == 1:
-                    running = wait_for(events, carry, (now - 1) * carry_fan_in, abort, status, task, timeout_ns, WAIT,
-                                       CLOCK)
-                if running == 1:
-                    tl.debug_barrier()
+                    row = tasks + task * ROW
                     if TRACE:
-                        tl.store(stamp + 1, CLOCK())
-                    if skipped(base, guard) == 0:
-                        RUN_TILE(opcode, base, bases, status, row + ROW_ARG0)
-                    tl.debug_barrier()
-                    if tl.load(status + FAULT) == now:  # a tile met an index out of range: tell the host
-                        tl.atomic_max(abort + FAULTED, now, sem="relaxed", scope="gpu")  # before the signals
-                    if TRACE:  # before the signals: a consumer may start as soon as they are sent
-                        tl.store(stamp + 2, CLOCK())
-                    signal_all(bases, rank, signals, first_signal, signal_count, events_off, FENCE, SCOPED_SIGNALS,
-                               RELAXED_ADDS)
-                    tl.store(status + DONE, i - first + 1)
+                        stamp = heap_ptr(base, trace_off, tl.int64) + task * TRACE_WORDS
+                        tl.store(stamp, CLOCK())
+                    running = wait_for(events, event, now * fan_in, abort, status, task, timeout_ns, WAIT, CLOCK)
+                    if running == 1:
+                        running = wait_for(events, carry, (now - 1) * carry_fan_in, abort, status, task, timeout_ns,
+                                           WAIT, CLOCK)
+                    if running == 1:
+                        tl.debug_barrier()
+                        if TRACE:
+                            tl.store(stamp + 1, CLOCK())
+                        if skipped(base, guard) == 0:
+                            RUN_TILE(opcode, base, bases, status, row + ROW_ARG0)
+                        tl.debug_barrier()
+                        if tl.load(status + FAULT) == now:  # a tile met an index out of range: tell the host
+                            tl.atomic_max(abort + FAULTED, now, sem="relaxed", scope="gpu")  # before the signals
+                        if TRACE:  # before the signals: a consumer may start as soon as they are sent
+                            tl.store(stamp + 2, CLOCK())
+                        signal_all(bases, rank, signals, first_signal, signal_count, events_off, FENCE,
+                                   SCOPED_SIGNALS, RELAXED_ADDS)
+                        tl.store(status + DONE, i - first + 1)
                 task, event, fan_in, carry, carry_fan_in, opcode, first_signal, signal_count, guard = next_header
-                i += 1

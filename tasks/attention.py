@@ -201,7 +201,8 @@ def attention_combine_tile(base, status,
     and ``l_s`` GROUP floats after it; BLOCK_P splits are read per step.
     """
     position = row_position(status, heap_ptr(base, pos, tl.int64), seq_len)
-    active = tl.where(position < 0, 0, tl.minimum(splits, position // split + 1))
+    reached = position.to(tl.int32) // split.to(tl.int32) + 1  # int32 division (common.py)
+    active = tl.where(position < 0, 0, tl.minimum(splits, reached))
     o_ptr = (base + o).to(tl.pointer_type(tl.float32))
     if ALIGNED:
         o_ptr = tl.multiple_of(o_ptr, 16)

@@ -12,7 +12,9 @@ A task type is an opcode's meaning, declared once by its tile's signature::
 from the heap bounds it). The plain parameters after them are the argument words of the task's table row, in order: code generation loads them, builders pass them
 by name (``g.add_task(opcode, out=..., x=..., ...)``), the disassembler prints them by name. The
 ``tl.constexpr`` parameters are the compile-time constants of an opcode; names ending in ``DTYPE``
-hold a dtype name ("float32", "bfloat16", "float16", "int64").
+hold a dtype name ("float32", "bfloat16", "float16", "int64"). Argument words arrive as int64 (heap
+offsets need it); a tile divides by a count only as int32 (``n.to(tl.int32)``): a 64-bit division is
+a subroutine call on NVIDIA, and the registers live across the call spill.
 
 The registration adds the torch ``reference`` of the same tile, which reads every word and constant
 as an attribute of its ``task`` argument, and an ``example``: ops that use every variant of the tile,

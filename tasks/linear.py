@@ -107,6 +107,7 @@ def _gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE: tl.constexpr, W_DTYPE:
     start of the next row block's first step, after that step's loads are issued, so the reduction and
     the store overlap them instead of draining the program's loads.
     """
+    n, k = n.to(tl.int32), k.to(tl.int32)  # the loop divides by them (common.py)
     x_ptr = (base + x).to(tl.pointer_type(X_DTYPE))
     w_ptr = (base + w).to(tl.pointer_type(W_DTYPE))
     if ALIGNED:  # hints on values made in this function (the compiler drops a hint on a callee's argument)
@@ -156,6 +157,7 @@ def _gemv_rows(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl
                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr):
     """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` for 1 < m <= BLOCK_M, any n: the same walk over w, with
     each step's products reduced across K per row of x (a warp-wide reduction: shuffles only)."""
+    m, n, k = m.to(tl.int32), n.to(tl.int32), k.to(tl.int32)
     x_ptr = (base + x).to(tl.pointer_type(X_DTYPE))
     w_ptr = (base + w).to(tl.pointer_type(W_DTYPE))
     if ALIGNED:

@@ -27,6 +27,7 @@ def rms_norm_tile(base,
                   EPS: tl.constexpr, UNIT_OFFSET: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Normalise each segment, BLOCK_N columns at a time (two passes)."""
+    segments = segments.to(tl.int32)  # a divisor (common.py)
     r = tl.arange(0, BLOCK_M)[:, None]
     c = tl.arange(0, BLOCK_N)[None, :]
     x_ptr = heap_ptr(base, x, X_DTYPE) + (r // segments) * x_stride + (r % segments) * cols

@@ -47,9 +47,9 @@ def _aot(args) -> int:
         compiled = compile_kernel(graph.specs, target, row_words=32, protocol=args.protocol)
         limits = LIMITS[target]
         per_unit = programs_per_unit(limits, compiled.resources)
-        print(f"{target}: {compiled.binary} {compiled.size} bytes, {compiled.registers} registers, "
-              f"{compiled.shared} bytes shared, {len(graph.specs)} opcodes; {per_unit} programs per "
-              f"{limits.unit}, at most {per_unit * limits.units} workers on {limits.name}")
+        print(f"{target}: {compiled.binary} {compiled.size} bytes, {compiled.registers} registers "
+              f"({compiled.spilled} bytes spilled), {compiled.shared} bytes shared, {len(graph.specs)} opcodes; "
+              f"{per_unit} programs per {limits.unit}, at most {per_unit * limits.units} workers on {limits.name}")
         if args.asm:
             path = Path(args.asm)
             if len(targets) > 1:  # one file per target: kernel.s -> kernel.sm_90.s
