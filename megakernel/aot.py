@@ -67,35 +67,44 @@ def compile_kernel(specs: list[Spec], target: str, row_words: int, trace: bool =
     binary, text = ("cubin", "ptx") if gpu.backend == "cuda" else ("hsaco", "amdgcn")
     res = binary_resources(compiled.asm, compiled.metadata.name, compiled.metadata.shared,
                            compiled.metadata.num_warps)
-    spilled = (ptxas_spilled(compiled.asm["ptx"], gpu.arch, res.registers) if gpu.backend == "cuda"
-               else amdgcn_spilled(compiled.asm["amdgcn"]))
+    spilled = ptxas_spilled(compiled) if gpu.backend == "cuda" else amdgcn_spilled(compiled.asm["amdgcn"])
     return Compiled(target, binary, len(compiled.asm[binary]), res.shared, res.registers, res.num_warps,
                     res.scalar_registers, compiled.asm[text], spilled)
 
 
-def ptxas_spilled(ptx: str, arch: int, registers: int) -> int:
-    """Bytes per thread of spill stores in the PTX's kernel, from ``ptxas -v`` run as Triton runs it for the
-    cubin (its ptxas and options); a report of another register count than the cubin's ``registers``
-    would describe other code, and raises. (A local array, such as the argument reduction of ``tl.sin``
-    for huge angles, takes stack but is no spill.)"""
+def ptxas_spilled(compiled) -> int:
+    """Bytes per thread of spill stores in a Triton-compiled NVIDIA kernel, from ``ptxas -v`` run again on its
+    PTX as Triton ran it (its ptxas, the options of ``make_cubin``); the run must give the same cubin, or
+    its report would describe other code. (A local array, such as the argument reduction of ``tl.sin`` for
+    huge angles, takes stack but is no spill.)"""
+    from triton import knobs
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    meta = compiled.metadata
+    no_opt = knobs.nvidia.disable_ptxas_opt
+    options = [*(["-lineinfo", "-suppress-debug-info"] if knobs.compilation.disable_line_info else
+                 ["-g"] if no_opt else ["-lineinfo"]),
+               *([] if meta.enable_fp_fusion else ["--fmad=false"]), "-v", *(["--opt-level", "0"] if no_opt else []),
+               "--regAllocOptLevel=2", *(meta.ptx_options or "").split(),
+               f"--gpu-name={sm_arch_from_capability(meta.target.arch)}"]
     with tempfile.TemporaryDirectory() as folder:
-        source = Path(folder) / "kernel.ptx"
-        source.write_text(ptx)
-        report = subprocess.run([get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
-                                 f"--gpu-name={sm_arch_from_capability(arch)}", str(source), "-o",
-                                 str(source.with_suffix(".cubin"))], capture_output=True, text=True, check=True).stderr
-    used = re.search(r"Used (\d+) registers", report)
-    stores = re.search(r"(\d+) bytes spill stores", report)
-    if used is None or stores is None or int(used.group(1)) != registers:
-        raise BackendError(f"ptxas -v does not describe the compiled kernel ({registers} registers):\n{report}")
+        source, binary = Path(folder) / "kernel.ptx", Path(folder) / "kernel.cubin"
+        source.write_text(compiled.asm["ptx"])
+        run = subprocess.run([get_ptxas(meta.target.arch).path, *options, str(source), "-o", str(binary)],
+                             capture_output=True, text=True)
+        same = run.returncode == 0 and binary.read_bytes() == compiled.asm["cubin"]
+    stores = re.search(r"(\d+) bytes spill stores", run.stderr)
+    if not same or stores is None:
+        raise BackendError(f"ptxas -v {' '.join(options)} does not reproduce the kernel's cubin:\n{run.stderr}")
     return int(stores.group(1))
 
 
 def amdgcn_spilled(assembly: str) -> int:
     """Bytes per lane of VGPRs an AMDGCN kernel spills to scratch (its metadata's ``vgpr_spill_count``, 4
     bytes each). SGPRs spilled into VGPR lanes stay in registers and do not count."""
-    return 4 * int(re.search(r"\.vgpr_spill_count:\s*(\d+)", assembly).group(1))
+    count = re.search(r"\.vgpr_spill_count:\s*(\d+)", assembly)
+    if count is None:
+        raise BackendError("the AMDGCN code object's metadata has no .vgpr_spill_count")
+    return 4 * int(count.group(1))
 
 
 @triton.jit

@@ -328,8 +328,8 @@ def persistent_loop(bases_addr, rank, worker, steps, timeout_ns, tasks_off, sign
     Registers: both loops hoist nothing (``disable_licm``). Each tile's loop-invariant work (thread-index
     arithmetic, the shared-memory addresses of its layout conversions) would otherwise move out of the
     persistent loop and stay live across every other tile, and spill. The queue is walked by a for
-    loop because a while loop's mark does not reach LLVM; after a stall its remaining iterations only
-    load headers.
+    loop: over a marked while loop (``tl.condition``) the compiler still hoisted, and spilled ten times as
+    much (bench/RESULTS.md). After a stall the remaining iterations only load headers.
     """
     bases = bases_addr.to(tl.pointer_type(tl.int64))
     base = tl.load(bases + rank)

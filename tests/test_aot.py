@@ -11,6 +11,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ import triton.language as tl
 from triton.compiler import ASTSource
 
 import megakernel as mk
-from megakernel.aot import TARGETS, compile_kernel, ptxas_spilled, supported_targets, unsupported_reason
+from megakernel.aot import (TARGETS, amdgcn_spilled, compile_kernel, ptxas_spilled, supported_targets,
+                            unsupported_reason)
 from megakernel.errors import BackendError
 from megakernel.gpu_backend import MAX_REGISTERS
 from megakernel.models import DecoderConfig, decode_step
@@ -136,15 +138,26 @@ def centre(x, y, N: tl.constexpr):
 
 
 def test_spills_are_read_from_ptxas():
-    """A tile compiled under a cap it cannot fit spills, and the report is read from ptxas as Triton ran it."""
+    """A tile compiled under a cap it cannot fit spills; the report comes from ptxas run again as Triton ran
+    it, and one that does not give the kernel's cubin is refused."""
     need("sm_90")
     source = ASTSource(fn=centre, signature={"x": "*fp32", "y": "*fp32", "N": "constexpr"}, constexprs={"N": 8192})
     for cap, spills in ((40, True), (255, False)):  # 64 values per thread
         kernel = triton.compile(source, target=TARGETS["sm_90"], options={"num_warps": 4, "maxnreg": cap})
-        registers = cubin_resources(kernel.asm["cubin"], kernel.name)[0]
-        assert (ptxas_spilled(kernel.asm["ptx"], 90, registers) > 0) == spills, (cap, registers)
-    with pytest.raises(BackendError, match="does not describe"):
-        ptxas_spilled(kernel.asm["ptx"], 90, registers + 1)
+        assert (ptxas_spilled(kernel) > 0) == spills, cap
+    other = SimpleNamespace(asm={"ptx": kernel.asm["ptx"], "cubin": kernel.asm["cubin"][:-1]}, metadata=kernel.metadata)
+    with pytest.raises(BackendError, match="does not reproduce"):
+        ptxas_spilled(other)
+
+
+@pytest.mark.parametrize("target", AMD)
+def test_spills_are_read_from_the_amd_code_object(target):
+    """64 values per lane: they fit in the VGPRs of one wave per SIMD, not in those of 8 (64 each)."""
+    need(target)
+    source = ASTSource(fn=centre, signature={"x": "*fp32", "y": "*fp32", "N": "constexpr"}, constexprs={"N": 16384})
+    spilled = [amdgcn_spilled(triton.compile(source, target=TARGETS[target], options=options).asm["amdgcn"])
+               for options in ({"num_warps": 4}, {"num_warps": 4, "waves_per_eu": 8})]
+    assert spilled[0] == 0 and spilled[1] > 0
 
 
 def test_num_warps_reaches_the_compiler():
