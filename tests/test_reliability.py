@@ -52,6 +52,8 @@ def test_an_interrupted_run_leaves_the_kernel_and_the_pool_correct():
     with mk.Megakernel(g, workers=2) as kernel:
         kernel.run(linear_inputs(0))  # warm: the interrupt lands in a launch, not in a first compile
         timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        # Python's own handler, whatever this process inherited (a shell starts background jobs ignoring SIGINT)
+        inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
         timer.start()
         try:
             with pytest.raises(KeyboardInterrupt):
@@ -59,6 +61,7 @@ def test_an_interrupted_run_leaves_the_kernel_and_the_pool_correct():
                 time.sleep(5)  # a run that finished before the signal: let it land here, not elsewhere
         finally:
             timer.cancel()
+            signal.signal(signal.SIGINT, inherited)
         inputs = linear_inputs(2)
         kernel.poison()
         assert_close(kernel.run(inputs)["y"], expected(inputs), 1e-5, "the interrupted kernel, next run")
