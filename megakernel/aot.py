@@ -23,7 +23,7 @@ from triton.compiler import ASTSource
 from . import codegen
 from .errors import BackendError
 from .gpu_backend import launch_options
-from .occupancy import KernelResources, binary_resources
+from .occupancy import KernelResources, binary_resources, cubin_code
 from .scheduler import Spec
 
 TARGETS = {
@@ -74,28 +74,32 @@ def compile_kernel(specs: list[Spec], target: str, row_words: int, trace: bool =
 
 def ptxas_spilled(compiled) -> int:
     """Bytes per thread of spill stores in a Triton-compiled NVIDIA kernel, from ``ptxas -v`` run again on its
-    PTX as Triton ran it (its ptxas, the options of ``make_cubin``); the run must give the same cubin, or
-    its report would describe other code. (A local array, such as the argument reduction of ``tl.sin`` for
-    huge angles, takes stack but is no spill.)"""
+    PTX as Triton ran it (its ptxas, the options of ``make_cubin``: triton 3.9 adds ``--regAllocOptLevel=2``,
+    3.6 does not); the run must give the same machine code (``occupancy.cubin_code``), or its report would
+    describe other code. (A local array, such as the argument reduction of ``tl.sin`` for huge angles,
+    takes stack but is no spill.)"""
     from triton import knobs
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
     meta = compiled.metadata
     no_opt = knobs.nvidia.disable_ptxas_opt
-    options = [*(["-lineinfo", "-suppress-debug-info"] if knobs.compilation.disable_line_info else
-                 ["-g"] if no_opt else ["-lineinfo"]),
-               *([] if meta.enable_fp_fusion else ["--fmad=false"]), "-v", *(["--opt-level", "0"] if no_opt else []),
-               "--regAllocOptLevel=2", *(meta.ptx_options or "").split(),
-               f"--gpu-name={sm_arch_from_capability(meta.target.arch)}"]
-    with tempfile.TemporaryDirectory() as folder:
-        source, binary = Path(folder) / "kernel.ptx", Path(folder) / "kernel.cubin"
-        source.write_text(compiled.asm["ptx"])
-        run = subprocess.run([get_ptxas(meta.target.arch).path, *options, str(source), "-o", str(binary)],
-                             capture_output=True, text=True)
-        same = run.returncode == 0 and binary.read_bytes() == compiled.asm["cubin"]
-    stores = re.search(r"(\d+) bytes spill stores", run.stderr)
-    if not same or stores is None:
-        raise BackendError(f"ptxas -v {' '.join(options)} does not reproduce the kernel's cubin:\n{run.stderr}")
-    return int(stores.group(1))
+    debug = (["-lineinfo", "-suppress-debug-info"] if knobs.compilation.disable_line_info else
+             ["-g"] if no_opt else ["-lineinfo"])
+    runs = []
+    for allocation in (["--regAllocOptLevel=2"], []):
+        options = [*debug, *([] if meta.enable_fp_fusion else ["--fmad=false"]), "-v",
+                   *(["--opt-level", "0"] if no_opt else []), *allocation, *(meta.ptx_options or "").split(),
+                   f"--gpu-name={sm_arch_from_capability(meta.target.arch)}"]
+        with tempfile.TemporaryDirectory() as folder:
+            source, binary = Path(folder) / "kernel.ptx", Path(folder) / "kernel.cubin"
+            source.write_text(compiled.asm["ptx"])
+            run = subprocess.run([get_ptxas(meta.target.arch).path, *options, str(source), "-o", str(binary)],
+                                 capture_output=True, text=True)
+            same = run.returncode == 0 and cubin_code(binary.read_bytes()) == cubin_code(compiled.asm["cubin"])
+        stores = re.search(r"(\d+) bytes spill stores", run.stderr)
+        if same and stores is not None:
+            return int(stores.group(1))
+        runs.append(f"ptxas -v {' '.join(options)}:\n{run.stderr}")
+    raise BackendError("no ptxas run reproduces the kernel's machine code:\n" + "\n".join(runs))
 
 
 def amdgcn_spilled(assembly: str) -> int:

@@ -294,6 +294,27 @@ _EIATTR_REGCOUNT = 0x2F
 _EIFMT_SVAL = 4
 
 
+def _elf_sections(elf: bytes):
+    """The section headers of an ELF64 file, each with its name, and a reader of its string tables."""
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    entsize, count, names = struct.unpack_from("<HHH", elf, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * entsize) for i in range(count)]
+
+    def string(table: int, offset: int) -> str:
+        start = headers[table][4] + offset
+        return elf[start:elf.index(b"\0", start)].decode()
+
+    return [(string(names, h[0]), h) for h in headers], string
+
+
+def cubin_code(cubin: bytes) -> dict[str, bytes]:
+    """The machine code (``.text.*``) and resource attributes (``.nv.info*``) sections of a cubin, by name:
+    what a kernel's execution depends on, without its line tables (ptxas writes the source files' time
+    and size into those)."""
+    sections, _ = _elf_sections(cubin)
+    return {name: cubin[h[4]:h[4] + h[5]] for name, h in sections if name.startswith((".text", ".nv.info"))}
+
+
 def cubin_resources(cubin: bytes, kernel: str) -> tuple[int, int]:
     """(registers per thread, static shared bytes) of ``kernel`` in a cubin (an ELF64 file).
 
@@ -305,17 +326,10 @@ def cubin_resources(cubin: bytes, kernel: str) -> tuple[int, int]:
     """
     if cubin[:5] != b"\x7fELF\x02":
         raise BackendError(f"cannot read the register count of {kernel}: not an ELF64 cubin")
-    shoff, = struct.unpack_from("<Q", cubin, 0x28)
-    entsize, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
-
-    def string(table: int, offset: int) -> str:
-        start = sections[table][4] + offset
-        return cubin[start:cubin.index(b"\0", start)].decode()
-
-    by_name = {string(names, s[0]): s for s in sections}
+    sections, string = _elf_sections(cubin)
+    by_name = dict(sections)
     index = None
-    for symtab in (s for s in sections if s[1] == 2):  # SHT_SYMTAB; its sh_link is the string table
+    for symtab in (s for _, s in sections if s[1] == 2):  # SHT_SYMTAB; its sh_link is the string table
         for i in range(symtab[5] // 24):
             if string(symtab[6], struct.unpack_from("<I", cubin, symtab[4] + i * 24)[0]) == kernel:
                 index = i

@@ -329,6 +329,17 @@ def split_size(rows: int, max_seq: int, parallelism: int) -> int:
     return size
 
 
+def same_caches(g, op: str, q, k_cache, v_cache) -> None:
+    """Refuse caches the tiles would misread: they read K and V with one row stride and everything in
+    q's dtype (float)."""
+    require_float(g, op, q=q, k_cache=k_cache, v_cache=v_cache)
+    g.check(k_cache.shape == v_cache.shape and k_cache.row_stride == v_cache.row_stride
+            and k_cache.dtype == v_cache.dtype == q.dtype,
+            f"{op}: caches {k_cache.shape} {k_cache.dtype} (row stride {k_cache.row_stride}) and "
+            f"{v_cache.shape} {v_cache.dtype} (row stride {v_cache.row_stride}) must match each other and "
+            f"q's dtype {q.dtype}")
+
+
 def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, window: int | None = None, table=None,
                      page_size: int | None = None):
     """Attention of ``q`` [batch, heads * head_dim] over positions 0 ..= ``*pos`` of every batch row, or
@@ -344,9 +355,8 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
     g.check(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0,
             f"decode_attention: q {q.shape} and cache {k_cache.shape} are not whole heads of {head_dim} "
             f"with query heads a multiple of KV heads")
-    g.check(k_cache.shape == v_cache.shape and q.rows == batch,
-            f"decode_attention: caches {k_cache.shape}, {v_cache.shape} and q {q.shape} for batch {batch}")
-    require_float(g, "decode_attention", q=q, k_cache=k_cache, v_cache=v_cache)
+    g.check(q.rows == batch, f"decode_attention: q {q.shape} for batch {batch}")
+    same_caches(g, "decode_attention", q, k_cache, v_cache)
     paging = _paging(g, "decode_attention", k_cache, batch, table, page_size)
     positions = row_positions(g, "decode_attention", pos, batch)
     g.check(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),

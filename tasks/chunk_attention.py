@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .attention import _cache_rows, _paging, cache_row
-from .common import TaskType, require_float, rounded, row_positions
+from .attention import _cache_rows, _paging, cache_row, same_caches
+from .common import TaskType, dot, rounded, row_positions
 
 BLOCK_ROWS = 16   # chunk rows per tile (a sequence's part of a chunk starts at a multiple of it)
 BLOCK_KEYS = 16   # key positions per step; both are tl.dot's smallest dimension
@@ -37,14 +37,17 @@ def chunk_attention_tile(base,
                          window,         # keys attended: p - window < key <= p
                          q_stride, out_stride, cache_stride,  # row strides, in elements
                          DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+                         PAGE: tl.constexpr):
     """``out = softmax(q k^T) v`` for ``rows`` rows x GROUP query heads, each row over its sequence's keys
     at or before its position (a row of no sequence: zeros).
 
-    One query head at a time: a ``[BLOCK_M, BLOCK_N]`` ``tl.dot`` of scores per step of BLOCK_N keys, an
-    online softmax per row, float32 throughout (the interpreter's bfloat16 dot is wrong); the later
-    heads of the group find the keys in cache. The state is small (a [BLOCK_M, BLOCK_D] accumulator),
-    as every tile of the one kernel shares its register budget.
+    One query head at a time: per step of BLOCK_N keys a ``[BLOCK_M, BLOCK_N]`` block of scores and an
+    online softmax per row in float32, both products by ``dot``: q, K and V as stored and the
+    probabilities rounded to DTYPE (on tensor cores for 16-bit caches), float32 accumulators; the later
+    heads of the group find the keys in cache. ALIGNED (q, out, the caches and their row strides 16-byte
+    aligned, checked by the host): rows are loaded as 16-byte vectors, one address per vector rather than
+    per element. Both keep the tile inside the register budget every tile of the one kernel shares.
     """
     i = tl.arange(0, BLOCK_M)
     used = i < rows
@@ -53,12 +56,19 @@ def chunk_attention_tile(base,
     positions = tl.where(positions < 0, -1, tl.minimum(positions, seq_len - 1))     # [BLOCK_M]
     last = tl.max(positions, axis=0)
     first = tl.maximum(tl.min(tl.where(positions < 0, seq_len, positions), axis=0) + 1 - window, 0)
-    k_ptr, v_ptr = heap_ptr(base, k, DTYPE), heap_ptr(base, v, DTYPE)
+    # Pointers made here, not by heap_ptr: a hint reaches the compiler only on a value this function makes
+    # (triton 3.6 drops one on a callee's argument or return value), and on every dimension of a tensor.
+    q_ptr, out_ptr = (base + q).to(tl.pointer_type(DTYPE)), (base + out).to(tl.pointer_type(DTYPE))
+    k_ptr, v_ptr = (base + k).to(tl.pointer_type(DTYPE)), (base + v).to(tl.pointer_type(DTYPE))
+    q_rows, out_rows = i[:, None] * q_stride, i[:, None] * out_stride
+    VECTOR: tl.constexpr = 128 // DTYPE.primitive_bitwidth   # elements per 16 bytes
+    if ALIGNED:
+        q_ptr, out_ptr = tl.multiple_of(q_ptr, 16), tl.multiple_of(out_ptr, 16)
+        k_ptr, v_ptr = tl.multiple_of(k_ptr, 16), tl.multiple_of(v_ptr, 16)
+        q_rows, out_rows = tl.multiple_of(q_rows, [VECTOR, VECTOR]), tl.multiple_of(out_rows, [VECTOR, VECTOR])
     j = tl.arange(0, BLOCK_N)
     for g in range(GROUP):
-        q_rows = i[:, None] * q_stride + g * HEAD_DIM + d
-        qg = tl.load(heap_ptr(base, q, DTYPE) + q_rows, mask=used[:, None] & (d < HEAD_DIM), other=0.0)
-        qg = qg.to(tl.float32) * SCALE
+        qg = tl.load(q_ptr + q_rows + g * HEAD_DIM + d, mask=used[:, None] & (d < HEAD_DIM), other=0.0)
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -68,22 +78,23 @@ def chunk_attention_tile(base,
                 cache_rows = cache_row(base, table, s0, pages, PAGE) + j
             else:                    # pages smaller than a step: a page lookup per key
                 cache_rows = cache_row(base, table, tl.minimum(keys, last), pages, PAGE)
-            cache = cache_rows[:, None] * cache_stride + d
+            cache = cache_rows[:, None] * cache_stride
+            if ALIGNED:
+                cache = tl.multiple_of(cache, [VECTOR, VECTOR])
             mask = (keys <= last)[:, None] & (d < HEAD_DIM)
-            kk = tl.load(k_ptr + cache, mask=mask, other=0.0).to(tl.float32)
-            vv = tl.load(v_ptr + cache, mask=mask, other=0.0).to(tl.float32)
+            kk = tl.load(k_ptr + cache + d, mask=mask, other=0.0)
+            vv = tl.load(v_ptr + cache + d, mask=mask, other=0.0)
             seen = (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - window)
-            scores = tl.where(seen, tl.dot(qg, tl.trans(kk), input_precision="ieee"), float("-inf"))
+            scores = tl.where(seen, dot(qg, tl.trans(kk)) * SCALE, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no key yet stays empty
             p = tl.exp(scores - shift[:, None])
             alpha = tl.exp(m - shift)
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, vv, input_precision="ieee")
+            acc = acc * alpha[:, None] + dot(rounded(p, DTYPE), vv)
             m = m_new
         o = acc / tl.where(l > 0, l, 1.0)[:, None]
-        out_rows = i[:, None] * out_stride + g * HEAD_DIM + d
-        tl.store(heap_ptr(base, out, DTYPE) + out_rows, rounded(o, DTYPE), mask=used[:, None] & (d < HEAD_DIM))
+        tl.store(out_ptr + out_rows + g * HEAD_DIM + d, rounded(o, DTYPE), mask=used[:, None] & (d < HEAD_DIM))
 
 
 def _reference(heap, task) -> None:
@@ -114,11 +125,10 @@ def chunk_attention(g, q, k_cache, v_cache, pos, head_dim: int, window: int | No
     Every block of BLOCK_ROWS rows holds one sequence's rows: its first row's block table row serves
     the block. ``window``: keys ``p - window < key <= p``."""
     heads, kv_heads = q.cols // head_dim, k_cache.cols // head_dim
-    g.check(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0
-            and k_cache.shape == v_cache.shape,
-            f"chunk_attention: q {q.shape} and caches {k_cache.shape}, {v_cache.shape} are not whole heads of "
-            f"{head_dim} with query heads a multiple of KV heads")
-    require_float(g, "chunk_attention", q=q, k_cache=k_cache, v_cache=v_cache)
+    g.check(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0,
+            f"chunk_attention: q {q.shape} and cache {k_cache.shape} are not whole heads of {head_dim} with "
+            f"query heads a multiple of KV heads")
+    same_caches(g, "chunk_attention", q, k_cache, v_cache)
     g.check(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
             f"chunk_attention: window must be None or a positive integer, got {window!r}")
     rows = q.rows
@@ -127,10 +137,12 @@ def chunk_attention(g, q, k_cache, v_cache, pos, head_dim: int, window: int | No
     g.check(pos.block().cols == rows, f"chunk_attention: pos must have one position per row ({rows},), got {pos.shape}")
     group = heads // kv_heads
     out = g.new_tensor(q.shape, q.dtype)
+    size = q.element_size
+    aligned = all(a % 16 == 0 for a in (q.addr(0, 0), q.row_stride * size, out.addr(0, 0), head_dim * size,
+                                        k_cache.addr(0, 0), v_cache.addr(0, 0), k_cache.row_stride * size))
     opcode = g.opcode(CHUNK_ATTENTION, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim,
                       SCALE=1.0 / math.sqrt(head_dim), BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS,
-                      BLOCK_D=max(BLOCK_KEYS, triton.next_power_of_2(head_dim)), PAGE=paging.page)
-    size = q.element_size
+                      BLOCK_D=max(BLOCK_KEYS, triton.next_power_of_2(head_dim)), ALIGNED=aligned, PAGE=paging.page)
     for r0 in range(0, rows, BLOCK_ROWS):
         n = min(BLOCK_ROWS, rows - r0)
         for h in range(kv_heads):

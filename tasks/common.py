@@ -145,6 +145,30 @@ def rounded(x, DTYPE: tl.constexpr):
     return x.to(DTYPE)
 
 
+# Read by triton at import, as here: under the interpreter (the cpu backend's workers) every jit function runs
+# as Python. The interpreter's bfloat16 tl.dot multiplies raw bit patterns (triton issue 11584; "not supported
+# yet"), so ``dot`` widens 16-bit operands there.
+INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def dot(a, b):
+    """``a @ b`` ([M, K] x [K, N], each dimension at least 16), accumulated in float32.
+
+    Operands of one 16-bit float type are multiplied as they are: on tensor cores, whose products are
+    exact, few registers per thread. Under the interpreter they are widened to float32 first, the same
+    products. Any other pair is multiplied in IEEE float32 (FMA: whole operand rows per thread, many
+    registers; the default precision would round float32 to tf32 on NVIDIA).
+    """
+    if a.dtype == b.dtype and a.dtype.is_floating() and a.dtype.primitive_bitwidth == 16:
+        if INTERPRETED:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
 @triton.jit
 def copy_row(base, dst, src, cols, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Copy ``cols`` contiguous elements from heap offset ``src`` to ``dst``, BLOCK_N at a time."""

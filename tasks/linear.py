@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import TaskType, require_float, rounded, store_block
+from .common import TaskType, dot, require_float, rounded, store_block
 from .reduction import sum_slices
 
 DOT_MIN_M = 16
@@ -211,9 +211,9 @@ def _dot_tile(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl.
     w_ptr = heap_ptr(base, w, W_DTYPE) + rn * w_stride + rk
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, k, BLOCK_K):
-        a = tl.load(x_ptr + k0, mask=(rm < m) & (k0 + rk < k), other=0.0).to(tl.float32)
-        b = tl.load(w_ptr + k0, mask=(rn < n) & (k0 + rk < k), other=0.0).to(tl.float32)
-        acc += tl.dot(a, tl.trans(b), input_precision="ieee")
+        a = tl.load(x_ptr + k0, mask=(rm < m) & (k0 + rk < k), other=0.0)
+        b = tl.load(w_ptr + k0, mask=(rn < n) & (k0 + rk < k), other=0.0)
+        acc += dot(a, tl.trans(b))
     store_block(base, y, y_stride, m, n, acc, Y_DTYPE, BLOCK_M, BLOCK_N)
 
 
@@ -369,11 +369,13 @@ def linear(g, x, w, split_k: int | None = None):
 
 
 def _example(g):
-    """GEMV tiles for one and for two rows of x (bfloat16 w), ``tl.dot`` tiles for 20 (float32)."""
+    """GEMV tiles for one and for two rows of x (bfloat16 w), ``tl.dot`` tiles for 20 (float32: IEEE
+    products; bfloat16: tensor cores)."""
     w = g.input("linear.w", (40, 96), torch.bfloat16)
     return (g.linear(g.input("linear.x1", (1, 96), torch.bfloat16), w),
             g.linear(g.input("linear.x2", (2, 96), torch.bfloat16), w),
-            g.linear(g.input("linear.x20", (20, 96), torch.float32), g.input("linear.wf", (40, 96), torch.float32)))
+            g.linear(g.input("linear.x20", (20, 96), torch.float32), g.input("linear.wf", (40, 96), torch.float32)),
+            g.linear(g.input("linear.x20b", (20, 96), torch.bfloat16), w))
 
 
 LINEAR = TaskType("linear", linear_tile, _reference, _example)

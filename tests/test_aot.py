@@ -25,7 +25,8 @@ from megakernel.aot import (TARGETS, amdgcn_spilled, compile_kernel, ptxas_spill
 from megakernel.errors import BackendError
 from megakernel.gpu_backend import MAX_REGISTERS
 from megakernel.models import DecoderConfig, decode_step
-from megakernel.occupancy import LIMITS, binary_resources, check_grid, cubin_resources, max_grid, programs_per_unit
+from megakernel.occupancy import (LIMITS, binary_resources, check_grid, cubin_code, cubin_resources, max_grid,
+                                  programs_per_unit)
 from megakernel.tasks import TASK_TYPES
 from megakernel.tools.examples import every_task_type
 
@@ -108,26 +109,29 @@ def test_nvidia_kernels_are_capped_to_four_programs_per_sm(kernel, target):
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
-def test_a_decode_step_spills_no_register(target):
-    """Nothing of a decode step's kernel lives in local memory / scratch: each tile's invariants stay in
-    the tile (``device.persistent_loop``) and no tile divides 64-bit integers (a subroutine call on NVIDIA,
-    with registers saved around it)."""
-    c = compiled("decode step", target)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_no_kernel_spills_a_register(kernel, target):
+    """Nothing of either kernel lives in local memory / scratch: each tile's invariants stay in the tile
+    (``device.persistent_loop``), no tile divides 64-bit integers (a subroutine call on NVIDIA, with
+    registers saved around it), and the prefill ``chunk_attention`` tile loads rows as 16-byte vectors
+    and multiplies bfloat16 on tensor cores (``tasks.common.dot``)."""
+    c = compiled(kernel, target)
     assert c.spilled == 0
     if target in NVIDIA:
         assert not re.search(r"\b(div|rem)\.[su]64\b", c.assembly)
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
-def test_no_tile_divides_64_bit_integers_and_amd_spills_nothing(target):
-    """The every-task-type kernel: no 64-bit division on NVIDIA; no VGPR spilled on AMD. (On NVIDIA the
-    prefill ``chunk_attention`` tile alone needs more than the 128-register cap, and the kernel spills
-    a few words for it: bench/RESULTS.md.)"""
-    c = compiled("every task type", target)
+def test_16_bit_dots_run_on_tensor_cores_and_float32_ones_stay_ieee(target):
+    """The every-task kernel has bfloat16 ``tl.dot`` tiles (chunk attention) and float32 ones (a linear):
+    the first are matrix-core instructions on bfloat16, none rounds float32 to tf32 / xf32."""
+    asm = compiled("every task type", target).assembly
     if target in NVIDIA:
-        assert not re.search(r"\b(div|rem)\.[su]64\b", c.assembly)
+        assert re.search(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32\b", asm)
+        assert ".tf32" not in asm
     else:
-        assert c.spilled == 0
+        assert re.search(r"\bv_mfma_f32_\w+_bf16\b", asm)
+        assert "xf32" not in asm
 
 
 @triton.jit
@@ -139,15 +143,23 @@ def centre(x, y, N: tl.constexpr):
 
 def test_spills_are_read_from_ptxas():
     """A tile compiled under a cap it cannot fit spills; the report comes from ptxas run again as Triton ran
-    it, and one that does not give the kernel's cubin is refused."""
+    it: one that gives the kernel's machine code, whatever its line tables say, and no other."""
     need("sm_90")
     source = ASTSource(fn=centre, signature={"x": "*fp32", "y": "*fp32", "N": "constexpr"}, constexprs={"N": 8192})
     for cap, spills in ((40, True), (255, False)):  # 64 values per thread
         kernel = triton.compile(source, target=TARGETS["sm_90"], options={"num_warps": 4, "maxnreg": cap})
         assert (ptxas_spilled(kernel) > 0) == spills, cap
-    other = SimpleNamespace(asm={"ptx": kernel.asm["ptx"], "cubin": kernel.asm["cubin"][:-1]}, metadata=kernel.metadata)
-    with pytest.raises(BackendError, match="does not reproduce"):
-        ptxas_spilled(other)
+    cubin = kernel.asm["cubin"]
+    entry = b"test_aot.py\0\x01\0\0"  # this file in the line table: directory 1, time 0, size 0
+    assert cubin.count(entry) == 1
+    retimed = cubin.replace(entry, b"test_aot.py\0\x01\x01\0")  # triton 3.6's ptxas writes the file's time
+    code = cubin.index(cubin_code(cubin)[".text.centre"])
+    changed = cubin[:code + 16] + bytes([cubin[code + 16] ^ 0xFF]) + cubin[code + 17:]
+    with_cubin = lambda binary: SimpleNamespace(asm={"ptx": kernel.asm["ptx"], "cubin": binary},  # noqa: E731
+                                                metadata=kernel.metadata)
+    assert ptxas_spilled(with_cubin(retimed)) == 0
+    with pytest.raises(BackendError, match="no ptxas run reproduces the kernel's machine code"):
+        ptxas_spilled(with_cubin(changed))
 
 
 @pytest.mark.parametrize("target", AMD)

@@ -181,6 +181,21 @@ def test_ops_that_compute_in_float_refuse_integers():
     assert not g.tasks, "a refused op leaves no task"
 
 
+def test_attention_refuses_caches_its_tiles_would_misread():
+    """The attention tiles read K and V with one row stride and in q's dtype: a cache of another dtype,
+    or a V that is a view of wider rows, is a clear error, not wrong numbers."""
+    g = mk.Graph(world_size=1, rank=0)
+    q, pos = g.input("q", (16, 32), torch.bfloat16), g.input("pos", (16,), torch.int64)
+    cache = g.input("cache", (32, 16), torch.bfloat16)
+    other_dtype, wider_rows = g.input("k32", (32, 16), torch.float32), g.input("wide", (32, 48), torch.bfloat16)[:, :16]
+    for k, v in [(other_dtype, cache), (cache, wider_rows)]:
+        for op, call in [("chunk_attention", lambda: g.chunk_attention(q, k, v, pos, 16)),
+                         ("decode_attention", lambda: g.decode_attention(q[:2], k, v, pos[:2], 2, 16))]:
+            with pytest.raises(mk.GraphError, match=rf"{op}: caches \(32, 16\) .* must match each other and q's dtype"):
+                call()
+    assert not g.tasks, "a refused op leaves no task"
+
+
 # -- 6. a launcher killed outright ---------------------------------------------------------------------
 LAUNCHER_SCRIPT = """
 import os, sys, time

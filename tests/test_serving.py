@@ -11,7 +11,7 @@ from megakernel.heap import HeapView
 from megakernel.models import KVCacheFull, from_hf
 from megakernel.reference import execute
 
-from helpers import assert_close
+from helpers import assert_close, tolerance
 from test_decode import hf_model
 
 
@@ -250,26 +250,48 @@ def test_a_guarded_part_runs_only_in_steps_whose_flag_is_not_minus_one():
             pass
 
 
-@pytest.mark.parametrize("page_size, window", [(4, None), (16, 6)])
-def test_chunk_attention_is_causal_over_the_chunk_and_the_cached_pages(page_size, window):
+@pytest.mark.parametrize("head_dim, q_pad, cache_col, cache_pad, aligned", [
+    (16, 0, 0, 0, True),
+    (20, 0, 0, 0, False),   # rows of 160 and 80 bytes, but the second head starts 40 bytes in
+    (24, 4, 0, 0, False),   # q a view of wider rows: a row stride of 104 bytes
+    (24, 0, 4, 4, False),   # the caches a view 8 bytes into rows of 64
+])
+def test_chunk_attention_loads_vectors_only_where_every_row_is_16_byte_aligned(head_dim, q_pad, cache_col,
+                                                                                cache_pad, aligned):
+    """When the rows of q, out and the caches, and each head's columns, all start at a multiple of 16 bytes,
+    the tile is told so (``ALIGNED``) and loads 16-byte vectors; each case below misses one of them only
+    and is loaded element by element (bfloat16, two query heads per KV head)."""
+    g = mk.Graph(world_size=1, rank=0)
+    kv_cols = 2 * head_dim if head_dim == 20 else head_dim
+    cache = g.input("cache", (32, cache_col + kv_cols + cache_pad), torch.bfloat16)[:, cache_col:cache_col + kv_cols]
+    q = g.input("q", (16, 2 * kv_cols + q_pad), torch.bfloat16)[:, :2 * kv_cols]
+    g.chunk_attention(q, cache, cache, g.input("pos", (16,), torch.int64), head_dim)
+    assert [dict(s.constexprs)["ALIGNED"] for s in g.specs] == [aligned]
+
+
+@pytest.mark.parametrize("page_size, window, dtype", [(4, None, torch.float32), (16, 6, torch.float32),
+                                                      (4, None, torch.bfloat16)], ids=["pages", "window", "bfloat16"])
+def test_chunk_attention_is_causal_over_the_chunk_and_the_cached_pages(page_size, window, dtype):
     """A chunk of two blocks: 16 rows of sequence A at positions 5-20 (0-4 cached by an earlier chunk),
     then 2 rows of sequence B at positions 0-1 and 2 unused rows. Each row attends to its sequence's
-    keys at or before its position (inside the window): float64 attention over the positions."""
+    keys at or before its position (inside the window): float64 attention over the positions. In
+    bfloat16 the tile's products are bfloat16 ones (tensor cores on a GPU; widened under the interpreter)."""
     rows, head_dim, max_pages = 20, 16, -(-24 // page_size)
     pool_pages = 2 * max_pages + 1
     g = mk.Graph(world_size=1, rank=0)
-    q, kv = g.input("q", (rows, 64), torch.float32), g.input("kv", (rows, 32), torch.float32)
+    q, kv = g.input("q", (rows, 64), dtype), g.input("kv", (rows, 32), dtype)
     pos, table = g.input("pos", (rows,), torch.int64), g.input("table", (rows, max_pages), torch.int64)
     paging = dict(table=table, page_size=page_size)
-    k_pool = g.kv_append(g.input("k", (pool_pages * page_size, 32), torch.float32), kv, pos, rows, **paging)
-    v_pool = g.kv_append(g.input("v", (pool_pages * page_size, 32), torch.float32), kv.block(), pos, rows, **paging)
+    k_pool = g.kv_append(g.input("k", (pool_pages * page_size, 32), dtype), kv, pos, rows, **paging)
+    v_pool = g.kv_append(g.input("v", (pool_pages * page_size, 32), dtype), kv.block(), pos, rows, **paging)
     g.output("out", g.chunk_attention(q, k_pool, v_pool, pos, head_dim, window=window, **paging))
     gen = torch.Generator().manual_seed(page_size)
     pages = torch.randperm(pool_pages, generator=gen)[:2 * max_pages].reshape(2, max_pages)
     positions = torch.tensor([*range(5, 21), 0, 1, -1, -1])
     owner = torch.tensor([0] * 16 + [1] * 4)
-    values = {"q": torch.randn(rows, 64, generator=gen), "kv": torch.randn(rows, 32, generator=gen),
-              "k": torch.randn(pool_pages * page_size, 32, generator=gen), "pos": positions, "table": pages[owner]}
+    randn = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
+    values = {"q": randn(rows, 64), "kv": randn(rows, 32), "k": randn(pool_pages * page_size, 32), "pos": positions,
+              "table": pages[owner]}
     values["v"] = values["k"].clone()
     with mk.Megakernel(g, workers=2) as kernel:
         kernel.poison()
@@ -281,11 +303,12 @@ def test_chunk_attention_is_causal_over_the_chunk_and_the_cached_pages(page_size
             cache[row_of(int(owner[r]), p)] = values["kv"][r].double()
     for r, p in enumerate(positions.tolist()):
         if p < 0:
-            assert torch.equal(out[r], torch.zeros(64)), f"unused row {r}"
+            assert torch.equal(out[r], torch.zeros(64, dtype=dtype)), f"unused row {r}"
             continue
         first = max(0, p + 1 - (window or p + 1))
         keys = cache[[row_of(int(owner[r]), key) for key in range(first, p + 1)]]
         for head in range(4):  # two query heads per KV head
             kv_cols = slice((head // 2) * 16, (head // 2 + 1) * 16)
             scores = torch.softmax(values["q"][r, head * 16:(head + 1) * 16].double() @ keys[:, kv_cols].T / 4.0, -1)
-            assert_close(out[r, head * 16:(head + 1) * 16], scores @ keys[:, kv_cols], 1e-5, f"row {r} head {head}")
+            assert_close(out[r, head * 16:(head + 1) * 16], scores @ keys[:, kv_cols], tolerance(dtype),
+                         f"row {r} head {head}")
