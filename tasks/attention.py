@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
 from ..errors import GraphError
-from .common import TaskType, copy_row, heap_index, require_float, rounded, row_positions
+from .common import TaskType, copy_row, heap_index, require_float, rounded, row_offsets, row_positions
 
 SPLIT = 64           # positions per partial tile: at most, and at parallelism 1 (``split_size``)
 BLOCK_S = 32         # positions per step of a partial tile (K and V: 2 x 32 x head_dim elements, 16 KiB at
@@ -130,7 +130,6 @@ def attention_partial_tile(base, status,
         q_ptr = tl.multiple_of(q_ptr, 16)
         k_ptr = tl.multiple_of(k_ptr, 16)
         v_ptr = tl.multiple_of(v_ptr, 16)
-        cache_stride = tl.multiple_of(cache_stride, 16 // (DTYPE.primitive_bitwidth // 8))
     j = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)[None, :]
     o_ptr = heap_ptr(base, o, tl.float32)
@@ -142,7 +141,8 @@ def attention_partial_tile(base, status,
         acc = tl.zeros((BLOCK_D,), tl.float32)
         for s0 in range(first - first % BLOCK_S, end, BLOCK_S):
             valid = (s0 + j >= first) & (s0 + j < end)
-            rows = (cache_row(base, table, s0, pages, PAGE) + j)[:, None] * cache_stride + d
+            cache_rows = (cache_row(base, table, s0, pages, PAGE) + j)[:, None]
+            rows = row_offsets(cache_rows, cache_stride, DTYPE, ALIGNED) + d
             mask = valid[:, None] & (d < HEAD_DIM)
             kv = tl.load(k_ptr + rows, mask=mask, other=0.0).to(tl.float32)
             vv = tl.load(v_ptr + rows, mask=mask, other=0.0).to(tl.float32)

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..device import heap_ptr
 from .attention import _cache_rows, _paging, cache_row, same_caches
-from .common import TaskType, dot, rounded, row_positions
+from .common import TaskType, dot, rounded, row_offsets, row_positions
 
 BLOCK_ROWS = 16   # chunk rows per tile (a sequence's part of a chunk starts at a multiple of it)
 BLOCK_KEYS = 16   # key positions per step; both are tl.dot's smallest dimension
@@ -57,15 +57,14 @@ def chunk_attention_tile(base,
     last = tl.max(positions, axis=0)
     first = tl.maximum(tl.min(tl.where(positions < 0, seq_len, positions), axis=0) + 1 - window, 0)
     # Pointers made here, not by heap_ptr: a hint reaches the compiler only on a value this function makes
-    # (triton 3.6 drops one on a callee's argument or return value), and on every dimension of a tensor.
+    # (triton 3.6 drops one on a helper's return value; see common.row_offsets).
     q_ptr, out_ptr = (base + q).to(tl.pointer_type(DTYPE)), (base + out).to(tl.pointer_type(DTYPE))
     k_ptr, v_ptr = (base + k).to(tl.pointer_type(DTYPE)), (base + v).to(tl.pointer_type(DTYPE))
-    q_rows, out_rows = i[:, None] * q_stride, i[:, None] * out_stride
-    VECTOR: tl.constexpr = 128 // DTYPE.primitive_bitwidth   # elements per 16 bytes
     if ALIGNED:
         q_ptr, out_ptr = tl.multiple_of(q_ptr, 16), tl.multiple_of(out_ptr, 16)
         k_ptr, v_ptr = tl.multiple_of(k_ptr, 16), tl.multiple_of(v_ptr, 16)
-        q_rows, out_rows = tl.multiple_of(q_rows, [VECTOR, VECTOR]), tl.multiple_of(out_rows, [VECTOR, VECTOR])
+    q_rows = row_offsets(i[:, None], q_stride, DTYPE, ALIGNED)
+    out_rows = row_offsets(i[:, None], out_stride, DTYPE, ALIGNED)
     j = tl.arange(0, BLOCK_N)
     for g in range(GROUP):
         qg = tl.load(q_ptr + q_rows + g * HEAD_DIM + d, mask=used[:, None] & (d < HEAD_DIM), other=0.0)
@@ -78,9 +77,7 @@ def chunk_attention_tile(base,
                 cache_rows = cache_row(base, table, s0, pages, PAGE) + j
             else:                    # pages smaller than a step: a page lookup per key
                 cache_rows = cache_row(base, table, tl.minimum(keys, last), pages, PAGE)
-            cache = cache_rows[:, None] * cache_stride
-            if ALIGNED:
-                cache = tl.multiple_of(cache, [VECTOR, VECTOR])
+            cache = row_offsets(cache_rows[:, None], cache_stride, DTYPE, ALIGNED)
             mask = (keys <= last)[:, None] & (d < HEAD_DIM)
             kk = tl.load(k_ptr + cache + d, mask=mask, other=0.0)
             vv = tl.load(v_ptr + cache + d, mask=mask, other=0.0)

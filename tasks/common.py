@@ -130,25 +130,24 @@ class Tiling:
                 yield r0, min(block_m, self.rows - r0), c0, min(block_n, self.cols - c0)
 
 
+# Read by triton at import, as here: under the interpreter (the cpu backend's workers) every jit function runs
+# as Python, and two of its conversions differ from the compiler's (``rounded``, ``dot``).
+INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
+
+
 @triton.jit
 def rounded(x, DTYPE: tl.constexpr):
     """float32 ``x`` as ``DTYPE``, rounded to nearest even on every backend.
 
-    The interpreter converts float32 to bfloat16 by truncation (the compiler rounds), a bias of up to
-    one bfloat16 ulp per store that compounds through a model; rounding the bits first makes the
-    conversion exact everywhere, at the cost of a few integer operations.
+    The compiler rounds to nearest even (``cvt.rn`` on NVIDIA; on AMD the same bit sequence as below);
+    the interpreter converts float32 to bfloat16 by truncation, a bias of up to one bfloat16 ulp per
+    store that compounds through a model. Under it the bits are rounded first, a few integer operations.
     """
-    if DTYPE == tl.bfloat16:
+    if INTERPRETED and DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
         x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # NaN stays NaN
     return x.to(DTYPE)
-
-
-# Read by triton at import, as here: under the interpreter (the cpu backend's workers) every jit function runs
-# as Python. The interpreter's bfloat16 tl.dot multiplies raw bit patterns (triton issue 11584; "not supported
-# yet"), so ``dot`` widens 16-bit operands there.
-INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
 
 
 @triton.jit
@@ -156,7 +155,8 @@ def dot(a, b):
     """``a @ b`` ([M, K] x [K, N], each dimension at least 16), accumulated in float32.
 
     Operands of one 16-bit float type are multiplied as they are: on tensor cores, whose products are
-    exact, few registers per thread. Under the interpreter they are widened to float32 first, the same
+    exact, few registers per thread. Under the interpreter, whose bfloat16 ``tl.dot`` multiplies the raw
+    bit patterns (triton issue 11584, "not supported yet"), they are widened to float32 first: the same
     products. Any other pair is multiplied in IEEE float32 (FMA: whole operand rows per thread, many
     registers; the default precision would round float32 to tf32 on NVIDIA).
     """
@@ -167,6 +167,18 @@ def dot(a, b):
             return tl.dot(a, b)
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def row_offsets(rows, stride, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """``rows * stride``, in elements of DTYPE. ALIGNED (the host checked that every row starts at a
+    multiple of 16 bytes): the compiler is told so, which lets a tile load 16-byte vectors. The hint must
+    be on the product, a value this function makes, and on every dimension: triton drops one on an
+    argument word (3.6 also on a helper's return value and on a dimension of size 1)."""
+    offsets = rows * stride
+    if ALIGNED:
+        offsets = tl.multiple_of(offsets, [128 // DTYPE.primitive_bitwidth] * max(1, len(offsets.shape)))
+    return offsets
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import TaskType, dot, require_float, rounded, store_block
+from .common import TaskType, dot, require_float, rounded, row_offsets, store_block
 from .reduction import sum_slices
 
 DOT_MIN_M = 16
@@ -113,7 +113,7 @@ def _gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE: tl.constexpr, W_DTYPE:
     if ALIGNED:  # hints on values made in this function (the compiler drops a hint on a callee's argument)
         x_ptr = tl.multiple_of(x_ptr, 16)
         w_ptr = tl.multiple_of(w_ptr, 16)
-        w_stride = tl.multiple_of(w_stride, 16 // (W_DTYPE.primitive_bitwidth // 8))
+        k = tl.multiple_of(k, 128 // X_DTYPE.primitive_bitwidth)
     if EVEN_K:
         k = tl.multiple_of(k, BLOCK_K)
     rn = tl.arange(0, BLOCK_N)[:, None]
@@ -125,7 +125,8 @@ def _gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE: tl.constexpr, W_DTYPE:
     for t in range(0, blocks * steps):
         r0 = t // steps * BLOCK_N
         k0 = (t % steps) * (ONE_ROW_UNROLL * BLOCK_K)
-        w_rows = w_ptr + tl.minimum(r0 + rn, n - 1) * w_stride + rk  # rows past n: row n - 1 again, not stored
+        # rows past n: row n - 1 again, not stored
+        w_rows = w_ptr + row_offsets(tl.minimum(r0 + rn, n - 1), w_stride, W_DTYPE, ALIGNED) + rk
         b0 = _w_block(w_rows, k0, k, BLOCK_K, EVEN_K)
         b1 = _w_block(w_rows, k0 + BLOCK_K, k, BLOCK_K, EVEN_K)
         b2 = _w_block(w_rows, k0 + 2 * BLOCK_K, k, BLOCK_K, EVEN_K)
@@ -163,8 +164,7 @@ def _gemv_rows(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl
     if ALIGNED:
         x_ptr = tl.multiple_of(x_ptr, 16)
         w_ptr = tl.multiple_of(w_ptr, 16)
-        x_stride = tl.multiple_of(x_stride, 16 // (X_DTYPE.primitive_bitwidth // 8))
-        w_stride = tl.multiple_of(w_stride, 16 // (W_DTYPE.primitive_bitwidth // 8))
+        k = tl.multiple_of(k, 128 // X_DTYPE.primitive_bitwidth)
     if EVEN_K:
         k = tl.multiple_of(k, BLOCK_K)
     rn = tl.arange(0, BLOCK_N)[:, None]
@@ -176,14 +176,14 @@ def _gemv_rows(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl
     for t in range(0, blocks * steps):
         r0 = t // steps * BLOCK_N
         k0 = (t % steps) * (ROWS_UNROLL * BLOCK_K)
-        w_rows = w_ptr + tl.minimum(r0 + rn, n - 1) * w_stride + rk
+        w_rows = w_ptr + row_offsets(tl.minimum(r0 + rn, n - 1), w_stride, W_DTYPE, ALIGNED) + rk
         b0 = _w_block(w_rows, k0, k, BLOCK_K, EVEN_K).to(tl.float32)
         b1 = _w_block(w_rows, k0 + BLOCK_K, k, BLOCK_K, EVEN_K).to(tl.float32)
         if (k0 == 0) & (t > 0):
             _store_rows(base, y, y_stride, m, r0 - BLOCK_N, n, acc, Y_DTYPE, BLOCK_M, BLOCK_N)
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for i in range(0, m):
-            x_cols = x_ptr + i * x_stride + rn * 0 + rk
+            x_cols = x_ptr + row_offsets(i, x_stride, X_DTYPE, ALIGNED) + rn * 0 + rk
             part = b0 * _x_block(x_cols, k0, k, BLOCK_K, EVEN_K).to(tl.float32)
             part += b1 * _x_block(x_cols, k0 + BLOCK_K, k, BLOCK_K, EVEN_K).to(tl.float32)
             acc = tl.where(cols == i, acc + tl.sum(part, axis=1)[:, None], acc)
@@ -202,17 +202,25 @@ def _store_rows(base, y, y_stride, m, r0, n, acc, Y_DTYPE: tl.constexpr, BLOCK_M
 
 @triton.jit
 def _dot_tile(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
-              Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              ALIGNED: tl.constexpr):
     """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` for m <= BLOCK_M, n <= BLOCK_N with ``tl.dot``."""
+    k = k.to(tl.int32)
+    x_ptr = (base + x).to(tl.pointer_type(X_DTYPE))
+    w_ptr = (base + w).to(tl.pointer_type(W_DTYPE))
+    if ALIGNED:  # hints on values made in this function (the compiler drops a hint on a callee's argument)
+        x_ptr = tl.multiple_of(x_ptr, 16)
+        w_ptr = tl.multiple_of(w_ptr, 16)
+        k = tl.multiple_of(k, 128 // X_DTYPE.primitive_bitwidth)
     rm = tl.arange(0, BLOCK_M)[:, None]
     rn = tl.arange(0, BLOCK_N)[:, None]
     rk = tl.arange(0, BLOCK_K)[None, :]
-    x_ptr = heap_ptr(base, x, X_DTYPE) + rm * x_stride + rk
-    w_ptr = heap_ptr(base, w, W_DTYPE) + rn * w_stride + rk
+    x_rows = x_ptr + row_offsets(rm, x_stride, X_DTYPE, ALIGNED) + rk
+    w_rows = w_ptr + row_offsets(rn, w_stride, W_DTYPE, ALIGNED) + rk
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, k, BLOCK_K):
-        a = tl.load(x_ptr + k0, mask=(rm < m) & (k0 + rk < k), other=0.0)
-        b = tl.load(w_ptr + k0, mask=(rn < n) & (k0 + rk < k), other=0.0)
+        a = tl.load(x_rows + k0, mask=(rm < m) & (k0 + rk < k), other=0.0)
+        b = tl.load(w_rows + k0, mask=(rn < n) & (k0 + rk < k), other=0.0)
         acc += dot(a, tl.trans(b))
     store_block(base, y, y_stride, m, n, acc, Y_DTYPE, BLOCK_M, BLOCK_N)
 
@@ -228,12 +236,13 @@ def linear_tile(base,
     """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` for ``m <= BLOCK_M``, any k; float32 accumulation.
 
     GEMV tiles take any n (BLOCK_N rows at a time), ``tl.dot`` tiles ``n <= BLOCK_N``. ``EVEN_K``: k is
-    a multiple of BLOCK_K. ``ALIGNED``: x, w and their row strides are 16-byte aligned. Both are checked
-    by the host and let the GEMV loads be unmasked 16-byte vectors.
+    a multiple of BLOCK_K. ``ALIGNED``: x, w and their row strides 16-byte aligned, k a whole number of
+    16-byte vectors. Both are checked by the host; with them the GEMV loads are unmasked 16-byte vectors,
+    with ALIGNED alone masked ones (the ``tl.dot`` tiles' too).
     """
     if USE_DOT:
         _dot_tile(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M,
-                  BLOCK_N, BLOCK_K)
+                  BLOCK_N, BLOCK_K, ALIGNED)
     elif BLOCK_M == 1:
         _gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_N, BLOCK_K, EVEN_K, ALIGNED)
     else:
@@ -337,12 +346,13 @@ def linear(g, x, w, split_k: int | None = None):
     target = y if len(k_ranges) == 1 else g.new_tensor((len(k_ranges) * m_total, n_total), torch.float32)
     x_size, w_size, y_size = x.element_size, w.element_size, target.element_size
     even_k = all(kk % block_k == 0 for _, kk in k_ranges)
+    starts_and_lengths = [kk for k_range in k_ranges for kk in k_range]
     aligned = all(v % VECTOR_BYTES == 0 for v in (x.addr(0, 0), w.addr(0, 0), x.row_stride * x_size,
-                                                   w.row_stride * w_size, *(k0 * x_size for k0, _ in k_ranges),
-                                                   *(k0 * w_size for k0, _ in k_ranges)))
+                                                   w.row_stride * w_size, *(kk * x_size for kk in starts_and_lengths),
+                                                   *(kk * w_size for kk in starts_and_lengths)))
     opcode = g.opcode(LINEAR, X_DTYPE=x.dtype, W_DTYPE=w.dtype, Y_DTYPE=target.dtype, BLOCK_M=block_m,
                       BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot, EVEN_K=even_k and not use_dot,
-                      ALIGNED=aligned and not use_dot)
+                      ALIGNED=aligned)
     # A big graph has hundreds of thousands of these tiles: what does not change along a row of tiles
     # is computed once per row (the x tile and its Region, shared by the row's tasks), and the y and w
     # addresses advance by a fixed step per tile, instead of going through Tensor.addr each time.

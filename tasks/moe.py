@@ -123,7 +123,8 @@ def expert_rows(g, x, w, experts, count: int):
     x_size, w_size, y_size = x.element_size, w.element_size, y.element_size
     expert_bytes = n_total * w.row_stride * w_size
     aligned = all(v % VECTOR_BYTES == 0 for v in (x.addr(0, 0), w.addr(0, 0), x.row_stride * x_size,
-                                                   w.row_stride * w_size, expert_bytes))
+                                                   w.row_stride * w_size, expert_bytes, k_total * x_size,
+                                                   k_total * w_size))
     opcode = g.opcode(EXPERT_LINEAR, X_DTYPE=x.dtype, W_DTYPE=w.dtype, Y_DTYPE=y.dtype, BLOCK_N=block_n,
                       BLOCK_K=block_k, EVEN_K=k_total % block_k == 0, ALIGNED=aligned)
     whole_w = w.region(0, w.rows, 0, k_total)  # the rows read depend on the router: all of them, as far as order goes

@@ -9,6 +9,7 @@ import functools
 import re
 import subprocess
 import sys
+from collections import Counter, defaultdict
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from megakernel.models import DecoderConfig, decode_step
 from megakernel.occupancy import (LIMITS, binary_resources, check_grid, cubin_code, cubin_resources, max_grid,
                                   programs_per_unit)
 from megakernel.tasks import TASK_TYPES
+from megakernel.tasks.common import rounded
 from megakernel.tools.examples import every_task_type
 
 KERNELS = ["every task type", "decode step"]
@@ -121,6 +123,32 @@ def test_no_kernel_spills_a_register(kernel, target):
         assert not re.search(r"\b(div|rem)\.[su]64\b", c.assembly)
 
 
+def loads_by_file(assembly: str) -> dict[str, Counter]:
+    """The global load instructions of a PTX or AMDGCN text, counted by the source file they come from
+    (its ``.file`` / ``.loc`` line information)."""
+    files = {m.group(1): (m.group(3) or m.group(2)).rsplit("/", 1)[-1]
+             for m in re.finditer(r'\.file\s+(\d+)\s+"([^"]*)"(?:\s+"([^"]*)")?', assembly)}
+    where, loads = None, defaultdict(Counter)
+    for line in assembly.splitlines():
+        if m := re.match(r"\s*\.loc\s+(\d+)\s", line):
+            where = files.get(m.group(1))
+        elif m := re.search(r"\b(ld\.global\S*|global_load_\w+|buffer_load_\w+)", line):
+            loads[where][m.group(1)] += 1
+    return loads
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_weights_and_caches_are_not_loaded_element_by_element(kernel, target):
+    """A decode step's bytes are its weights and KV cache: the GEMV, ``tl.dot``, attention and prefill tiles
+    load their 16-byte-aligned rows in vectors, never one bfloat16 element at a time (what a hint lost on
+    an argument word gives: ``tasks.common.row_offsets``)."""
+    loads = loads_by_file(compiled(kernel, target).assembly)
+    assert any(re.search(r"\.v4\.|dwordx4", op) for op in loads["linear.py"])
+    for source in ("linear.py", "attention.py", "chunk_attention.py"):
+        assert not [op for op in loads.get(source, {}) if re.search(r"\.b16$|short", op)], (source, loads[source])
+
+
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_16_bit_dots_run_on_tensor_cores_and_float32_ones_stay_ieee(target):
     """The every-task kernel has bfloat16 ``tl.dot`` tiles (chunk attention) and float32 ones (a linear):
@@ -160,6 +188,30 @@ def test_spills_are_read_from_ptxas():
     assert ptxas_spilled(with_cubin(retimed)) == 0
     with pytest.raises(BackendError, match="no ptxas run reproduces the kernel's machine code"):
         ptxas_spilled(with_cubin(changed))
+
+
+@triton.jit
+def to_bfloat16(x, y, N: tl.constexpr):
+    tl.store(y + tl.arange(0, N), rounded(tl.load(x + tl.arange(0, N)), tl.bfloat16))
+
+
+# How each target's compiler converts float32 to bfloat16 (round to nearest even: the rounding bit of gfx942
+# is bit 16 added with 0x7fff, NaN kept by a compare; gfx950 has the instruction)
+NEAREST_EVEN = {"sm_90": r"cvt\.rn\.bf16\.f32", "sm_100": r"cvt\.rn\.bf16\.f32",
+                "gfx942": r"v_bfe_u32 \S+, \S+, 16, 1\b", "gfx950": r"v_cvt_pk_bf16_f32\b"}
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_compiled_bfloat16_stores_round_to_nearest_even(target):
+    """``rounded`` rounds the bits itself only under the interpreter (which truncates); a compiled kernel
+    leaves it to the conversion, which rounds to nearest even on every target."""
+    need(target)
+    source = ASTSource(fn=to_bfloat16, signature={"x": "*fp32", "y": "*bf16", "N": "constexpr"},
+                       constexprs={"N": 1024})
+    kernel = triton.compile(source, target=TARGETS[target], options={"num_warps": 4})
+    asm = kernel.asm["ptx" if target in NVIDIA else "amdgcn"]
+    assert re.search(NEAREST_EVEN[target], asm)
+    assert not re.search(r"cvt\.rz|-65536\b|0xffff0000\b", asm)  # no truncation; no mask of a rounding of ours
 
 
 @pytest.mark.parametrize("target", AMD)

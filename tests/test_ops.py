@@ -97,6 +97,19 @@ def test_linear(m, k, n, split_k, dtype):
     assert_close(out, inputs["x"].double() @ inputs["w"].double().T, tolerance(dtype), "linear")
 
 
+@pytest.mark.parametrize("m", [2, 20])
+def test_linear_is_told_aligned_only_when_its_rows_and_k_are_whole_16_byte_vectors(m):
+    """Views of 128-column rows (256 bytes, aligned): K of 96 bfloat16 columns is six 16-byte vectors, K of
+    100 is not (its last vector would read 4 columns past k), and a view from column 4 starts 8 bytes in.
+    GEMV (2 rows) and ``tl.dot`` (20) tiles alike."""
+    for cols, aligned in ((slice(0, 96), True), (slice(0, 100), False), (slice(4, 100), False)):
+        g = mk.Graph()
+        x, w = g.input("x", (m, 128), torch.bfloat16), g.input("w", (40, 128), torch.bfloat16)
+        g.linear(x[:, cols], w[:, cols])
+        (spec,) = _linear_specs(g)
+        assert spec["ALIGNED"] == aligned and spec["USE_DOT"] == (m >= 16), cols
+
+
 def _linear_specs(g):
     return [dict(s.constexprs) for s in g.specs if s.task_type == "linear"]
 
