@@ -56,8 +56,8 @@ def chunk_attention_tile(base,
     positions = tl.where(positions < 0, -1, tl.minimum(positions, seq_len - 1))     # [BLOCK_M]
     last = tl.max(positions, axis=0)
     first = tl.maximum(tl.min(tl.where(positions < 0, seq_len, positions), axis=0) + 1 - window, 0)
-    # Pointers made here, not by heap_ptr: a hint reaches the compiler only on a value this function makes
-    # (triton 3.6 drops one on a helper's return value; see common.row_offsets).
+    # Pointers made here, not by heap_ptr, and hinted here: triton 3.6 drops a hint put on a helper's
+    # return value (common.row_offsets puts its own inside the helper, which is kept).
     q_ptr, out_ptr = (base + q).to(tl.pointer_type(DTYPE)), (base + out).to(tl.pointer_type(DTYPE))
     k_ptr, v_ptr = (base + k).to(tl.pointer_type(DTYPE)), (base + v).to(tl.pointer_type(DTYPE))
     if ALIGNED:

@@ -139,9 +139,10 @@ INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
 def rounded(x, DTYPE: tl.constexpr):
     """float32 ``x`` as ``DTYPE``, rounded to nearest even on every backend.
 
-    The compiler rounds to nearest even (``cvt.rn`` on NVIDIA; on AMD the same bit sequence as below);
-    the interpreter converts float32 to bfloat16 by truncation, a bias of up to one bfloat16 ulp per
-    store that compounds through a model. Under it the bits are rounded first, a few integer operations.
+    The compiler rounds to nearest even (``cvt.rn`` on NVIDIA, a rounding of bit 16 on gfx942,
+    ``v_cvt_pk_bf16_f32`` on gfx950); the interpreter converts float32 to bfloat16 by truncation, a bias
+    of up to one bfloat16 ulp per store that compounds through a model. Under it the bits are rounded
+    first, a few integer operations.
     """
     if INTERPRETED and DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
