@@ -77,6 +77,24 @@ def gemv_blocks(m: int, w_dtype: torch.dtype, k: int) -> tuple[int, int, int]:
 
 
 @triton.jit
+def _operands(base, x, w, k, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, ALIGNED: tl.constexpr):
+    """x's and w's typed pointers and k as int32, with what the host checked (ALIGNED, EVEN_K) told to the
+    compiler. The hints are put here, on values this function makes: one put on an argument word, or
+    by a caller on what this returns, would be dropped (common.row_offsets)."""
+    k = k.to(tl.int32)
+    x_ptr = (base + x).to(tl.pointer_type(X_DTYPE))
+    w_ptr = (base + w).to(tl.pointer_type(W_DTYPE))
+    if ALIGNED:
+        x_ptr = tl.multiple_of(x_ptr, 16)
+        w_ptr = tl.multiple_of(w_ptr, 16)
+        k = tl.multiple_of(k, 128 // X_DTYPE.primitive_bitwidth)
+    if EVEN_K:
+        k = tl.multiple_of(k, BLOCK_K)
+    return x_ptr, w_ptr, k
+
+
+@triton.jit
 def _w_block(w_rows, kk, k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """Columns ``kk ..< kk + BLOCK_K`` of the w rows; with EVEN_K (k a multiple of BLOCK_K) unmasked,
     a block wholly past k (the end of the last step) re-reading the last one (in bounds, cached)."""
@@ -107,15 +125,8 @@ def _gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE: tl.constexpr, W_DTYPE:
     start of the next row block's first step, after that step's loads are issued, so the reduction and
     the store overlap them instead of draining the program's loads.
     """
-    n, k = n.to(tl.int32), k.to(tl.int32)  # the loop divides by them (common.py)
-    x_ptr = (base + x).to(tl.pointer_type(X_DTYPE))
-    w_ptr = (base + w).to(tl.pointer_type(W_DTYPE))
-    if ALIGNED:  # hints on values made in this function (the compiler drops a hint on a callee's argument)
-        x_ptr = tl.multiple_of(x_ptr, 16)
-        w_ptr = tl.multiple_of(w_ptr, 16)
-        k = tl.multiple_of(k, 128 // X_DTYPE.primitive_bitwidth)
-    if EVEN_K:
-        k = tl.multiple_of(k, BLOCK_K)
+    n = n.to(tl.int32)  # the loop divides by n and k (common.py)
+    x_ptr, w_ptr, k = _operands(base, x, w, k, X_DTYPE, W_DTYPE, BLOCK_K, EVEN_K, ALIGNED)
     rn = tl.arange(0, BLOCK_N)[:, None]
     rk = tl.arange(0, BLOCK_K)[None, :]
     x_cols = x_ptr + rn * 0 + rk  # x's row repeated per w row: w's register layout, no shuffle per step
@@ -158,15 +169,8 @@ def _gemv_rows(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl
                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr):
     """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` for 1 < m <= BLOCK_M, any n: the same walk over w, with
     each step's products reduced across K per row of x (a warp-wide reduction: shuffles only)."""
-    m, n, k = m.to(tl.int32), n.to(tl.int32), k.to(tl.int32)
-    x_ptr = (base + x).to(tl.pointer_type(X_DTYPE))
-    w_ptr = (base + w).to(tl.pointer_type(W_DTYPE))
-    if ALIGNED:
-        x_ptr = tl.multiple_of(x_ptr, 16)
-        w_ptr = tl.multiple_of(w_ptr, 16)
-        k = tl.multiple_of(k, 128 // X_DTYPE.primitive_bitwidth)
-    if EVEN_K:
-        k = tl.multiple_of(k, BLOCK_K)
+    m, n = m.to(tl.int32), n.to(tl.int32)
+    x_ptr, w_ptr, k = _operands(base, x, w, k, X_DTYPE, W_DTYPE, BLOCK_K, EVEN_K, ALIGNED)
     rn = tl.arange(0, BLOCK_N)[:, None]
     rk = tl.arange(0, BLOCK_K)[None, :]
     cols = tl.arange(0, BLOCK_M)[None, :]
@@ -205,13 +209,7 @@ def _dot_tile(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl.
               Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               ALIGNED: tl.constexpr):
     """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` for m <= BLOCK_M, n <= BLOCK_N with ``tl.dot``."""
-    k = k.to(tl.int32)
-    x_ptr = (base + x).to(tl.pointer_type(X_DTYPE))
-    w_ptr = (base + w).to(tl.pointer_type(W_DTYPE))
-    if ALIGNED:  # hints on values made in this function (the compiler drops a hint on a callee's argument)
-        x_ptr = tl.multiple_of(x_ptr, 16)
-        w_ptr = tl.multiple_of(w_ptr, 16)
-        k = tl.multiple_of(k, 128 // X_DTYPE.primitive_bitwidth)
+    x_ptr, w_ptr, k = _operands(base, x, w, k, X_DTYPE, W_DTYPE, BLOCK_K, False, ALIGNED)
     rm = tl.arange(0, BLOCK_M)[:, None]
     rn = tl.arange(0, BLOCK_N)[:, None]
     rk = tl.arange(0, BLOCK_K)[None, :]
