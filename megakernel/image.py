@@ -1,8 +1,10 @@
 """Kernel images: a kernel's tables and heap saved to one file, readable without the graph.
 
 An image is a file from anyone: every part is checked before it is used, and the heap (the large
-part) is read only when asked for, after its declared size is checked against the bytes the file
-holds for it."""
+part) is read only when asked for. ``save_image`` stores its arrays uncompressed; an archive member
+may be compressed, but may not expand past MAX_EXPANSION times the bytes the file stores for it
+(checked before a byte is decompressed, and no member is read past its declared size), so a small
+file cannot make a reader allocate gigabytes."""
 from __future__ import annotations
 
 import json
@@ -15,6 +17,8 @@ import torch
 
 from .scheduler import FormatError, QueueTables, deserialize
 from .heap import HeapView, RankHeap
+
+MAX_EXPANSION = 32  # decompressed / stored bytes of one member: generous for data, far below a zip bomb's
 
 
 @dataclass
@@ -53,6 +57,9 @@ def _member(archive: zipfile.ZipFile, name: str, dtype) -> np.ndarray:
         info = archive.getinfo(f"{name}.npy")
     except KeyError:
         raise FormatError(f"not a kernel image: no {name!r} array") from None
+    if info.file_size > MAX_EXPANSION * max(info.compress_size, 1 << 16):
+        raise FormatError(f"not a kernel image: its {name!r} array expands from {info.compress_size:,} stored bytes "
+                          f"to {info.file_size:,} (at most {MAX_EXPANSION}x is read)")
     with archive.open(info) as file:
         readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
         reader = readers.get(np.lib.format.read_magic(file))

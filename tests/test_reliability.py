@@ -369,6 +369,21 @@ def test_trace_summary_survives_cycles_and_equal_timestamps(tmp_path):
     assert "3 tasks on 1 rank(s)" in done.stdout and "critical path executed: 3 tasks" in done.stdout
 
 
+def _deflate_bomb(image: Path, bomb: Path, member: str, size: int) -> Path:
+    """``image`` with ``member`` replaced by a truthful .npy of ``size`` zero bytes, deflated."""
+    with zipfile.ZipFile(image) as source, zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as target:
+        for info in source.infolist():
+            if info.filename != f"{member}.npy":
+                target.writestr(info.filename, source.read(info))
+        header = np.lib.format.header_data_from_array_1_0(np.zeros(1, np.uint8)) | {"shape": (size,)}
+        with target.open(f"{member}.npy", "w", force_zip64=True) as out:
+            np.lib.format.write_array_header_1_0(out, header)
+            for _ in range(size >> 20):
+                out.write(bytes(1 << 20))
+    assert bomb.stat().st_size < size // 256
+    return bomb
+
+
 def test_hostile_images_and_garbage_end_in_one_line(tmp_path, capsys):
     g = _specs(1e-6)
     with mk.Megakernel(g, workers=1) as kernel:
@@ -386,6 +401,12 @@ def test_hostile_images_and_garbage_end_in_one_line(tmp_path, capsys):
     assert "task table v3" in capsys.readouterr().out
     assert cli(["disasm", str(bomb), "--execute"]) == 1
     assert "claims uint8 (6442450944,)" in capsys.readouterr().err
+    for member in ("tables", "heap"):  # a real bomb: the header tells the truth, the bytes deflate ~1000x
+        deflated = _deflate_bomb(image, tmp_path / f"{member}-bomb.npz", member, 64 << 20)
+        assert cli(["disasm", str(deflated), "--execute"]) == 1
+        assert f"its {member!r} array expands from" in capsys.readouterr().err
+    assert cli(["graph", str(deflated)]) == 0  # the task DAG needs no heap: a heap bomb is not read
+    assert capsys.readouterr().out.startswith("digraph")
     garbage = tmp_path / "garbage.npz"
     garbage.write_bytes(os.urandom(4096))
     for argv in (["disasm", str(garbage)], ["graph", str(garbage)], ["trace", "summary", str(garbage)]):

@@ -86,7 +86,7 @@ def _graph(args: argparse.Namespace) -> int:
     from ..image import load
     from .dot import RenderError, TooManyNodes, render, select, task_dag, to_dot
 
-    dag = task_dag([load(f).tables for f in args.files])
+    dag = task_dag([load(f, heap=False).tables for f in args.files])
     keep = select(dag, args.op, args.layer)
     if not keep:
         names = sorted({info.op for info in dag.tasks.values() if info.op})
