@@ -12,6 +12,7 @@ from typing import Mapping
 
 import numpy as np
 
+from .errors import BackendError
 from .files import reports_dir, write_new
 from .layout import (DONE, EPOCH, EVENT, EXPECTED, FAULT, FAULT_AT, FAULT_BOUND, FAULT_VALUE, OBSERVED, RUNNING, STATE,
                      STATUS_WORDS, TASK, TIMED_OUT)
@@ -90,6 +91,15 @@ def deadlock_report(t: QueueTables, status: np.ndarray, peer_status: Mapping[int
 def _ran(record: np.ndarray, step: int, position: int) -> bool:
     """Whether the worker of status ``record`` finished its task at queue ``position`` of ``step``."""
     return bool(record[EPOCH] > step or (record[EPOCH] == step and position < record[DONE]))
+
+
+def save_hang_report(report: str, t: QueueTables, epoch: int, stamps: np.ndarray | None) -> str:
+    """Where the report went, for the ``DeadlockError``'s message: its files, or why none could be
+    written (the report itself is in the error either way: a hostile reports folder loses no diagnosis)."""
+    try:
+        return f"report: {', '.join(map(str, write_hang_files(report, t, epoch, stamps)))}"
+    except (BackendError, OSError) as error:
+        return f"the report could not be written to a file: {error}"
 
 
 def write_hang_files(report: str, t: QueueTables, epoch: int, stamps: np.ndarray | None) -> list[Path]:

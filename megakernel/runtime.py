@@ -241,10 +241,10 @@ class Megakernel:
             status = self._status()
             if diagnosis.stalled(status):
                 report = self.deadlock_report()
-                files = diagnosis.write_hang_files(report, self.tables, self.epoch,
+                saved = diagnosis.save_hang_report(report, self.tables, self.epoch,
                                                    self._stamps() if self.tracing else None)
                 failure = DeadlockError(f"rank {self.graph.rank}: the watchdog stopped {what}: a wait exceeded "
-                                        f"{self.timeout} s (report: {', '.join(map(str, files))})", report)
+                                        f"{self.timeout} s ({saved})", report)
         if failure is not None:
             self._after_failure(f"{what} failed")
             raise failure

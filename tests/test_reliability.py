@@ -307,6 +307,20 @@ def test_hang_reports_are_new_files_of_a_private_folder():
             f.unlink()
 
 
+def test_a_hostile_reports_folder_keeps_the_diagnosis(tmp_path, monkeypatch):
+    g = _specs(1e-6)
+    tables = schedule(g.tasks, g.buffer_shapes(), specs=g.specs, op_names=g.op_names, workers=1)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / f"megakernel-{os.getuid()}").symlink_to(tmp_path)  # a folder another user could have planted
+    saved = diagnosis.save_hang_report("the report", tables, 1, None)
+    assert saved.startswith("the report could not be written to a file: ") and "only this user can write" in saved
+    (tmp_path / f"megakernel-{os.getuid()}").unlink()
+    (tmp_path / f"megakernel-{os.getuid()}").mkdir(mode=0o777)
+    os.chmod(tmp_path / f"megakernel-{os.getuid()}", 0o777)
+    assert diagnosis.save_hang_report("the report", tables, 1, None).startswith("the report could not be written")
+    assert not list((tmp_path / f"megakernel-{os.getuid()}").iterdir())
+
+
 # -- 9. resources ---------------------------------------------------------------------------------------
 def test_a_graph_larger_than_memory_is_refused_before_scheduling():
     g = mk.Graph()

@@ -1,5 +1,6 @@
 """The runtime: reruns without reset, bad input, the watchdog, worker failures, no leftovers."""
 import os
+import tempfile
 import time
 
 import numpy as np
@@ -136,7 +137,7 @@ def _injected_deadlock_kernel(pool, timeout=1.5):
     return g, kernel, consumer, producer, event, saved
 
 
-def test_missing_signal_gives_deadlock_error_within_the_timeout_and_no_orphans():
+def test_missing_signal_gives_deadlock_error_within_the_timeout_and_no_orphans(tmp_path, monkeypatch):
     pool = WorkerPool()
     try:
         g, kernel, consumer, producer, event, saved = _injected_deadlock_kernel(pool)
@@ -148,13 +149,18 @@ def test_missing_signal_gives_deadlock_error_within_the_timeout_and_no_orphans()
         assert elapsed < 1.5 + 10, f"the watchdog took {elapsed:.1f} s"
         report = info.value.report
         assert f"at task {consumer} " in report and f"event {event} observed 0, expected" in report
+        assert "(report: " in info.value.message and report in str(info.value)
         assert f"producer task {producer} " in report and ": ran" in report
         captured = kernel.capture()  # a replay checks nothing; check() reports its stall
         captured.replay()
         captured.replay()  # finds the rank stopped: runs nothing, and the first replay's records stay
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # a reports folder that others can write
+        (tmp_path / f"megakernel-{os.getuid()}").mkdir(mode=0o777)
+        os.chmod(tmp_path / f"megakernel-{os.getuid()}", 0o777)
         with pytest.raises(mk.DeadlockError, match=r"launches 2 to 3 \(steps 1 to 2\)") as info:
             kernel.check()
         assert f"at task {consumer} " in info.value.report and ": timed out" in info.value.report, info.value.report
+        assert "the report could not be written to a file" in info.value.message
         # the kernel recovers: fix the tables, run again, right answer
         kernel.tables.signals[:] = saved
         kernel.upload_tables()
