@@ -34,6 +34,9 @@ TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 STORE_PREFIX = "megakernel-launch-"  # a launch's rendezvous folder: <prefix><launcher pid>-<random>
 
 
+FAILED_GRACE = 10.0  # seconds the other virtual ranks get to end once one failed
+
+
 class RankError(MegakernelError):
     """An exception raised in one rank of a launch; ``rank`` and ``error`` (the original) say which and what."""
 
@@ -173,10 +176,14 @@ def _collect(ranks, conns, timeout: float) -> list[Any]:
 
 def _launch_virtual(fn, world_size: int, backend: str, timeout: float) -> list[Any]:
     """One thread per rank. The rank that failed first is reported (the others' errors follow from
-    it: their waits are released at once, with an error naming it)."""
+    it: their waits are released at once, with an error naming it). A thread cannot be killed: once a
+    rank failed, the others get FAILED_GRACE seconds to end, and a rank still running then (stuck in
+    code of its own) is left behind as a daemon thread, named in the error, rather than waited for."""
     world = bootstrap.VirtualWorld(world_size, backend)
     results: list[Any] = [None] * world_size
     errors: dict[int, tuple[BaseException, str]] = {}
+    ended = threading.Condition()
+    done: set[int] = set()
     gpu = None
     if backend != "cpu":
         import torch
@@ -193,6 +200,9 @@ def _launch_virtual(fn, world_size: int, backend: str, timeout: float) -> list[A
             world.fail(rank)
         finally:
             bootstrap.leave_virtual()
+            with ended:
+                done.add(rank)
+                ended.notify_all()
 
     launch_id = secrets.token_hex(6)
     threads = [threading.Thread(target=rank_main, args=(r,), name=f"megakernel-rank-{r}", daemon=True)
@@ -202,17 +212,24 @@ def _launch_virtual(fn, world_size: int, backend: str, timeout: float) -> list[A
             for thread in threads:
                 thread.start()
             deadline = time.monotonic() + timeout
-            for thread in threads:
-                thread.join(max(deadline - time.monotonic(), 0))
-        running = [r for r, thread in enumerate(threads) if thread.is_alive()]
+            with ended:
+                ended.wait_for(lambda: len(done) == world_size or errors, timeout=timeout)
+                ended.wait_for(lambda: len(done) == world_size,
+                               timeout=max(0.0, min(FAILED_GRACE, deadline - time.monotonic())))
+                running = sorted(set(range(world_size)) - done)
         if running:
             world.fail(-1)
-            raise BackendError(f"launch timed out after {timeout} s; virtual ranks still running: {running}")
+            if not errors:
+                raise BackendError(f"launch timed out after {timeout} s; virtual ranks still running: {running}")
     finally:
         remove_segments(launch_id)
     if errors:
         rank = next(r for r in world.failed if r in errors)  # the first to fail; the others followed it
-        raise RankError(rank, *errors[rank])
+        error, remote_traceback = errors[rank]
+        if running:
+            remote_traceback += (f"(virtual ranks {running} were still running {FAILED_GRACE:g} s after it, "
+                                 f"left behind as daemon threads)\n")
+        raise RankError(rank, error, remote_traceback)
     return results
 
 

@@ -17,6 +17,7 @@ import torch
 import megakernel as mk
 from megakernel import cpu_backend
 from megakernel import RankError
+from megakernel.launcher import FAILED_GRACE
 
 from megakernel.reference import execute_ranks
 from megakernel.scheduler import deserialize, serialize
@@ -451,3 +452,25 @@ def test_virtual_rank_failure_names_the_rank_and_releases_the_others():
         mk.launch(job, world_size=3, virtual=True, timeout=120)
     assert isinstance(info.value.error, ValueError)
     assert time.monotonic() - start < 30, "the other ranks were not released"
+
+
+def test_a_virtual_rank_stuck_in_its_own_code_is_left_behind_in_time():
+    """Rank 1 never arrives (stuck in code of its own): rank 0 names it at the barrier within its kernel's
+    timeout, and launch raises then (plus the others' grace), not when the stuck thread returns."""
+    release = threading.Event()
+
+    def job():
+        g = _small_all_reduce()
+        if g.rank == 1:
+            release.wait(120)
+            return "late"
+        mk.Megakernel(g, workers=1, timeout=2)
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankError, match=r"rank 0 raised BackendError: .*did not all arrive") as info:
+            mk.launch(job, world_size=2, virtual=True, timeout=120)
+        assert time.monotonic() - start < 2 + FAILED_GRACE + 10, "launch waited for the stuck rank"
+        assert "virtual ranks [1] were still running" in str(info.value)
+    finally:
+        release.set()
