@@ -430,6 +430,16 @@ def test_hostile_images_and_garbage_end_in_one_line(tmp_path, capsys):
 
 
 # -- 13. arguments ----------------------------------------------------------------------------------------
+def test_command_line_counts_are_checked_in_one_line(capsys):
+    for argv in (["demo", "--workers", "0"], ["demo", "--ranks", "-1"], ["demo", "--tokens", "x"],
+                 ["trace", "summary", "t.json", "--top", "0"], ["graph", "k.npz", "--max-nodes", "0"]):
+        with pytest.raises(SystemExit) as info:
+            cli(argv)
+        assert info.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith("must be a positive integer, got "
+                                                                        f"{argv[-1]!r}")
+
+
 def test_bad_arguments_are_graph_errors():
     g = _specs(1e-6)
     for timeout in (0, -1, float("nan"), float("inf"), 1e12, True, "60"):

@@ -6,6 +6,8 @@ import sys
 from importlib.util import find_spec
 from pathlib import Path
 
+from ..launcher import RankError
+
 
 def _disasm(args) -> int:
     from ..image import load
@@ -126,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=_aot)
     p = sub.add_parser("demo", help="the main job: tensor-parallel greedy decoding of a random Llama on the cpu "
                                     "backend, checked against transformers")
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--workers", type=int, default=1, help="workers per rank")
-    p.add_argument("--tokens", type=int, default=12, help="tokens to generate")
+    p.add_argument("--ranks", type=_count, default=2)
+    p.add_argument("--workers", type=_count, default=1, help="workers per rank")
+    p.add_argument("--tokens", type=_count, default=12, help="tokens to generate")
     p.add_argument("--out", default="megakernel-demo", help="folder for the trace and the kernel image")
     p.set_defaults(run=_demo)
     _add_trace_commands(sub)
@@ -138,8 +140,18 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except Exception as error:  # a file that is not what it claims, an error of the library: one line
         command = " ".join(filter(None, [args.command, getattr(args, "trace_command", None)]))
-        print(f"megakernel {command}: {type(error).__name__}: {error}", file=sys.stderr)
+        where = ""
+        if isinstance(error, RankError):  # the rank's own error, without its traceback
+            where, error = f"rank {error.rank}: ", error.error
+        print(f"megakernel {command}: {where}{type(error).__name__}: {error}", file=sys.stderr)
         return 1
+
+
+def _count(text: str) -> int:
+    """An argument that must be a positive int."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
 
 
 def _add_trace_commands(sub: argparse._SubParsersAction) -> None:
@@ -147,7 +159,7 @@ def _add_trace_commands(sub: argparse._SubParsersAction) -> None:
     commands = trace.add_subparsers(dest="trace_command", required=True)
     p = commands.add_parser("summary", help="time per op, per worker, the critical path and the longest waits")
     p.add_argument("file", help="a trace .json")
-    p.add_argument("--top", type=int, default=5, help="how many critical-path tasks and waits to list")
+    p.add_argument("--top", type=_count, default=5, help="how many critical-path tasks and waits to list")
     p.set_defaults(run=_trace_summary)
     p = commands.add_parser("plot", help="a Gantt chart: one row per worker, grouped per rank")
     p.add_argument("file", help="a trace .json")
@@ -164,7 +176,7 @@ def _add_graph_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", help="a .dot file, or .svg/.png/.pdf (needs dot); default: DOT on stdout")
     p.add_argument("--op", help="only tasks whose op name contains this")
     p.add_argument("--layer", type=int, help="only tasks of ops in scope layerN (op names like layerN/linear)")
-    p.add_argument("--max-nodes", type=int, default=5000, help="refuse to draw more tasks than this")
+    p.add_argument("--max-nodes", type=_count, default=5000, help="refuse to draw more tasks than this")
     p.set_defaults(run=_graph)
 
 
