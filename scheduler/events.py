@@ -95,19 +95,17 @@ def encode_events(placement: Placement, producers: list[tuple[int, ...]], worker
 
     # Across the wrap: at the start of step e + 1 a worker knows what it knew at the end of step e
     # (``known`` now) about step e; during step e + 1, having seen any task of worker v finished
-    # tells it all of v's step e finished too (v ran its queue in order).
-    previous, current = known, [[-1] * workers for _ in range(workers)]
+    # tells it all of v's step e finished too (v ran its queue in order), as does its own progress.
+    whole_step = len(placement.worker)  # a position past every queue's end: all of that worker's step e
+    for w in range(workers):
+        known[w][w] = whole_step
     carry_event, carry_fan_in = [NO_EVENT] * n, [0] * n
     for tid in placement.order:
         w = placement.worker[tid]
+        seen = known[w]
         for p in producers[tid]:
-            pw = placement.worker[p]
-            current[w][pw] = max(current[w][pw], position[p])
-        seen = [len(placement.worker) if current[w][v] >= 0 or v == w else previous[w][v] for v in range(workers)]
+            seen[placement.worker[p]] = whole_step
         needed = _latest(carried[tid], seen, placement.worker, position)
-        for p in needed:
-            previous[w][placement.worker[p]] = position[p]
-        current[w][w] = position[tid]
         far = remote_carried[tid] if remote_carried else ()
         if needed or far:
             carry_event[tid] = event((True, *needed, *far), needed, far)
@@ -117,6 +115,12 @@ def encode_events(placement: Placement, producers: list[tuple[int, ...]], worker
 
 def _latest(producers: tuple[int, ...], seen: list[int], worker: list[int], position: list[int]) -> list[int]:
     """Per other worker, the last of ``producers`` not yet ``seen`` finished, sorted; marks them seen."""
+    if len(producers) == 1:  # most tasks: no dictionary, no sort
+        p = producers[0]
+        if position[p] <= seen[worker[p]]:
+            return []
+        seen[worker[p]] = position[p]
+        return [p]
     latest: dict[int, int] = {}
     for p in producers:
         pw = worker[p]
