@@ -37,7 +37,8 @@ Rect = tuple[int, int, int, int]  # row0, row1, col0, col1
 
 class _Cell:
     """Accesses since the last covering write: writers as (task id, *rect), readers as (read group's task
-    ids, *rect). Plain tuples, compared inline, because this is the innermost loop of the scheduler."""
+    ids, *rect). Plain tuples, compared inline, because this is the innermost loop of the scheduler; columns
+    first, because the tiles sharing a cell are most often side by side along a row."""
 
     __slots__ = ("writers", "readers")
 
@@ -142,7 +143,7 @@ def _within_step(reads_of: list, writes_of: list, shapes: dict[int, tuple[int, i
                     if cell is None:
                         cell = cells[key] = _Cell()
                     for other, a0, a1, b0, b1 in cell.writers:
-                        if a0 < r1 and r0 < a1 and b0 < c1 and c0 < b1:
+                        if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1:
                             group.producers.add(other)
                     cell.readers.append(entry)
             deps |= group.producers
@@ -160,10 +161,10 @@ def _within_step(reads_of: list, writes_of: list, shapes: dict[int, tuple[int, i
                     if cell is None:
                         cell = cells[row_key + cc] = _Cell()
                     for other, a0, a1, b0, b1 in cell.writers:
-                        if a0 < r1 and r0 < a1 and b0 < c1 and c0 < b1:
+                        if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1:
                             deps.add(other)
                     for readers, a0, a1, b0, b1 in cell.readers:
-                        if a0 < r1 and r0 < a1 and b0 < c1 and c0 < b1:
+                        if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1:
                             deps.update(readers)
                     if covers_rows and c0 <= cc * CELL_COLS and min((cc + 1) * CELL_COLS, cols) <= c1:
                         cell.writers = [entry]
@@ -207,7 +208,7 @@ def _across_wrap(reads_of: list, writes_of: list, shapes: dict[int, tuple[int, i
                         cell = cells.get(key)
                         if cell is not None:
                             writers.extend(other for other, a0, a1, b0, b1 in cell.writers
-                                           if a0 < r1 and r0 < a1 and b0 < c1 and c0 < b1)
+                                           if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1)
                 found = read_writers[buffer] = (rect, writers)
             deps.update(p for p in found[1] if p > tid)
         for buffer, r0, r1, c0, c1 in writes:
@@ -231,12 +232,12 @@ def _across_wrap(reads_of: list, writes_of: list, shapes: dict[int, tuple[int, i
                     for other, a0, a1, b0, b1 in reversed(cell.writers):
                         if other <= tid:
                             break
-                        if a0 < r1 and r0 < a1 and b0 < c1 and c0 < b1:
+                        if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1:
                             deps.add(other)
                     for readers, a0, a1, b0, b1 in reversed(cell.readers):
                         if readers[-1] <= tid:
                             break
-                        if a0 < r1 and r0 < a1 and b0 < c1 and c0 < b1:
+                        if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1:
                             deps.update(readers[bisect_right(readers, tid):])  # a group's ids are in order
                     if whole_r0 <= cr < whole_r1 and whole_c0 <= cc < whole_c1:
                         del cells[key]

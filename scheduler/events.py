@@ -28,6 +28,7 @@ lapped. Remote producers (puts into this rank) are covered by the same argument 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .placement import Placement
 
@@ -36,13 +37,21 @@ NO_EVENT = -1
 RemoteTask = tuple[int, int]  # (rank, task id on that rank)
 
 
+class Signal(NamedTuple):
+    """What a task does when done: add ``increment`` to ``event`` of rank ``rank`` (a row of the signal table)."""
+
+    rank: int
+    event: int
+    increment: int
+
+
 @dataclass
 class Events:
     wait_event: list[int]                        # per task id; NO_EVENT when the task need not wait
     fan_in: list[int]                            # per task id; 0 when the task need not wait
     carry_event: list[int]                       # per task id: the wait on the previous step's signals
     carry_fan_in: list[int]
-    signals: list[list[tuple[int, int, int]]]    # per task id: (rank, event, increment) it raises when done
+    signals: list[list[Signal]]                  # per task id: what it raises when done
     count: int                                   # number of events
     remote_signals: dict[RemoteTask, list[int]] = field(default_factory=dict)  # remote producer -> events it raises
 
@@ -68,7 +77,7 @@ def encode_events(placement: Placement, producers: list[tuple[int, ...]], worker
     position = queue_positions(placement)
     carried = carried or [()] * n
     event_of: dict[tuple, int] = {}
-    signals: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+    signals: list[list[Signal]] = [[] for _ in range(n)]
     remote_signals: dict[RemoteTask, list[int]] = {}
 
     def event(key: tuple, needed: list[int], far: tuple[RemoteTask, ...]) -> int:
@@ -76,7 +85,7 @@ def encode_events(placement: Placement, producers: list[tuple[int, ...]], worker
         if found is None:
             found = event_of[key] = len(event_of)
             for p in needed:
-                signals[p].append((rank, found, 1))
+                signals[p].append(Signal(rank, found, 1))
             for r in far:
                 remote_signals.setdefault(r, []).append(found)
         return found
