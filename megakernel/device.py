@@ -231,12 +231,12 @@ def signal_all(bases, rank, signals, first, count, events_off, FENCE: tl.constex
     if RELAXED_ADDS and count > 0:
         remote = 0
         for s in range(first, first + count):
-            remote |= (tl.load(signals + s * SIGNAL_WORDS) != rank).to(tl.int32)
+            remote |= (tl.load(signals + s * SIGNAL_WORDS + SIGNAL_RANK) != rank).to(tl.int32)
         FENCE(remote)
     for s in range(first, first + count):
         signal = signals + s * SIGNAL_WORDS
-        signal_event(bases, rank, tl.load(signal), events_off, tl.load(signal + 1), tl.load(signal + 2), SCOPED,
-                     "relaxed" if RELAXED_ADDS else "release")
+        signal_event(bases, rank, tl.load(signal + SIGNAL_RANK), events_off, tl.load(signal + SIGNAL_EVENT),
+                     tl.load(signal + SIGNAL_INCREMENT), SCOPED, "relaxed" if RELAXED_ADDS else "release")
 
 
 # The task row layout (scheduler.tables), as constexprs for the kernel.
@@ -244,7 +244,8 @@ def signal_all(bases, rank, signals, first, count, events_off, FENCE: tl.constex
  ROW_ARG0) = (tl.constexpr(i) for i in (tables.OPCODE, tables.WAIT_EVENT, tables.FAN_IN, tables.CARRY_EVENT,
                                        tables.CARRY_FAN_IN, tables.SIGNAL_START, tables.SIGNAL_COUNT, tables.GUARD,
                                        tables.ARG0))
-SIGNAL_WORDS = tl.constexpr(tables.SIGNAL_WORDS)
+SIGNAL_WORDS, SIGNAL_RANK, SIGNAL_EVENT, SIGNAL_INCREMENT = (
+    tl.constexpr(i) for i in (tables.SIGNAL_WORDS, tables.SIGNAL_RANK, tables.SIGNAL_EVENT, tables.SIGNAL_INCREMENT))
 
 
 @triton.jit

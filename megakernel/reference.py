@@ -16,7 +16,8 @@ import torch
 from .device import NO_SEQUENCE
 from .errors import GraphError
 from .heap import HeapView, RankHeap
-from .scheduler import ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_EVENT, NO_GUARD, OPCODE, SIGNAL_COUNT, SIGNAL_START, WAIT_EVENT, QueueTables
+from .scheduler import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_EVENT, NO_GUARD, OPCODE, SIGNAL_COUNT,
+                        SIGNAL_START, WAIT_EVENT, QueueTables, read_signals)
 from .tasks import TASK_TYPES
 
 
@@ -49,6 +50,6 @@ def execute_ranks(tables: list[QueueTables], heaps: list[RankHeap], steps: int =
             if guard == NO_GUARD or int(views[rank].tensor(guard, torch.int64, 1, 1, 1)) != NO_SEQUENCE.value:
                 task_type.reference(views[rank], task, *([views] if task_type.needs_peers else []))
             start = row[SIGNAL_START]
-            for dst, ev, increment in t.signals[start:start + row[SIGNAL_COUNT]].tolist():
-                if dst in raised:
-                    raised[dst][ev] += increment
+            for signal in read_signals(t.signals[start:start + row[SIGNAL_COUNT]]):
+                if signal.rank in raised:
+                    raised[signal.rank][signal.event] += signal.increment

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .scheduler import NO_EVENT, OPCODE, SIGNAL_START, WAIT_EVENT, QueueTables
+from .scheduler import NO_EVENT, OPCODE, SIGNAL_START, WAIT_EVENT, QueueTables, read_signals
 from .tasks import TASK_TYPES
 
 
@@ -49,9 +49,9 @@ def producer_map(t: QueueTables) -> dict[int, list[tuple[int, int]]]:
     raisers: dict[int, list[tuple[int, int]]] = defaultdict(list)
     if len(t.signals):
         owner = np.searchsorted(t.rows[:, SIGNAL_START], np.arange(len(t.signals)), side="right") - 1
-        for (dst, event, _), task in zip(t.signals.tolist(), owner.tolist()):
-            if dst == t.rank:
-                raisers[event].append((t.rank, task))
+        for signal, task in zip(read_signals(t.signals), owner.tolist()):
+            if signal.rank == t.rank:
+                raisers[signal.event].append((t.rank, task))
     for event, remote in t.remote_producers.items():
         raisers[event].extend((rank, task) for rank, task, *_ in remote)
     return raisers

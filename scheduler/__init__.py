@@ -11,11 +11,12 @@ from contextlib import contextmanager
 
 from .checks import Capacity, check_acyclic, check_periodic, check_tables, find_cycle
 from .deps import infer_dependencies, infer_periodic
-from .events import NO_EVENT, Events, encode_events, queue_positions
+from .events import NO_EVENT, Events, Signal, encode_events, queue_positions
 from .remote import Exchange, Split, incoming_writes, split_producers, with_remote_producers
 from .placement import POLICIES, Placement, bottom_levels, place, task_cost
-from .tables import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_GUARD, OPCODE, SIGNAL_COUNT, SIGNAL_START, VERSION, WAIT_EVENT, FormatError,
-                     QueueTables, Spec, build_tables, deserialize, disassemble, serialize)
+from .tables import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_GUARD, OPCODE, SIGNAL_COUNT, SIGNAL_EVENT,
+                     SIGNAL_INCREMENT, SIGNAL_RANK, SIGNAL_START, VERSION, WAIT_EVENT, FormatError, QueueTables, Spec,
+                     build_tables, deserialize, disassemble, read_signals, serialize)
 from .task import Region, Task, Tasks
 
 
@@ -102,7 +103,7 @@ def _connect_ranks(tasks: Tasks, placement: Placement, events: Events, split: Sp
     for dst, (asks, _) in enumerate(every):
         for (src, task), evs in asks.items():
             if src == rank:
-                events.signals[task].extend((dst, event, 1) for event in evs)
+                events.signals[task].extend(Signal(dst, event, 1) for event in evs)
     remote_producers: dict[int, list[tuple[int, int, int, int, int]]] = {}
     for (src, task), evs in events.remote_signals.items():
         worker, pos, op = every[src][1][task]
@@ -112,8 +113,9 @@ def _connect_ranks(tasks: Tasks, placement: Placement, events: Events, split: Sp
 
 
 __all__ = [
-    "ARG0", "CARRY_EVENT", "CARRY_FAN_IN", "FAN_IN", "GUARD", "NO_EVENT", "NO_GUARD", "OPCODE", "POLICIES", "SIGNAL_COUNT", "SIGNAL_START", "VERSION", "WAIT_EVENT",
-    "Capacity", "Events", "FormatError", "Placement", "QueueTables", "Region", "Spec", "Task", "Tasks", "bottom_levels",
+    "ARG0", "CARRY_EVENT", "CARRY_FAN_IN", "FAN_IN", "GUARD", "NO_EVENT", "NO_GUARD", "OPCODE", "POLICIES", "SIGNAL_COUNT", "SIGNAL_EVENT",
+    "SIGNAL_INCREMENT", "SIGNAL_RANK", "SIGNAL_START", "VERSION", "WAIT_EVENT",
+    "Capacity", "Events", "FormatError", "Placement", "QueueTables", "Region", "Signal", "Spec", "Task", "Tasks", "bottom_levels",
     "build_tables", "check_acyclic", "check_periodic", "check_tables", "deserialize", "disassemble", "encode_events", "find_cycle",
-    "infer_dependencies", "infer_periodic", "place", "schedule", "serialize", "task_cost",
+    "infer_dependencies", "infer_periodic", "place", "read_signals", "schedule", "serialize", "task_cost",
 ]

@@ -7,8 +7,8 @@ import numpy as np
 
 from ..errors import GraphError
 from .events import NO_EVENT
-from .tables import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, OPCODE, SIGNAL_COUNT, SIGNAL_START, WAIT_EVENT,
-                     QueueTables)
+from .tables import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, OPCODE, SIGNAL_COUNT, SIGNAL_EVENT, SIGNAL_INCREMENT,
+                     SIGNAL_RANK, SIGNAL_START, WAIT_EVENT, QueueTables, read_signals)
 
 
 def find_cycle(producers: list[tuple[int, ...]]) -> list[int] | None:
@@ -71,9 +71,9 @@ def check_tables(t: QueueTables, capacity: Capacity = Capacity()) -> None:
     ends = t.rows[:, SIGNAL_START] + t.rows[:, SIGNAL_COUNT]
     if n and (t.rows[:, SIGNAL_START].min() < 0 or ends.max() > len(t.signals)):
         raise GraphError("a task's signal list lies outside the signal table")
-    local = t.signals[t.signals[:, 0] == t.rank]
+    local = t.signals[t.signals[:, SIGNAL_RANK] == t.rank]
     raised = np.zeros(t.num_events, dtype=np.int64)
-    np.add.at(raised, local[:, 1], local[:, 2])
+    np.add.at(raised, local[:, SIGNAL_EVENT], local[:, SIGNAL_INCREMENT])
     for event_word, fan_in_word in ((WAIT_EVENT, FAN_IN), (CARRY_EVENT, CARRY_FAN_IN)):
         waits = t.rows[t.rows[:, event_word] != NO_EVENT]
         if t.world_size == 1 and len(waits):
@@ -135,16 +135,17 @@ def check_periodic(every: list[QueueTables]) -> None:
                 np.maximum(clock[w], known[r, event, target_step], out=clock[w])
             clock[w, w] = (step - 1) * length[w] + position[r][row] + 1
             start = words[SIGNAL_START]
-            for dst, event, increment in t.signals[start:start + words[SIGNAL_COUNT]].tolist():
-                key = (dst, event, step)
-                raised[key] = raised.get(key, 0) + increment
+            for signal in read_signals(t.signals[start:start + words[SIGNAL_COUNT]]):
+                target = (signal.rank, signal.event)
+                key = (*target, step)
+                raised[key] = raised.get(key, 0) + signal.increment
                 known[key] = np.maximum(known[key], clock[w]) if key in known else clock[w].copy()
-                if step == 2 and (dst, event) in need:
-                    workers, counts = need[dst, event]
+                if step == 2 and target in need:
+                    workers, counts = need[target]
                     short = workers[clock[w][workers] < counts]
                     if len(short):
                         waiter_rank = int(np.searchsorted(first, short[0], side="right")) - 1
-                        raise GraphError(f"rank {r} task {row} raises event {event} of rank {dst} for the next step "
-                                         f"before the waiters of the event on rank {waiter_rank} worker "
+                        raise GraphError(f"rank {r} task {row} raises event {signal.event} of rank {signal.rank} for "
+                                         f"the next step before the waiters of the event on rank {waiter_rank} worker "
                                          f"{int(short[0] - first[waiter_rank])} have finished: the event's count "
                                          f"could be lapped")

@@ -14,12 +14,16 @@ input row), so consecutive reads of one rectangle with no write to its buffer in
 *read group*: the cells hold the group once, and each later member costs O(1) instead of a visit to
 every cell. The dependencies come out the same as with one entry per read.
 
-A graph that runs again and again is a loop: ``infer_periodic`` runs the same analysis over two
-consecutive copies of the program, and the second copy's dependencies on the first are the ones
-that cross from step ``e`` to step ``e + 1``. Two copies are enough: the same task runs on the same
-worker in every step, so a dependency on step ``e - 1`` is implied by one on step ``e``.
+A graph that runs again and again is a loop: ``infer_periodic`` carries the analysis on into a
+second copy of the program, and the second copy's dependencies on the first are the ones that cross
+from step ``e`` to step ``e + 1``. Two copies are enough: the same task runs on the same worker in
+every step, so a dependency on step ``e - 1`` is implied by one on step ``e``. The second copy only
+looks up what the first left in the cells (``_across_wrap``): its own accesses are of its own step.
 """
 from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
 
 from ..errors import GraphError
 from .task import Tasks
@@ -33,7 +37,8 @@ Rect = tuple[int, int, int, int]  # row0, row1, col0, col1
 
 class _Cell:
     """Accesses since the last covering write: writers as (task id, *rect), readers as (read group's task
-    ids, *rect). Plain tuples, compared inline, because this is the innermost loop of the scheduler."""
+    ids, *rect). Plain tuples, compared inline, because this is the innermost loop of the scheduler; columns
+    first, because the tiles sharing a cell are most often side by side along a row."""
 
     __slots__ = ("writers", "readers")
 
@@ -59,7 +64,7 @@ def infer_dependencies(tasks: Tasks, shapes: dict[int, tuple[int, int]]) -> list
     ``shapes`` maps each buffer to its (rows, cols), so that a cell on the buffer's edge counts as
     covered by a write that reaches the edge.
     """
-    return _dependencies(tasks.reads, tasks.writes, shapes)
+    return _within_step(tasks.reads, tasks.writes, shapes)[0]
 
 
 def infer_periodic(tasks: Tasks, shapes: dict[int, tuple[int, int]]
@@ -71,29 +76,47 @@ def infer_periodic(tasks: Tasks, shapes: dict[int, tuple[int, int]]
     is ordered before ``t`` in every step (directly or through the writes between them), and ``t`` of
     step e + 1 runs after ``t`` of step e, on the same worker.
     """
-    n = len(tasks.reads)
-    both = _dependencies(tasks.reads + tasks.reads, tasks.writes + tasks.writes, shapes)
-    return both[:n], [tuple(p for p in deps if t < p < n) for t, deps in enumerate(both[n:])]
+    producers, grid = _within_step(tasks.reads, tasks.writes, shapes)
+    return producers, _across_wrap(tasks.reads, tasks.writes, shapes, grid)
 
 
-def _dependencies(reads_of: list, writes_of: list, shapes: dict[int, tuple[int, int]]) -> list[tuple[int, ...]]:
-    # Cell (buffer b, row cell cr, column cell cc) has the integer key first[b] + cr * grid_cols[b] + cc:
-    # each written buffer owns a disjoint range of keys (regions lie inside their buffer, as tensor views
-    # do), so no key tuple is built per visit.
-    first: dict[int, int] = {}
-    grid_cols: dict[int, int] = {}
+@dataclass
+class _Grid:
+    """The cells of the written buffers as the step leaves them, and when each buffer was last touched.
+
+    Cell (buffer b, row cell cr, column cell cc) has the integer key ``first[b] + cr * grid_cols[b] + cc``:
+    each written buffer owns a disjoint range of keys (regions lie inside their buffer, as tensor views
+    do), so no key tuple is built per visit.
+    """
+
+    first: dict[int, int]
+    grid_cols: dict[int, int]
+    cells: dict[int, _Cell] = field(default_factory=dict)
+    last_write: dict[int, int] = field(default_factory=dict)  # buffer -> the step's last task that writes it
+    last_touch: dict[int, int] = field(default_factory=dict)  # buffer -> the step's last task that reads or writes it
+
+
+def _key_ranges(writes_of: list, shapes: dict[int, tuple[int, int]]) -> _Grid:
+    grid = _Grid({}, {})
     next_key = 0
     for writes in writes_of:
         for buffer, *_ in writes:
-            if buffer not in first:
+            if buffer not in grid.first:
                 rows, cols = shapes[buffer]
-                first[buffer] = next_key
-                grid_cols[buffer] = -(-cols // CELL_COLS)
-                next_key += -(-rows // CELL_ROWS) * grid_cols[buffer]
+                grid.first[buffer] = next_key
+                grid.grid_cols[buffer] = -(-cols // CELL_COLS)
+                next_key += -(-rows // CELL_ROWS) * grid.grid_cols[buffer]
                 if next_key > MAX_CELLS:
                     raise GraphError(f"the buffers tasks write span {next_key:,} dependency cells ({CELL_ROWS}x{CELL_COLS} "
                                      f"elements each) with buffer {buffer} ({rows}x{cols}); at most {MAX_CELLS:,}")
-    cells: dict[int, _Cell] = {}
+    return grid
+
+
+def _within_step(reads_of: list, writes_of: list, shapes: dict[int, tuple[int, int]]
+                 ) -> tuple[list[tuple[int, ...]], _Grid]:
+    grid = _key_ranges(writes_of, shapes)
+    first, grid_cols, cells = grid.first, grid.grid_cols, grid.cells
+    last_write, last_touch = grid.last_write, grid.last_touch
     open_group: dict[int, _ReadGroup] = {}  # per buffer: the read group a read of the same rectangle joins
     producers: list[tuple[int, ...]] = []
     for tid, (reads, writes) in enumerate(zip(reads_of, writes_of)):
@@ -102,6 +125,7 @@ def _dependencies(reads_of: list, writes_of: list, shapes: dict[int, tuple[int, 
             base = first.get(buffer)
             if base is None:
                 continue
+            last_touch[buffer] = tid
             rect = (r0, r1, c0, c1)
             group = open_group.get(buffer)
             if group is not None and group.rect == rect:
@@ -119,12 +143,13 @@ def _dependencies(reads_of: list, writes_of: list, shapes: dict[int, tuple[int, 
                     if cell is None:
                         cell = cells[key] = _Cell()
                     for other, a0, a1, b0, b1 in cell.writers:
-                        if a0 < r1 and r0 < a1 and b0 < c1 and c0 < b1:
+                        if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1:
                             group.producers.add(other)
                     cell.readers.append(entry)
             deps |= group.producers
         for buffer, r0, r1, c0, c1 in writes:
             open_group.pop(buffer, None)  # the cells change: later reads must look at them again
+            last_write[buffer] = last_touch[buffer] = tid
             entry = (tid, r0, r1, c0, c1)
             rows, cols = shapes[buffer]
             base, width = first[buffer], grid_cols[buffer]
@@ -136,10 +161,10 @@ def _dependencies(reads_of: list, writes_of: list, shapes: dict[int, tuple[int, 
                     if cell is None:
                         cell = cells[row_key + cc] = _Cell()
                     for other, a0, a1, b0, b1 in cell.writers:
-                        if a0 < r1 and r0 < a1 and b0 < c1 and c0 < b1:
+                        if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1:
                             deps.add(other)
                     for readers, a0, a1, b0, b1 in cell.readers:
-                        if a0 < r1 and r0 < a1 and b0 < c1 and c0 < b1:
+                        if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1:
                             deps.update(readers)
                     if covers_rows and c0 <= cc * CELL_COLS and min((cc + 1) * CELL_COLS, cols) <= c1:
                         cell.writers = [entry]
@@ -148,4 +173,73 @@ def _dependencies(reads_of: list, writes_of: list, shapes: dict[int, tuple[int, 
                         cell.writers.append(entry)
         deps.discard(tid)  # a task that reads and writes one region, or writes it twice, needs no wait on itself
         producers.append(tuple(sorted(deps)))
-    return producers
+    return producers, grid
+
+
+def _across_wrap(reads_of: list, writes_of: list, shapes: dict[int, tuple[int, int]], grid: _Grid
+                 ) -> list[tuple[int, ...]]:
+    """The second step's dependencies on later tasks of the first, from the cells the first left behind.
+
+    The accesses the second step adds never matter here (they are of its own step), so it only looks:
+    a task finds the first step's accesses in the cells it touches, until a write of the second step
+    covers a cell (the cell is then dropped). A buffer whose last access in the step (its last write,
+    for a read) comes no later than the task holds nothing later than it, and is not visited at all:
+    most reads of a step are of what was written before them. Consecutive reads of one rectangle of a
+    buffer, with no write to it in between, find the same writers, looked up once.
+    """
+    first, grid_cols, cells = grid.first, grid.grid_cols, grid.cells
+    last_write, last_touch = grid.last_write, grid.last_touch
+    read_writers: dict[int, tuple[Rect, list[int]]] = {}  # buffer -> (rect, its writers)
+    carried: list[tuple[int, ...]] = []
+    for tid, (reads, writes) in enumerate(zip(reads_of, writes_of)):
+        deps: set[int] = set()
+        for buffer, r0, r1, c0, c1 in reads:
+            if last_write.get(buffer, -1) <= tid:
+                continue
+            rect = (r0, r1, c0, c1)
+            found = read_writers.get(buffer)
+            if found is None or found[0] != rect:
+                writers: list[int] = []
+                base, width = first[buffer], grid_cols[buffer]
+                cc0, cc1 = c0 // CELL_COLS, (c1 - 1) // CELL_COLS + 1
+                for cr in range(r0 // CELL_ROWS, (r1 - 1) // CELL_ROWS + 1):
+                    row_key = base + cr * width
+                    for key in range(row_key + cc0, row_key + cc1):
+                        cell = cells.get(key)
+                        if cell is not None:
+                            writers.extend(other for other, a0, a1, b0, b1 in cell.writers
+                                           if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1)
+                found = read_writers[buffer] = (rect, writers)
+            deps.update(p for p in found[1] if p > tid)
+        for buffer, r0, r1, c0, c1 in writes:
+            read_writers.pop(buffer, None)  # the cells change: later reads must look at them again
+            if last_touch[buffer] <= tid:
+                continue
+            rows, cols = shapes[buffer]
+            base, width = first[buffer], grid_cols[buffer]
+            # The cells the write covers whole: inside the rectangle, or cut only by the buffer's edge.
+            whole_r0, whole_c0 = -(-r0 // CELL_ROWS), -(-c0 // CELL_COLS)
+            whole_r1 = r1 // CELL_ROWS if r1 < rows else -(-rows // CELL_ROWS)
+            whole_c1 = c1 // CELL_COLS if c1 < cols else -(-cols // CELL_COLS)
+            for cr in range(r0 // CELL_ROWS, (r1 - 1) // CELL_ROWS + 1):
+                for cc in range(c0 // CELL_COLS, (c1 - 1) // CELL_COLS + 1):
+                    key = base + cr * width + cc
+                    cell = cells.get(key)
+                    if cell is None:
+                        continue
+                    # A cell lists its accesses in program order (the read groups of one buffer follow
+                    # one another), so the ones later than the task are at the end.
+                    for other, a0, a1, b0, b1 in reversed(cell.writers):
+                        if other <= tid:
+                            break
+                        if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1:
+                            deps.add(other)
+                    for readers, a0, a1, b0, b1 in reversed(cell.readers):
+                        if readers[-1] <= tid:
+                            break
+                        if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1:
+                            deps.update(readers[bisect_right(readers, tid):])  # a group's ids are in order
+                    if whole_r0 <= cr < whole_r1 and whole_c0 <= cc < whole_c1:
+                        del cells[key]
+        carried.append(tuple(sorted(deps)))
+    return carried

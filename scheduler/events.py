@@ -28,6 +28,7 @@ lapped. Remote producers (puts into this rank) are covered by the same argument 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .placement import Placement
 
@@ -36,13 +37,21 @@ NO_EVENT = -1
 RemoteTask = tuple[int, int]  # (rank, task id on that rank)
 
 
+class Signal(NamedTuple):
+    """What a task does when done: add ``increment`` to ``event`` of rank ``rank`` (a row of the signal table)."""
+
+    rank: int
+    event: int
+    increment: int
+
+
 @dataclass
 class Events:
     wait_event: list[int]                        # per task id; NO_EVENT when the task need not wait
     fan_in: list[int]                            # per task id; 0 when the task need not wait
     carry_event: list[int]                       # per task id: the wait on the previous step's signals
     carry_fan_in: list[int]
-    signals: list[list[tuple[int, int, int]]]    # per task id: (rank, event, increment) it raises when done
+    signals: list[list[Signal]]                  # per task id: what it raises when done
     count: int                                   # number of events
     remote_signals: dict[RemoteTask, list[int]] = field(default_factory=dict)  # remote producer -> events it raises
 
@@ -68,7 +77,7 @@ def encode_events(placement: Placement, producers: list[tuple[int, ...]], worker
     position = queue_positions(placement)
     carried = carried or [()] * n
     event_of: dict[tuple, int] = {}
-    signals: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+    signals: list[list[Signal]] = [[] for _ in range(n)]
     remote_signals: dict[RemoteTask, list[int]] = {}
 
     def event(key: tuple, needed: list[int], far: tuple[RemoteTask, ...]) -> int:
@@ -76,7 +85,7 @@ def encode_events(placement: Placement, producers: list[tuple[int, ...]], worker
         if found is None:
             found = event_of[key] = len(event_of)
             for p in needed:
-                signals[p].append((rank, found, 1))
+                signals[p].append(Signal(rank, found, 1))
             for r in far:
                 remote_signals.setdefault(r, []).append(found)
         return found
@@ -95,19 +104,17 @@ def encode_events(placement: Placement, producers: list[tuple[int, ...]], worker
 
     # Across the wrap: at the start of step e + 1 a worker knows what it knew at the end of step e
     # (``known`` now) about step e; during step e + 1, having seen any task of worker v finished
-    # tells it all of v's step e finished too (v ran its queue in order).
-    previous, current = known, [[-1] * workers for _ in range(workers)]
+    # tells it all of v's step e finished too (v ran its queue in order), as does its own progress.
+    whole_step = len(placement.worker)  # a position past every queue's end: all of that worker's step e
+    for w in range(workers):
+        known[w][w] = whole_step
     carry_event, carry_fan_in = [NO_EVENT] * n, [0] * n
     for tid in placement.order:
         w = placement.worker[tid]
+        seen = known[w]
         for p in producers[tid]:
-            pw = placement.worker[p]
-            current[w][pw] = max(current[w][pw], position[p])
-        seen = [len(placement.worker) if current[w][v] >= 0 or v == w else previous[w][v] for v in range(workers)]
+            seen[placement.worker[p]] = whole_step
         needed = _latest(carried[tid], seen, placement.worker, position)
-        for p in needed:
-            previous[w][placement.worker[p]] = position[p]
-        current[w][w] = position[tid]
         far = remote_carried[tid] if remote_carried else ()
         if needed or far:
             carry_event[tid] = event((True, *needed, *far), needed, far)
@@ -117,6 +124,12 @@ def encode_events(placement: Placement, producers: list[tuple[int, ...]], worker
 
 def _latest(producers: tuple[int, ...], seen: list[int], worker: list[int], position: list[int]) -> list[int]:
     """Per other worker, the last of ``producers`` not yet ``seen`` finished, sorted; marks them seen."""
+    if len(producers) == 1:  # most tasks: no dictionary, no sort
+        p = producers[0]
+        if position[p] <= seen[worker[p]]:
+            return []
+        seen[worker[p]] = position[p]
+        return [p]
     latest: dict[int, int] = {}
     for p in producers:
         pw = worker[p]

@@ -6,7 +6,7 @@ Version 3 layout of a serialized table (all integers little-endian int64):
              tasks, row_words, signals, metadata_bytes (each a count)
     tasks    tasks x row_words: opcode, wait_event, fan_in, carry_event, carry_fan_in, signal_start,
              signal_count, guard, args...
-    signals  signals x 3: rank, event, increment
+    signals  signals x SIGNAL_WORDS: rank, event, increment (``events.Signal``)
     queue    tasks: task ids, worker 0's queue, then worker 1's, ...
     index    workers + 1: where each worker's queue starts in ``queue``
     task_op  tasks: index of the graph op each task came from
@@ -31,7 +31,7 @@ from itertools import chain
 import numpy as np
 
 from ..errors import GraphError
-from .events import NO_EVENT, Events
+from .events import NO_EVENT, Events, Signal
 from .placement import Placement
 from .task import Tasks
 
@@ -39,7 +39,9 @@ MAGIC = 0x4D4B5154_41424C45  # "MKTABLE"
 VERSION = 3
 HEADER_WORDS = 10
 OPCODE, WAIT_EVENT, FAN_IN, CARRY_EVENT, CARRY_FAN_IN, SIGNAL_START, SIGNAL_COUNT, GUARD, ARG0 = range(9)
-SIGNAL_WORDS = 3
+# A signal's words: the host's lists of Signal are flattened into the table as they are.
+SIGNAL_RANK, SIGNAL_EVENT, SIGNAL_INCREMENT = (Signal._fields.index(name) for name in ("rank", "event", "increment"))
+SIGNAL_WORDS = len(Signal._fields)
 NO_GUARD = -1
 
 
@@ -68,7 +70,7 @@ class QueueTables:
     workers: int
     num_events: int
     rows: np.ndarray         # int64 [tasks, row_words]: task i's row, in the global order
-    signals: np.ndarray      # int64 [signals, 3]
+    signals: np.ndarray      # int64 [signals, SIGNAL_WORDS]
     queue: np.ndarray        # int64 [tasks]
     queue_index: np.ndarray  # int64 [workers + 1]
     task_op: np.ndarray      # int64 [tasks]
@@ -86,7 +88,7 @@ class QueueTables:
 
     def producers_of(self, event: int) -> list[int]:
         """Task ids of this rank that signal ``event`` of this rank."""
-        signals = np.nonzero((self.signals[:, 1] == event) & (self.signals[:, 0] == self.rank))[0]
+        signals = np.nonzero((self.signals[:, SIGNAL_EVENT] == event) & (self.signals[:, SIGNAL_RANK] == self.rank))[0]
         return sorted({int(t) for t in np.searchsorted(self.rows[:, SIGNAL_START], signals, side="right") - 1})
 
     def worker_of(self) -> np.ndarray:
@@ -102,6 +104,11 @@ class QueueTables:
         for w in range(self.workers):
             position[self.worker_queue(w)] = np.arange(len(self.worker_queue(w)))
         return position
+
+
+def read_signals(signals: np.ndarray) -> list[Signal]:
+    """Rows of a signal table as ``Signal``s."""
+    return [Signal(row[SIGNAL_RANK], row[SIGNAL_EVENT], row[SIGNAL_INCREMENT]) for row in signals.tolist()]
 
 
 def build_tables(tasks: Tasks, placement: Placement, events: Events, *, specs: list[Spec],
@@ -195,8 +202,8 @@ def _check_references(t: QueueTables) -> None:
         ("a carried wait's event", rows[:, CARRY_EVENT][rows[:, CARRY_EVENT] != NO_EVENT], t.num_events),
         ("a task's op", t.task_op, len(t.op_names)),
         ("a queue entry", t.queue, n),
-        ("a signal's rank", t.signals[:, 0], t.world_size),
-        ("a local signal's event", t.signals[t.signals[:, 0] == t.rank, 1], t.num_events),
+        ("a signal's rank", t.signals[:, SIGNAL_RANK], t.world_size),
+        ("a local signal's event", t.signals[t.signals[:, SIGNAL_RANK] == t.rank, SIGNAL_EVENT], t.num_events),
         ("a signal range's end", rows[:, SIGNAL_START] + rows[:, SIGNAL_COUNT], len(t.signals) + 1),
     ]
     for what, values, bound in problems:
@@ -224,7 +231,7 @@ def disassemble(t: QueueTables) -> str:
             wait = " ".join([*([] if row[WAIT_EVENT] == NO_EVENT else [f"ev{row[WAIT_EVENT]}>=e*{row[FAN_IN]}"]),
                              *([] if row[CARRY_EVENT] == NO_EVENT else [f"ev{row[CARRY_EVENT]}>=(e-1)*{row[CARRY_FAN_IN]}"])]) or "-"
             start, count = row[SIGNAL_START], row[SIGNAL_COUNT]
-            sigs = " ".join(f"r{r}:ev{e}+{i}" for r, e, i in t.signals[start:start + count]) or "-"
+            sigs = " ".join(f"r{s.rank}:ev{s.event}+{s.increment}" for s in read_signals(t.signals[start:start + count])) or "-"
             args = " ".join(f"{name}={int(v)}" for name, v in zip(spec.arg_names, row[ARG0:]))
             guard = "" if row[GUARD] == NO_GUARD else f" guard@{row[GUARD]}"
             lines.append(f"  [{pos:>4}] task {tid:>5} {t.op_names[t.task_op[tid]]:<16} {spec.task_type:<14} "
