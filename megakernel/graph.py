@@ -151,7 +151,7 @@ class Graph:
             raise GraphError(f"rank {self.rank} is outside world size {self.world_size}")
         self.buffers: list[Buffer] = []
         self.inputs: dict[str, Tensor] = {}
-        self.outputs: dict[str, Tensor] = {}
+        self.outputs: dict[str, Tensor] = {}  # what run returns, by name; in a sealed copy, where it reads them
         self.tasks = Tasks()
         self.specs: list[Spec] = []
         self.op_names: list[str] = []

@@ -57,7 +57,7 @@ class Megakernel:
         heaps = self.backend.allocate(self.layout.data_size, self.layout.comm_size)
         self.heap, self.peers, self.delta = heaps.local, heaps.peers, heaps.delta
         self.view = HeapView(self.heap)
-
+        # What the runs keep track of
         self.trace: Trace | None = None  # of the last run, every rank's tasks
         self.launch_seconds = 0.0          # of the last run: the launch alone (GPU: device time)
         self.epoch = 0          # steps run so far: the last step's epoch
