@@ -12,19 +12,24 @@ owns the memory and the processors:
 
 Virtual ranks (threads of one process) carve their heaps from allocations rank 0 makes (one; on hip
 one for the data areas and one for the comm areas).
+
+``KINDS`` is the factory: one entry per backend, what its kernel is generated for and how it is
+made, so the runtime never asks which backend it runs on.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
-from .bootstrap import default_backend
+from .bootstrap import Group, default_backend
 from .errors import BackendError
 from .heap import RankHeap
 
-BACKENDS = ("auto", "cpu", "cuda", "hip")
+if TYPE_CHECKING:
+    from .cpu_backend import WorkerPool
 
 
 @dataclass
@@ -71,6 +76,49 @@ class Backend(Protocol):
         """Release the heap and the workers' mappings of it."""
 
 
+@dataclass(frozen=True)
+class BackendRequest:
+    """What a kernel asks of its backend; each backend takes the part it needs."""
+
+    name: str                   # the concrete backend, a key of ``KINDS``
+    group: Group                # this rank's host group
+    kernel_path: Path           # the generated kernel module
+    row_words: int              # words per task row: the kernel's ROW
+    trace: bool                 # the kernel records spans: its TRACE
+    workers: int | None         # persistent programs of this rank; None: as many as the backend likes
+    timeout: float              # seconds any single wait may take
+    pool: WorkerPool | None     # the worker processes of a host backend; None: the shared pool
+
+
+@dataclass(frozen=True)
+class BackendKind:
+    """A backend as the factory knows it."""
+
+    target: str                                 # what ``codegen`` generates its kernel for
+    gpu: bool                                   # runs on a GPU of its name's flavour (``gpu_flavour``)
+    make: Callable[[BackendRequest], Backend]
+
+
+# The backend modules import this one: each is imported when a kernel first asks for it.
+def _make_cpu(request: BackendRequest) -> Backend:
+    from .cpu_backend import CpuBackend
+    return CpuBackend(request.group, request.kernel_path, request.workers, request.pool)
+
+
+def _make_gpu(request: BackendRequest) -> Backend:
+    from .gpu_backend import GpuBackend
+    return GpuBackend(request.name, request.group, request.kernel_path, request.row_words, request.trace,
+                      request.workers, request.timeout)
+
+
+KINDS: dict[str, BackendKind] = {
+    "cpu": BackendKind(target="interpreter", gpu=False, make=_make_cpu),
+    "cuda": BackendKind(target="cuda", gpu=True, make=_make_gpu),
+    "hip": BackendKind(target="hip", gpu=True, make=_make_gpu),
+}
+BACKENDS = ("auto", *KINDS)
+
+
 def gpu_flavour() -> str | None:
     """"hip" on a ROCm build of torch with a device, "cuda" on a CUDA build with one, else None."""
     if not torch.cuda.is_available():
@@ -86,7 +134,7 @@ def resolve(backend: str) -> str:
         backend = default_backend()
     if backend == "auto":
         return gpu_flavour() or "cpu"
-    if backend != "cpu" and gpu_flavour() != backend:
+    if KINDS[backend].gpu and gpu_flavour() != backend:
         found = gpu_flavour()
         raise BackendError(f"backend {backend!r} needs a {'ROCm' if backend == 'hip' else 'CUDA'} build of torch "
                            f"and a visible GPU; this process has "

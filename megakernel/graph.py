@@ -10,9 +10,10 @@ dependencies from those regions.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from operator import itemgetter
 from typing import Any, Callable
 
@@ -150,7 +151,7 @@ class Graph:
             raise GraphError(f"rank {self.rank} is outside world size {self.world_size}")
         self.buffers: list[Buffer] = []
         self.inputs: dict[str, Tensor] = {}
-        self.outputs: dict[str, Tensor] = {}
+        self.outputs: dict[str, Tensor] = {}  # what run returns, by name; in a sealed copy, where it reads them
         self.tasks = Tasks()
         self.specs: list[Spec] = []
         self.op_names: list[str] = []
@@ -160,7 +161,7 @@ class Graph:
         self.comm_bytes = 0  # of communication buffers
         self._spec_index: dict[tuple, int] = {}
         self._words: list[tuple[Callable[[dict], tuple], int]] = []  # per opcode: keywords -> words, how many
-        self.results: dict[str, Tensor] | None = None  # once sealed: where each output is read after a run
+        self._sealed = False  # a kernel's copy (``sealed``): no more ops
         self._guard: tuple[int, Region] | None = None  # the guard of the tasks built now (``guarded``)
 
     # -- user API ---------------------------------------------------------------------------------
@@ -208,45 +209,52 @@ class Graph:
     def __dir__(self):
         return [*super().__dir__(), *OPS]
 
-    def seal(self, remote_targets: set[int]) -> dict[str, Tensor]:
-        """Close the graph to new ops (a kernel is built from it) and return where each output is read.
+    def sealed(self, remote_targets: set[int]) -> "Graph":
+        """A copy of this graph to build a kernel from, closed to new ops; this graph stays as it is.
 
         ``remote_targets``: the buffers that some rank's tasks write on another rank (every rank's
-        view, the same on every rank). Such an output is copied, at the end of each step, into a buffer
-        of this rank alone: a peer that already runs the next step may write the output again while
-        the host reads this one, but never the copy (its own writes into the output wait, across the
-        wrap, for the copy tiles to have read it). An input that peers write is refused: the host
-        writes inputs while peers may run; so is any other buffer that peers write and that is not a
-        communication buffer (``new_tensor(..., comm=True)``).
+        view, the same on every rank). In the copy, such an output is a copy of it made at the end of
+        each step, in a buffer of this rank alone: a peer that already runs the next step may write
+        the output again while the host reads this one, but never the copy (its own writes into the
+        output wait, across the wrap, for the copy tiles to have read it). An input that peers write
+        is refused: the host writes inputs while peers may run; so is any other buffer that peers
+        write and that is not a communication buffer (``new_tensor(..., comm=True)``).
         """
-        if self.results is None:
-            for name, t in self.inputs.items():
-                if t.buffer.index in remote_targets:
-                    raise GraphError(f"input {name!r} is written by other ranks' puts; inputs are written by the host "
-                                     f"between runs, when peers may already run the next one: put into a new tensor")
-            for b in self.buffers:
-                if b.index in remote_targets and not b.comm:
-                    raise GraphError(f"buffer {b.name!r} is written by other ranks' puts but is not a communication "
-                                     f"buffer: create it with new_tensor(..., comm=True)")
-            from .tasks.comm import put_tiles
-            results = {}
-            for name, t in self.outputs.items():
-                if t.buffer.index in remote_targets:
-                    self.op_names.append(f"outputs/{name}.copy")
-                    results[name] = self.new_tensor(t.shape, t.dtype, name=f"{name}.copy")
-                    put_tiles(self, t.block(), self.rank, results[name].block())
-                else:
-                    results[name] = t
-            self.results = results
-        return self.results
+        for name, t in self.inputs.items():
+            if t.buffer.index in remote_targets:
+                raise GraphError(f"input {name!r} is written by other ranks' puts; inputs are written by the host "
+                                 f"between runs, when peers may already run the next one: put into a new tensor")
+        for b in self.buffers:
+            if b.index in remote_targets and not b.comm:
+                raise GraphError(f"buffer {b.name!r} is written by other ranks' puts but is not a communication "
+                                 f"buffer: create it with new_tensor(..., comm=True)")
+        from .tasks.comm import put_tiles
+        twin = self._copy()
+        for name, t in self.outputs.items():
+            if t.buffer.index in remote_targets:
+                twin.op_names.append(f"outputs/{name}.copy")
+                twin.outputs[name] = twin.new_tensor(t.shape, t.dtype, name=f"{name}.copy")
+                put_tiles(twin, t.block(), twin.rank, twin.outputs[name].block())
+        twin._sealed = True
+        return twin
+
+    def _copy(self) -> "Graph":
+        """A copy that shares no container with this graph (what they hold, tuples and frozen records, is
+        immutable), so that ops added to either leave the other as it was."""
+        twin = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, (list, dict)):
+                setattr(twin, name, copy.copy(value))
+        twin.tasks = replace(self.tasks, **{f.name: copy.copy(getattr(self.tasks, f.name)) for f in fields(Tasks)})
+        return twin
 
     def remote_targets(self) -> set[int]:
         """The buffers this rank's tasks write on other ranks."""
         return {region[0] for remote in self.tasks.remote for _, region in remote}
 
     def _require_open(self, what: str) -> None:
-        if self.results is not None:
-            raise GraphError(f"{what}: the graph is sealed (a kernel was built from it); build a new graph")
+        if self._sealed:
+            raise GraphError(f"{what}: this is a kernel's sealed copy of a graph; add ops to the graph it was built from")
 
     # -- builder API (used by the task library) ---------------------------------------------------
     def check(self, condition: bool, message: str) -> None:

@@ -26,7 +26,7 @@ from multiprocessing.connection import wait
 from typing import Any, Callable
 
 from . import bootstrap
-from .backend import resolve
+from .backend import KINDS, resolve
 from .errors import BackendError, MegakernelError, check_timeout, is_count
 from .heap import LAUNCH_ENV, remove_segments, sweep_orphans
 
@@ -56,10 +56,10 @@ def _init_group(rank: int, world_size: int, init_method: str, timeout: float, ba
     import torch
     import torch.distributed as dist
     bootstrap.set_process_backend(backend)
-    if backend != "cpu":
+    if KINDS[backend].gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     if not dist.is_initialized():
-        dist.init_process_group("gloo" if backend == "cpu" else "nccl", init_method=init_method, rank=rank,
+        dist.init_process_group("nccl" if KINDS[backend].gpu else "gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
 
 
@@ -185,7 +185,7 @@ def _launch_virtual(fn, world_size: int, backend: str, timeout: float) -> list[A
     ended = threading.Condition()
     done: set[int] = set()
     gpu = None
-    if backend != "cpu":
+    if KINDS[backend].gpu:
         import torch
         gpu = torch.cuda.current_device()  # the caller's: a new thread would start on device 0
 

@@ -11,14 +11,14 @@ import numpy as np
 import torch
 
 from . import codegen, diagnosis
-from .backend import Backend, resolve
+from .backend import KINDS, Backend, BackendRequest, resolve
 from .bootstrap import Group, check_agreement
-from .cpu_backend import CpuBackend, WorkerPool
+from .cpu_backend import WorkerPool
 from .errors import BackendError, DeadlockError, GraphError, check_timeout, is_count
 from .graph import Graph, Tensor
 from .heap import HeapView, RankHeap
 from .layout import ABORT, FAULTED, STATUS_WORDS, TRACE_WORDS, HeapLayout, device_words
-from .scheduler import ARG0, check_periodic, schedule, serialize
+from .scheduler import ARG0, QueueTables, check_periodic, schedule, serialize
 from .trace import Trace, rank_trace
 
 
@@ -32,44 +32,34 @@ class Megakernel:
     the watchdog stops the run; ``trace``: record every task's wait, start and end (``kernel.trace``
     after each run). With a world size above one, every rank builds its kernel at the same point of
     its program: the ranks check that their graphs agree, exchange cross-rank edges and map each
-    other's heaps.
+    other's heaps. ``graph`` is the graph the kernel runs: a sealed copy of the one it was built from
+    (``Graph.sealed``), whose ``outputs`` are where ``run`` reads them.
     """
 
     def __init__(self, graph: Graph, workers: int | None = None, policy: str = "critical_path",
                  backend: str = "auto", timeout: float = 60.0, trace: bool = False, pool: WorkerPool | None = None):
-        if not isinstance(graph, Graph):
-            raise GraphError(f"Megakernel needs a Graph, got {type(graph).__name__}")
-        if not graph.tasks:
-            raise GraphError("the graph has no tasks: add ops before building a kernel")
-        if not graph.outputs:
-            raise GraphError("the graph has no outputs: mark results with graph.output(name, tensor)")
-        if workers is not None and not is_count(workers):
-            raise GraphError(f"workers must be a positive integer, got {workers!r}")
-        self.graph = graph
+        _check_buildable(graph, workers)
         self.timeout = check_timeout(timeout)
         self.tracing = bool(trace)
+        self.group = Group(graph.world_size, graph.rank)
+        name = resolve(backend)
+        # The build, stage by stage. The backend comes before the schedule: the scheduler places tasks
+        # on its workers (on a GPU, as many as the compiled kernel lets be resident at once).
+        self.graph = _seal(graph, self.group, self.timeout)  # the graph this kernel runs
+        self.kernel_path = codegen.kernel_path(self.graph.specs, KINDS[name].target)
+        self.backend: Backend = KINDS[name].make(BackendRequest(
+            name, self.group, self.kernel_path, row_words=ARG0 + max(map(len, self.graph.tasks.args)),
+            trace=self.tracing, workers=workers, timeout=self.timeout, pool=pool))
+        self.workers = self.backend.workers
+        self.tables = _schedule(self.graph, self.group, self.backend, policy)
+        self.layout = _lay_out_heap(self.graph, self.group, self.tables, self.tracing)
+        self._finalizer = weakref.finalize(self, self.backend.close)
+        heaps = self.backend.allocate(self.layout.data_size, self.layout.comm_size)
+        self.heap, self.peers, self.delta = heaps.local, heaps.peers, heaps.delta
+        self.view = HeapView(self.heap)
+        # What the runs keep track of
         self.trace: Trace | None = None  # of the last run, every rank's tasks
         self.launch_seconds = 0.0          # of the last run: the launch alone (GPU: device time)
-        self.group = Group(graph.world_size, graph.rank)
-        self.group.barrier(timeout=self.timeout, why="build the kernel")  # names a rank that never comes
-        check_agreement(self.group, "op", graph.op_calls)
-        self.results = graph.seal(set().union(*self.group.all_gather(graph.remote_targets())))
-        check_agreement(self.group, "buffer", graph.buffer_layout())
-        self.backend: Backend = _make_backend(resolve(backend), self.group, graph, workers, self.tracing,
-                                              self.timeout, pool)
-        self.workers = self.backend.workers
-        self.kernel_path = self.backend.kernel_path  # the generated kernel module
-        if graph.heap_bytes + graph.comm_bytes > self.backend.free_memory():  # before the scheduler walks them
-            raise GraphError(f"the graph's buffers take {graph.heap_bytes + graph.comm_bytes:,} bytes; the "
-                             f"{self.backend.name} backend "
-                             f"has {self.backend.free_memory():,} bytes free for a heap")
-        self.tables = schedule(graph.tasks, graph.buffer_shapes(), specs=graph.specs, op_names=graph.op_names,
-                               workers=self.workers, policy=policy, rank=graph.rank,
-                               world_size=graph.world_size, describe=graph.describe_task,
-                               exchange=self.group.all_gather)
-        self._check_periodic()
-        sizes = [max(column) for column in zip(*self.group.all_gather(HeapLayout.sizes(self.tables, self.tracing)))]
-        self.layout = HeapLayout.of(graph.heap_bytes, graph.comm_bytes, sizes)
         self.epoch = 0          # steps run so far: the last step's epoch
         self._checked = self._checked_launches = 0  # the last step (launch) whose faults and stalls were checked
         self.launches = 0       # launches so far (each runs one or more steps)
@@ -77,24 +67,7 @@ class Megakernel:
         self._bound: set[str] = set()
         self._meet = graph.world_size > 1  # before the first launch, and after a collective poison
         self._lock = threading.Lock()      # one run at a time, whichever thread calls
-        self._finalizer = weakref.finalize(self, self.backend.close)
-        heaps = self.backend.allocate(self.layout.data_size, self.layout.comm_size)
-        self.heap, self.peers, self.delta = heaps.local, heaps.peers, heaps.delta
-        self.view = HeapView(self.heap)
         self.upload_tables()
-
-    def _check_periodic(self) -> None:
-        """The periodic-schedule check over every rank's tables, made once (by rank 0) for all of them."""
-        every = self.group.all_gather(self.tables)
-        verdict = None
-        if self.graph.rank == 0:
-            try:
-                check_periodic(every)
-            except GraphError as error:
-                verdict = str(error)
-        verdict = self.group.all_gather(verdict)[0]
-        if verdict:
-            raise GraphError(verdict)
 
     # -- heap access ------------------------------------------------------------------------------
     def words(self, offset: int, count: int, heap: RankHeap | None = None) -> torch.Tensor:
@@ -177,7 +150,7 @@ class Megakernel:
         (``scheduler.events``): every rank calls ``run`` with the same ``steps``, and no rank waits
         for another on the host, except before the first launch (a peer's stores must not land
         while this rank's host still writes its buffers: inputs, ``poison``). Outputs that peers
-        write are read from copies of this rank alone (``Graph.seal``). A rank that stops or hangs
+        write are read from copies of this rank alone (``Graph.sealed``). A rank that stops or hangs
         is named by the watchdog's report within ``timeout``. Runs from several threads take turns.
         A run interrupted in the host (KeyboardInterrupt) stops its workers first: a one-rank kernel
         stays usable, a multi-rank one refuses further runs.
@@ -206,7 +179,7 @@ class Megakernel:
         if self.tracing:  # a debugging mode: the ranks exchange their spans (a host meeting per run)
             every = self.group.all_gather(rank_trace(self.tables, self._stamps()))
             self.trace = Trace([s for spans, _ in every for s in spans], [e for _, edges in every for e in edges])
-        return {name: self.tensor(t).clone() for name, t in self.results.items()}
+        return {name: self.tensor(t).clone() for name, t in self.graph.outputs.items()}
 
     def _prepare(self, inputs: Mapping[str, torch.Tensor]) -> None:
         self.bind(inputs)
@@ -268,7 +241,7 @@ class Megakernel:
         Every launch of a kernel has the same arguments (the epoch lives on the device), so the
         recording stays valid; inputs are rebound between replays by writing their heap memory
         (``bind``, ``tensor``) on the current stream, and outputs read from
-        ``tensor(results[name])``. A replay checks nothing: ``check()`` waits for the replays and
+        ``tensor(graph.outputs[name])``. A replay checks nothing: ``check()`` waits for the replays and
         raises what went wrong in any of them since the last check. A collective with several ranks
         (each rank replays its own recording, in the same order as its peers). Not with ``trace``."""
         if not is_count(steps):
@@ -338,7 +311,7 @@ class Megakernel:
         """Write the tables and the heap as it is now (inputs bound), for ``megakernel disasm --execute``."""
         self._require_open()
         outputs = {name: [t.addr(0, 0), str(t.dtype).removeprefix("torch."), t.rows, t.cols, t.row_stride]
-                   for name, t in self.results.items()}
+                   for name, t in self.graph.outputs.items()}
         np.savez(path, tables=np.frombuffer(serialize(self.tables), dtype=np.uint8), heap=self.heap.data.cpu().numpy(),
                  comm=self.heap.comm.cpu().numpy(), outputs=np.frombuffer(json.dumps(outputs).encode(), dtype=np.uint8))
 
@@ -382,13 +355,55 @@ class Megakernel:
         self.close()
 
 
-def _make_backend(name: str, group: Group, graph: Graph, workers: int | None, trace: bool, timeout: float,
-                  pool: WorkerPool | None) -> Backend:
-    if name == "cpu":
-        return CpuBackend(group, codegen.kernel_path(graph.specs, "interpreter"), workers, pool)
-    from .gpu_backend import GpuBackend
-    row_words = ARG0 + max(map(len, graph.tasks.args))
-    return GpuBackend(name, group, codegen.kernel_path(graph.specs, name), row_words, trace, workers, timeout)
+def _check_buildable(graph: Graph, workers: int | None) -> None:
+    if not isinstance(graph, Graph):
+        raise GraphError(f"Megakernel needs a Graph, got {type(graph).__name__}")
+    if not graph.tasks:
+        raise GraphError("the graph has no tasks: add ops before building a kernel")
+    if not graph.outputs:
+        raise GraphError("the graph has no outputs: mark them with graph.output(name, tensor)")
+    if workers is not None and not is_count(workers):
+        raise GraphError(f"workers must be a positive integer, got {workers!r}")
+
+
+def _seal(graph: Graph, group: Group, timeout: float) -> Graph:
+    """The seal stage: once the ranks agree on their ops, ``graph``'s sealed copy (``Graph.sealed``), its
+    buffers agreed too."""
+    group.barrier(timeout=timeout, why="build the kernel")  # names a rank that never comes
+    check_agreement(group, "op", graph.op_calls)
+    sealed = graph.sealed(set().union(*group.all_gather(graph.remote_targets())))
+    check_agreement(group, "buffer", sealed.buffer_layout())
+    return sealed
+
+
+def _schedule(graph: Graph, group: Group, backend: Backend, policy: str) -> QueueTables:
+    """The schedule stage: this rank's tables over the backend's workers, the periodic schedule checked
+    over every rank's tables (once, by rank 0, for all of them)."""
+    needed = graph.heap_bytes + graph.comm_bytes
+    if needed > backend.free_memory():  # before the scheduler walks the buffers
+        raise GraphError(f"the graph's buffers take {needed:,} bytes; the {backend.name} backend "
+                         f"has {backend.free_memory():,} bytes free for a heap")
+    tables = schedule(graph.tasks, graph.buffer_shapes(), specs=graph.specs, op_names=graph.op_names,
+                      workers=backend.workers, policy=policy, rank=graph.rank, world_size=graph.world_size,
+                      describe=graph.describe_task, exchange=group.all_gather)
+    every = group.all_gather(tables)
+    verdict = None
+    if graph.rank == 0:
+        try:
+            check_periodic(every)
+        except GraphError as error:
+            verdict = str(error)
+    verdict = group.all_gather(verdict)[0]
+    if verdict:
+        raise GraphError(verdict)
+    return tables
+
+
+def _lay_out_heap(graph: Graph, group: Group, tables: QueueTables, trace: bool) -> HeapLayout:
+    """The heap stage's layout: the graph's buffers, then the tables' regions, each as large as the largest
+    rank's (the heap is symmetric)."""
+    sizes = [max(column) for column in zip(*group.all_gather(HeapLayout.sizes(tables, trace)))]
+    return HeapLayout.of(graph.heap_bytes, graph.comm_bytes, sizes)
 
 
 @dataclass(frozen=True)

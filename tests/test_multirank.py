@@ -328,7 +328,7 @@ def _replayed_all_reduce() -> list[torch.Tensor]:
             kernel.bind({"x": _value(g.rank, replay, (2, 24))})  # read by this rank's tiles alone
             captured.replay()
             kernel.check()
-            outputs.append(kernel.tensor(kernel.results["y"]).clone())
+            outputs.append(kernel.tensor(kernel.graph.outputs["y"]).clone())
     return outputs
 
 

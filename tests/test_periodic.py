@@ -81,7 +81,7 @@ def periodic_job(ops, shift: int, steps: int, split: list[int], workers: int, po
             apart = kernel.run(steps=count)
         assert kernel.host_barriers == barriers + (g.world_size > 1)  # one meeting after the collective poison
         assert kernel.launches == 1 + len(split) and kernel.epoch == 2 * steps
-        where = {name: (t.addr(0, 0), t.dtype, t.rows, t.cols, t.row_stride) for name, t in kernel.results.items()}
+        where = {name: (t.addr(0, 0), t.dtype, t.rows, t.cols, t.row_stride) for name, t in kernel.graph.outputs.items()}
         return serialize(kernel.tables), before, once, apart, where
 
 

@@ -202,6 +202,31 @@ def test_generated_kernel_source_is_cached_by_content_and_readable():
         assert "def megakernel(" in source and "persistent_loop(" in source and "rms_norm_tile(" in source
 
 
+def test_the_kernel_runs_a_sealed_copy_and_leaves_the_graph_as_it_was():
+    g = mlp_block(hidden=64, intermediate=96)
+    tasks, buffers = len(g.tasks), len(g.buffers)
+    with mk.Megakernel(g, workers=1) as kernel:
+        with pytest.raises(mk.GraphError, match="add: this is a kernel's sealed copy of a graph"):
+            kernel.graph.add(g.inputs["x"], g.inputs["x"])
+        g.output("twice", g.add(g.inputs["x"], g.inputs["x"]))  # the caller's graph takes more ops
+        assert len(kernel.graph.tasks) == tasks and len(kernel.graph.buffers) == buffers
+        assert list(kernel.run(random_inputs(g))) == ["y"]
+
+
+def test_an_output_that_peers_write_is_read_from_a_copy_in_the_sealed_graph():
+    g = mk.Graph(world_size=2, rank=0)
+    x = g.input("x", (2, 8), torch.float32)
+    g.output("x", x)
+    g.output("y", g.all_reduce(x, algorithm="two_shot"))
+    tasks, y = len(g.tasks), g.outputs["y"]
+    sealed = g.sealed(remote_targets={y.buffer.index})
+    assert sealed.outputs["x"] is x and sealed.outputs["y"].buffer.name == "y.copy"
+    assert sealed.op_names[-1] == "outputs/y.copy" and len(sealed.tasks) > tasks
+    assert g.outputs["y"] is y and len(g.tasks) == tasks and "y.copy" not in [b.name for b in g.buffers]
+    with pytest.raises(mk.GraphError, match="input 'x' is written by other ranks' puts"):
+        g.sealed(remote_targets={x.buffer.index})
+
+
 def test_unknown_backend():
     with pytest.raises(mk.BackendError, match="unknown backend 'tpu'"):
         mk.Megakernel(mlp_block(hidden=64, intermediate=96), backend="tpu")
