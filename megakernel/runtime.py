@@ -337,8 +337,13 @@ class Megakernel:
 
         With several ranks, a collective after a run: the ranks meet first, because a peer's last
         launch may still signal this rank's events (its tasks release the next step's producers) or
-        read its status records; a peer that does not come within ``timeout`` is not waited for.
+        read its status records; a peer that does not come within ``timeout`` is not waited for. A run
+        (or capture, or check) of another thread finishes first: its result is not lost.
         """
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._finalizer.alive and self.launches and self.graph.world_size > 1 and not self._broken:
             try:
                 self.group.barrier(timeout=self.timeout, why="close the kernel")

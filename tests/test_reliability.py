@@ -95,6 +95,33 @@ def test_kernels_of_several_threads_take_turns_on_the_pool():
         assert_close(out, want, 1e-5, str(key))
 
 
+def test_close_from_another_thread_lets_the_run_finish_first():
+    g = _specs(1e-6)
+    x, w = torch.randn(1, 8), torch.rand(8) + 0.5
+    kernel = mk.Megakernel(g, workers=1)
+    outcome: dict = {}
+    started = threading.Event()
+
+    def run():
+        started.set()
+        try:
+            outcome["y"] = kernel.run({"x": x, "w": w}, steps=40)["y"]
+        except BaseException as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    started.wait()
+    time.sleep(0.2)  # the launch is under way
+    kernel.close()   # waits for it
+    thread.join(timeout=120)
+    assert "error" not in outcome, outcome.get("error")
+    want = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert_close(outcome["y"], want, 1e-5, "the run closed under")
+    with pytest.raises(mk.BackendError, match="is closed"):
+        kernel.run({"x": x, "w": w})
+
+
 # -- 3. closed kernels --------------------------------------------------------------------------------
 CLOSED_SCRIPT = """
 import gc, torch, megakernel as mk
