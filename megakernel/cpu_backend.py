@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from .errors import BackendError
+from .errors import BackendError, GraphError
 from .heap import SHM_DIR, RankHeap, SharedHeap
 
 PR_SET_PDEATHSIG = 1
@@ -242,11 +242,15 @@ class CpuBackend:
 
     name = "cpu"
     DEFAULT_WORKERS = 2
+    MAX_WORKERS = 256
     STOP_SECONDS = 10.0  # how long an interrupted run's workers get to stop at their next wait
 
     def __init__(self, group, kernel_path: Path, workers: int | None, pool: WorkerPool | None):
         self.group, self.kernel_path = group, kernel_path
         self.workers = self.DEFAULT_WORKERS if workers is None else workers
+        if self.workers > self.MAX_WORKERS:  # before the scheduler sizes anything by it
+            raise GraphError(f"workers={self.workers:,}: the cpu backend runs at most {self.MAX_WORKERS} (each a "
+                             f"process of ~300 MB)")
         cores = os.cpu_count() or 1
         if self.workers > 2 * cores:
             warnings.warn(f"{self.workers} cpu workers on {cores} cores: each is a process that spins while it waits, "

@@ -474,6 +474,10 @@ def test_bad_arguments_are_graph_errors():
             mk.Megakernel(g, timeout=timeout)
     with pytest.raises(mk.GraphError, match="workers must be a positive integer, got True"):
         mk.Megakernel(g, workers=True)
+    start = time.monotonic()
+    with pytest.raises(mk.GraphError, match="workers=1,000,000,000: the cpu backend runs at most 256"):
+        mk.Megakernel(g, workers=10**9, backend="cpu")
+    assert time.monotonic() - start < 10
     with pytest.raises(mk.GraphError, match="shape must be 1-D or 2-D of positive ints"):
         g.input("bad", (True, 2), torch.float32)
     with pytest.raises(mk.GraphError, match="eps must be a positive number, got 'x'"):
