@@ -249,7 +249,9 @@ class Graph:
             raise GraphError(f"{what}: the graph is sealed (a kernel was built from it); build a new graph")
 
     # -- builder API (used by the task library) ---------------------------------------------------
-    def check(self, condition: bool, message: str) -> None:
+    def require(self, condition: bool, message: str) -> None:
+        """Refuse a bad op: a ``GraphError`` with ``message`` (which names the op, the tensor, the shapes)
+        unless ``condition`` holds."""
         if not condition:
             raise GraphError(message)
 

@@ -248,7 +248,7 @@ def kv_append(g, cache, x, pos, batch: int, table=None, page_size: int | None = 
     position, or one per row, ``common.row_positions``): contiguous, row ``b * max_seq + *pos``; paged
     (``table`` [batch, max_pages] int64 and ``page_size``), through the block table (module docstring).
     Returns ``cache``."""
-    g.check(cache.ndim == 2 and x.ndim == 2 and x.rows == batch and cache.cols == x.cols and cache.dtype == x.dtype,
+    g.require(cache.ndim == 2 and x.ndim == 2 and x.rows == batch and cache.cols == x.cols and cache.dtype == x.dtype,
             f"kv_append: cache {cache.shape} {cache.dtype} and x {x.shape} {x.dtype} do not match for batch {batch}")
     require_float(g, "kv_append", x=x)
     paging = _paging(g, "kv_append", cache, batch, table, page_size)
@@ -306,13 +306,13 @@ class Paging:
 
 def _paging(g, op: str, cache, batch: int, table, page_size: int | None) -> Paging:
     if table is None:
-        g.check(page_size is None, f"{op}: page_size {page_size} without a block table")
-        g.check(cache.rows % batch == 0, f"{op}: cache of {cache.rows} rows is not {batch} batch rows")
+        g.require(page_size is None, f"{op}: page_size {page_size} without a block table")
+        g.require(cache.rows % batch == 0, f"{op}: cache of {cache.rows} rows is not {batch} batch rows")
         return Paging(cache.rows // batch, 0, 0, None)
-    g.check(isinstance(page_size, int) and not isinstance(page_size, bool) and page_size >= 1
+    g.require(isinstance(page_size, int) and not isinstance(page_size, bool) and page_size >= 1
             and cache.rows % page_size == 0,
             f"{op}: page_size must be a positive int dividing the pool's {cache.rows} rows, got {page_size!r}")
-    g.check(table.ndim == 2 and table.rows == batch and table.dtype == torch.int64,
+    g.require(table.ndim == 2 and table.rows == batch and table.dtype == torch.int64,
             f"{op}: the block table must be int64 [batch {batch}, max_pages], got {table.shape} {table.dtype}")
     return Paging(table.cols * page_size, page_size, cache.rows // page_size, table)
 
@@ -333,7 +333,7 @@ def same_caches(g, op: str, q, k_cache, v_cache) -> None:
     """Refuse caches the tiles would misread: they read K and V with one row stride and everything in
     q's dtype (float)."""
     require_float(g, op, q=q, k_cache=k_cache, v_cache=v_cache)
-    g.check(k_cache.shape == v_cache.shape and k_cache.row_stride == v_cache.row_stride
+    g.require(k_cache.shape == v_cache.shape and k_cache.row_stride == v_cache.row_stride
             and k_cache.dtype == v_cache.dtype == q.dtype,
             f"{op}: caches {k_cache.shape} {k_cache.dtype} (row stride {k_cache.row_stride}) and "
             f"{v_cache.shape} {v_cache.dtype} (row stride {v_cache.row_stride}) must match each other and "
@@ -352,14 +352,14 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
     and split) and a combine tile per batch row and query head adds up the splits that reach ``*pos``.
     """
     heads, kv_heads = q.cols // head_dim, k_cache.cols // head_dim
-    g.check(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0,
+    g.require(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0,
             f"decode_attention: q {q.shape} and cache {k_cache.shape} are not whole heads of {head_dim} "
             f"with query heads a multiple of KV heads")
-    g.check(q.rows == batch, f"decode_attention: q {q.shape} for batch {batch}")
+    g.require(q.rows == batch, f"decode_attention: q {q.shape} for batch {batch}")
     same_caches(g, "decode_attention", q, k_cache, v_cache)
     paging = _paging(g, "decode_attention", k_cache, batch, table, page_size)
     positions = row_positions(g, "decode_attention", pos, batch)
-    g.check(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
+    g.require(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
             f"decode_attention: window must be None or a positive integer, got {window!r}")
     group = heads // kv_heads
     max_seq = paging.max_seq

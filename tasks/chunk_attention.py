@@ -122,16 +122,16 @@ def chunk_attention(g, q, k_cache, v_cache, pos, head_dim: int, window: int | No
     Every block of BLOCK_ROWS rows holds one sequence's rows: its first row's block table row serves
     the block. ``window``: keys ``p - window < key <= p``."""
     heads, kv_heads = q.cols // head_dim, k_cache.cols // head_dim
-    g.check(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0,
+    g.require(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0,
             f"chunk_attention: q {q.shape} and cache {k_cache.shape} are not whole heads of {head_dim} with "
             f"query heads a multiple of KV heads")
     same_caches(g, "chunk_attention", q, k_cache, v_cache)
-    g.check(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
+    g.require(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
             f"chunk_attention: window must be None or a positive integer, got {window!r}")
     rows = q.rows
     paging = _paging(g, "chunk_attention", k_cache, rows if table is not None else 1, table, page_size)
     positions = row_positions(g, "chunk_attention", pos, rows)
-    g.check(pos.block().cols == rows, f"chunk_attention: pos must have one position per row ({rows},), got {pos.shape}")
+    g.require(pos.block().cols == rows, f"chunk_attention: pos must have one position per row ({rows},), got {pos.shape}")
     group = heads // kv_heads
     out = g.new_tensor(q.shape, q.dtype)
     size = q.element_size

@@ -51,7 +51,7 @@ def put_tiles(g, src, dst_rank: int, dst) -> None:
 
 
 def _check_rank(g, op: str, rank: int) -> None:
-    g.check(isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < g.world_size,
+    g.require(isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < g.world_size,
             f"{op}: rank {rank!r} is outside world size {g.world_size}")
 
 
@@ -61,9 +61,9 @@ def put(g, x, to_rank: int, into):
     itself."""
     _check_rank(g, "put", to_rank)
     require_float(g, "put", x=x)
-    g.check(x.shape == into.shape and x.dtype == into.dtype,
+    g.require(x.shape == into.shape and x.dtype == into.dtype,
             f"put: x is {x.shape} {x.dtype} but into is {into.shape} {into.dtype}")
-    g.check(to_rank == g.rank or into.buffer.comm,
+    g.require(to_rank == g.rank or into.buffer.comm,
             f"put: into ({into.buffer.name!r}) is written by rank {g.rank} on rank {to_rank}: it must be a "
             f"communication buffer, made with new_tensor(..., comm=True)")
     put_tiles(g, x.block(), to_rank, into.block())
@@ -81,7 +81,7 @@ def all_reduce(g, x, algorithm: str | None = None):
     require_float(g, "all_reduce", x=x)
     if algorithm is None:
         algorithm = "one_shot" if x.rows * x.cols * x.element_size <= ONE_SHOT_MAX_BYTES else "two_shot"
-    g.check(algorithm in ("one_shot", "two_shot"), f"all_reduce: unknown algorithm {algorithm!r}")
+    g.require(algorithm in ("one_shot", "two_shot"), f"all_reduce: unknown algorithm {algorithm!r}")
     src = x.block()
     rows, cols = src.rows, src.cols
     stage = g.new_tensor((world * rows, cols), x.dtype, comm=True)  # slot s holds rank s's contribution
@@ -112,7 +112,7 @@ def all_reduce(g, x, algorithm: str | None = None):
 def all_gather(g, x, dim: int = 0):
     """Concatenation of every rank's ``x`` along ``dim``, in rank order, on every rank."""
     world, me = g.world_size, g.rank
-    g.check(dim in range(x.ndim), f"all_gather: dim {dim} is out of range for shape {x.shape}")
+    g.require(dim in range(x.ndim), f"all_gather: dim {dim} is out of range for shape {x.shape}")
     require_float(g, "all_gather", x=x)
     shape = list(x.shape)
     shape[dim] *= world
@@ -128,9 +128,9 @@ def all_gather(g, x, dim: int = 0):
 def reduce_scatter(g, x, dim: int = 0):
     """This rank's chunk (chunk ``rank`` of ``world`` along ``dim``) of the sum of ``x`` over ranks."""
     world, me = g.world_size, g.rank
-    g.check(dim in range(x.ndim), f"reduce_scatter: dim {dim} is out of range for shape {x.shape}")
+    g.require(dim in range(x.ndim), f"reduce_scatter: dim {dim} is out of range for shape {x.shape}")
     require_float(g, "reduce_scatter", x=x)
-    g.check(x.shape[dim] % world == 0,
+    g.require(x.shape[dim] % world == 0,
             f"reduce_scatter: dim {dim} of shape {x.shape} does not split into {world} equal chunks")
     src = x.block()
     along_rows = x.ndim == 2 and dim == 0

@@ -80,14 +80,14 @@ def require_float(g, op: str, **tensors) -> None:
     """Refuse integer tensors in an op whose tiles compute in float32 (an int64 above 2**24 would not
     survive the trip)."""
     for name, t in tensors.items():
-        g.check(t.dtype.is_floating_point, f"{op}: {name} is {t.dtype}; {op} takes floating-point tensors only")
+        g.require(t.dtype.is_floating_point, f"{op}: {name} is {t.dtype}; {op} takes floating-point tensors only")
 
 
 def row_positions(g, op: str, pos, rows: int) -> list[tuple[int, tuple]]:
     """Per batch row, the heap offset of its position and the region read: ``pos`` is one int64 element
     (every row at that position) or one per row (``[rows]``: sequences at positions of their own; -1
     marks a row that holds no sequence, ``device.row_position``)."""
-    g.check(pos.dtype == torch.int64 and pos.shape in ((1,), (1, 1), (rows,)),
+    g.require(pos.dtype == torch.int64 and pos.shape in ((1,), (1, 1), (rows,)),
             f"{op}: pos must be one int64 element or one per row ({rows},), got {pos.shape} {pos.dtype}")
     flat = pos.block()
     per_row = flat.cols == rows and rows > 1

@@ -40,8 +40,8 @@ def _reference(heap, task) -> None:
 
 def binary(g, op: str, a, b):
     """Split ``a OP b`` (same shape and dtype) into tiles (``Tiling``)."""
-    g.check(a.shape == b.shape, f"{op}: shapes differ: a {a.shape}, b {b.shape}")
-    g.check(a.dtype == b.dtype, f"{op}: dtypes differ: a {a.dtype}, b {b.dtype}")
+    g.require(a.shape == b.shape, f"{op}: shapes differ: a {a.shape}, b {b.shape}")
+    g.require(a.dtype == b.dtype, f"{op}: dtypes differ: a {a.dtype}, b {b.dtype}")
     require_float(g, op, a=a, b=b)
     out = g.new_tensor(a.shape, a.dtype)
     tiling = Tiling(out.rows, out.cols)

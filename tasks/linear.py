@@ -328,11 +328,11 @@ def linear(g, x, w, split_k: int | None = None):
     ``split_k=None`` (the default) chooses the tiling for ``g.parallelism`` workers (``plan``): at 1,
     no split; above, K is split when the output alone has fewer blocks than workers.
     """
-    g.check(x.ndim == 2 and w.ndim == 2, f"linear: x {x.shape} and w {w.shape} must both be 2-D")
+    g.require(x.ndim == 2 and w.ndim == 2, f"linear: x {x.shape} and w {w.shape} must both be 2-D")
     require_float(g, "linear", x=x, w=w)
-    g.check(x.cols == w.cols, f"linear: x has shape {x.shape} but w has shape {w.shape}; "
+    g.require(x.cols == w.cols, f"linear: x has shape {x.shape} but w has shape {w.shape}; "
                               f"expected w of shape (N, {x.cols})")
-    g.check(split_k is None or (isinstance(split_k, int) and not isinstance(split_k, bool) and 1 <= split_k <= x.cols),
+    g.require(split_k is None or (isinstance(split_k, int) and not isinstance(split_k, bool) and 1 <= split_k <= x.cols),
             f"linear: split_k must be None or an integer in [1, {x.cols}], got {split_k!r}")
     m_total, n_total, k_total = x.rows, w.rows, x.cols
     y = g.new_tensor((m_total, n_total), x.dtype)

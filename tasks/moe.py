@@ -63,9 +63,9 @@ def route(g, logits, k: int, normalize: bool, weight_dtype: torch.dtype = torch.
     weights [tokens, k] of weight_dtype)``. Equal probabilities go to the lowest expert first
     (``torch.topk`` leaves the order of ties unspecified, and its CPU and CUDA kernels differ)."""
     require_float(g, "route", logits=logits)
-    g.check(logits.ndim == 2 and isinstance(k, int) and 1 <= k <= logits.cols,
+    g.require(logits.ndim == 2 and isinstance(k, int) and 1 <= k <= logits.cols,
             f"route: logits must be [tokens, experts] and 1 <= k <= experts, got {logits.shape} and k={k!r}")
-    g.check(logits.cols <= 4096, f"route: at most 4096 experts, got {logits.cols}")
+    g.require(logits.cols <= 4096, f"route: at most 4096 experts, got {logits.cols}")
     experts = g.new_tensor((logits.rows, k), torch.int64)
     weights = g.new_tensor((logits.rows, k), weight_dtype)
     opcode = g.opcode(ROUTE, K=k, NORMALIZE=bool(normalize), L_DTYPE=logits.dtype, WEIGHT_DTYPE=weight_dtype,
@@ -107,13 +107,13 @@ def expert_rows(g, x, w, experts, count: int):
     weights stacked), ``x_row`` is ``x[b]`` when ``x`` has a row per token (every slot reads its token's
     row) or ``x[b * k + s]`` when it has a row per slot. Returns ``[tokens * k, n]`` in x's dtype."""
     tokens, k = experts.rows, experts.cols
-    g.check(experts.ndim == 2 and experts.dtype == torch.int64,
+    g.require(experts.ndim == 2 and experts.dtype == torch.int64,
             f"expert_rows: experts must be int64 [tokens, k], got {experts.shape} {experts.dtype}")
     require_float(g, "expert_rows", x=x, w=w)
-    g.check(x.ndim == 2 and w.ndim == 2 and x.cols == w.cols and x.rows in (tokens, tokens * k),
+    g.require(x.ndim == 2 and w.ndim == 2 and x.cols == w.cols and x.rows in (tokens, tokens * k),
             f"expert_rows: x {x.shape} must have a row per token ({tokens}) or per slot ({tokens * k}), and as "
             f"many columns as w {w.shape}")
-    g.check(isinstance(count, int) and count >= 1 and w.rows % count == 0,
+    g.require(isinstance(count, int) and count >= 1 and w.rows % count == 0,
             f"expert_rows: w has {w.rows} rows, not a whole number per expert for {count!r} experts")
     n_total, k_total = w.rows // count, x.cols
     y = g.new_tensor((tokens * k, n_total), x.dtype)
@@ -172,7 +172,7 @@ def moe_sum(g, y, weights):
     slot order: ``[tokens, n]`` in y's dtype."""
     tokens, k = weights.rows, weights.cols
     require_float(g, "moe_sum", y=y, weights=weights)
-    g.check(y.ndim == 2 and y.rows == tokens * k, f"moe_sum: y {y.shape} must have a row per slot of weights "
+    g.require(y.ndim == 2 and y.rows == tokens * k, f"moe_sum: y {y.shape} must have a row per slot of weights "
                                                   f"{weights.shape}")
     out = g.new_tensor((tokens, y.cols), y.dtype)
     tiling = Tiling(1, y.cols)
@@ -190,7 +190,7 @@ def moe_mlp(g, x, router, gate_up, down, k: int, normalize: bool, weight_dtype: 
     expert's gate rows, then its up rows), ``down [E * hidden, I]``; the k experts of largest router
     probability per token, their outputs weighted and summed. Returns ``[tokens, hidden]``."""
     count = router.rows
-    g.check(gate_up.rows % (2 * count) == 0 and down.rows == count * x.cols,
+    g.require(gate_up.rows % (2 * count) == 0 and down.rows == count * x.cols,
             f"moe_mlp: gate_up {gate_up.shape} and down {down.shape} do not hold {count} experts of hidden {x.cols}")
     experts, weights = g.route(g.linear(x, router), k, normalize, weight_dtype)
     inter = gate_up.rows // (2 * count)

@@ -60,12 +60,12 @@ def rope(g, x, inv_freq, pos, head_dim: int, scaling: float = 1.0):
     ``inv_freq`` is float32 [head_dim / 2]; ``pos`` an int64 tensor of one element, or one per row
     (``common.row_positions``); ``scaling`` multiplies cos and sin.
     """
-    g.check(isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and 0 < scaling < float("inf"),
+    g.require(isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and 0 < scaling < float("inf"),
             f"rope: scaling must be a positive number, got {scaling!r}")
-    g.check(head_dim % 2 == 0 and x.cols % head_dim == 0,
+    g.require(head_dim % 2 == 0 and x.cols % head_dim == 0,
             f"rope: x has shape {x.shape}; its rows must be whole heads of even size {head_dim}")
     require_float(g, "rope", x=x)
-    g.check(inv_freq.shape == (head_dim // 2,) and inv_freq.dtype == torch.float32,
+    g.require(inv_freq.shape == (head_dim // 2,) and inv_freq.dtype == torch.float32,
             f"rope: inv_freq must be float32 of shape ({head_dim // 2},), got {inv_freq.shape} {inv_freq.dtype}")
     heads = x.cols // head_dim
     out = g.new_tensor(x.shape, x.dtype)
