@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
-from ..errors import GraphError
+from ..errors import GraphError, is_count
 from .common import TaskType, copy_row, heap_index, require_float, rounded, row_offsets, row_positions
 
 SPLIT = 64           # positions per partial tile: at most, and at parallelism 1 (``split_size``)
@@ -309,8 +309,7 @@ def _paging(g, op: str, cache, batch: int, table, page_size: int | None) -> Pagi
         g.require(page_size is None, f"{op}: page_size {page_size} without a block table")
         g.require(cache.rows % batch == 0, f"{op}: cache of {cache.rows} rows is not {batch} batch rows")
         return Paging(cache.rows // batch, 0, 0, None)
-    g.require(isinstance(page_size, int) and not isinstance(page_size, bool) and page_size >= 1
-            and cache.rows % page_size == 0,
+    g.require(is_count(page_size) and cache.rows % page_size == 0,
             f"{op}: page_size must be a positive int dividing the pool's {cache.rows} rows, got {page_size!r}")
     g.require(table.ndim == 2 and table.rows == batch and table.dtype == torch.int64,
             f"{op}: the block table must be int64 [batch {batch}, max_pages], got {table.shape} {table.dtype}")
@@ -359,7 +358,7 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
     same_caches(g, "decode_attention", q, k_cache, v_cache)
     paging = _paging(g, "decode_attention", k_cache, batch, table, page_size)
     positions = row_positions(g, "decode_attention", pos, batch)
-    g.require(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
+    g.require(window is None or is_count(window),
             f"decode_attention: window must be None or a positive integer, got {window!r}")
     group = heads // kv_heads
     max_seq = paging.max_seq

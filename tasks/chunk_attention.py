@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
+from ..errors import is_count
 from .attention import _cache_rows, _paging, cache_row, same_caches
 from .common import TaskType, dot, rounded, row_offsets, row_positions
 
@@ -126,7 +127,7 @@ def chunk_attention(g, q, k_cache, v_cache, pos, head_dim: int, window: int | No
             f"chunk_attention: q {q.shape} and cache {k_cache.shape} are not whole heads of {head_dim} with "
             f"query heads a multiple of KV heads")
     same_caches(g, "chunk_attention", q, k_cache, v_cache)
-    g.require(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
+    g.require(window is None or is_count(window),
             f"chunk_attention: window must be None or a positive integer, got {window!r}")
     rows = q.rows
     paging = _paging(g, "chunk_attention", k_cache, rows if table is not None else 1, table, page_size)

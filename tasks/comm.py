@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import is_int
 from .common import TaskType, Tiling, load_block, require_float, store_block
 from .reduction import sum_slices
 
@@ -51,7 +52,7 @@ def put_tiles(g, src, dst_rank: int, dst) -> None:
 
 
 def _check_rank(g, op: str, rank: int) -> None:
-    g.require(isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < g.world_size,
+    g.require(is_int(rank) and 0 <= rank < g.world_size,
             f"{op}: rank {rank!r} is outside world size {g.world_size}")
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
+from ..errors import is_count
 from .common import TaskType, dot, require_float, rounded, row_offsets, store_block
 from .reduction import sum_slices
 
@@ -332,7 +333,7 @@ def linear(g, x, w, split_k: int | None = None):
     require_float(g, "linear", x=x, w=w)
     g.require(x.cols == w.cols, f"linear: x has shape {x.shape} but w has shape {w.shape}; "
                               f"expected w of shape (N, {x.cols})")
-    g.require(split_k is None or (isinstance(split_k, int) and not isinstance(split_k, bool) and 1 <= split_k <= x.cols),
+    g.require(split_k is None or (is_count(split_k) and split_k <= x.cols),
             f"linear: split_k must be None or an integer in [1, {x.cols}], got {split_k!r}")
     m_total, n_total, k_total = x.rows, w.rows, x.cols
     y = g.new_tensor((m_total, n_total), x.dtype)

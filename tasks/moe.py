@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..device import checked_index, heap_ptr
+from ..errors import is_count
 from .common import TaskType, Tiling, heap_index, load_block, require_float, rounded, store_block
 from .linear import VECTOR_BYTES, _gemv_one_row, gemv_blocks, plan
 
@@ -63,7 +64,7 @@ def route(g, logits, k: int, normalize: bool, weight_dtype: torch.dtype = torch.
     weights [tokens, k] of weight_dtype)``. Equal probabilities go to the lowest expert first
     (``torch.topk`` leaves the order of ties unspecified, and its CPU and CUDA kernels differ)."""
     require_float(g, "route", logits=logits)
-    g.require(logits.ndim == 2 and isinstance(k, int) and 1 <= k <= logits.cols,
+    g.require(logits.ndim == 2 and is_count(k) and k <= logits.cols,
             f"route: logits must be [tokens, experts] and 1 <= k <= experts, got {logits.shape} and k={k!r}")
     g.require(logits.cols <= 4096, f"route: at most 4096 experts, got {logits.cols}")
     experts = g.new_tensor((logits.rows, k), torch.int64)
@@ -113,7 +114,7 @@ def expert_rows(g, x, w, experts, count: int):
     g.require(x.ndim == 2 and w.ndim == 2 and x.cols == w.cols and x.rows in (tokens, tokens * k),
             f"expert_rows: x {x.shape} must have a row per token ({tokens}) or per slot ({tokens * k}), and as "
             f"many columns as w {w.shape}")
-    g.require(isinstance(count, int) and count >= 1 and w.rows % count == 0,
+    g.require(is_count(count) and w.rows % count == 0,
             f"expert_rows: w has {w.rows} rows, not a whole number per expert for {count!r} experts")
     n_total, k_total = w.rows // count, x.cols
     y = g.new_tensor((tokens * k, n_total), x.dtype)

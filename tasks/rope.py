@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
+from ..errors import is_number
 from .common import TaskType, require_float, rounded, row_positions
 
 
@@ -60,7 +61,7 @@ def rope(g, x, inv_freq, pos, head_dim: int, scaling: float = 1.0):
     ``inv_freq`` is float32 [head_dim / 2]; ``pos`` an int64 tensor of one element, or one per row
     (``common.row_positions``); ``scaling`` multiplies cos and sin.
     """
-    g.require(isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and 0 < scaling < float("inf"),
+    g.require(is_number(scaling) and 0 < scaling < float("inf"),
             f"rope: scaling must be a positive number, got {scaling!r}")
     g.require(head_dim % 2 == 0 and x.cols % head_dim == 0,
             f"rope: x has shape {x.shape}; its rows must be whole heads of even size {head_dim}")
