@@ -67,7 +67,7 @@ def embedding(g, tokens, table, pos=None):
     if pos is not None:
         return _embedding_at(g, tokens, table, pos, block_n)
     g.require(tokens.ndim == 1 and tokens.dtype == torch.int64,
-            f"embedding: tokens must be 1-D int64, got {tokens.shape} {tokens.dtype}")
+              f"embedding: tokens must be 1-D int64, got {tokens.shape} {tokens.dtype}")
     batch = tokens.cols
     out = g.new_tensor((batch, table.cols), table.dtype)
     opcode = g.opcode(EMBEDDING, DTYPE=table.dtype, BLOCK_N=block_n)
@@ -83,7 +83,7 @@ def embedding(g, tokens, table, pos=None):
 
 def _embedding_at(g, history, table, pos, block_n: int):
     g.require(history.ndim == 2 and history.dtype == torch.int64,
-            f"embedding: a history must be 2-D int64 [batch, positions], got {history.shape} {history.dtype}")
+              f"embedding: a history must be 2-D int64 [batch, positions], got {history.shape} {history.dtype}")
     out = g.new_tensor((history.rows, table.cols), table.dtype)
     opcode = g.opcode(EMBEDDING_AT, DTYPE=table.dtype, BLOCK_N=block_n)
     for b, (position, position_region) in enumerate(row_positions(g, "embedding", pos, history.rows)):

@@ -67,9 +67,9 @@ def rms_norm(g, x, weight, eps: float = 1e-6, head_dim: int | None = None, unit_
     g.require(x.ndim in (1, 2), f"rms_norm: x must be 1-D or 2-D, got shape {x.shape}")
     size = x.cols if head_dim is None else head_dim
     g.require(weight.ndim == 1 and weight.shape[0] == size and x.cols % size == 0,
-            f"rms_norm: weight has shape {weight.shape}, x has shape {x.shape}; expected weight ({size},)")
+              f"rms_norm: weight has shape {weight.shape}, x has shape {x.shape}; expected weight ({size},)")
     g.require(is_number(eps) and 0 < eps < float("inf"),
-            f"rms_norm: eps must be a positive number, got {eps!r}")
+              f"rms_norm: eps must be a positive number, got {eps!r}")
     require_float(g, "rms_norm", x=x, weight=weight)
     out = g.new_tensor(x.shape, x.dtype)
     segments = x.cols // size

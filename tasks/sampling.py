@@ -58,8 +58,8 @@ def sample_greedy(g, logits, history, pos, prompt_len, vocab: int | None = None)
     require_float(g, "sample_greedy", logits=logits)
     vocab = logits.cols if vocab is None else vocab
     g.require(logits.ndim == 2 and history.ndim == 2 and history.dtype == torch.int64 and history.rows == logits.rows,
-            f"sample_greedy: logits must be [batch, vocab] and history int64 [batch, positions], got {logits.shape} "
-            f"and {history.shape} {history.dtype}")
+              f"sample_greedy: logits must be [batch, vocab] and history int64 [batch, positions], got {logits.shape} "
+              f"and {history.shape} {history.dtype}")
     g.require(0 < vocab <= logits.cols, f"sample_greedy: vocab {vocab} is outside [1, {logits.cols}]")
     positions = row_positions(g, "sample_greedy", pos, logits.rows)
     lengths = row_positions(g, "sample_greedy", prompt_len, logits.rows)
