@@ -28,14 +28,24 @@ class BackendError(MegakernelError, RuntimeError):
 MAX_TIMEOUT = 1e6  # seconds (11.6 days): past it a wait's deadline in nanoseconds no longer fits an int64
 
 
+def is_int(value) -> bool:
+    """An int, not a bool (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def is_count(value) -> bool:
     """A positive int (not a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return is_int(value) and value >= 1
+
+
+def is_number(value) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_timeout(value, what: str = "timeout") -> float:
     """``value`` as seconds in (0, MAX_TIMEOUT]; anything else is a ``GraphError``."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= MAX_TIMEOUT
+    ok = is_number(value) and 0 < value <= MAX_TIMEOUT
     if not ok or math.isnan(value):
         raise GraphError(f"{what} must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {value!r}")
     return float(value)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import GraphError, is_count
+from .errors import GraphError, is_count, is_int
 from .layout import COMM, align
 from .scheduler import NO_GUARD, Region, Spec, Tasks, task_cost
 from .tasks import DTYPES, OPS, TaskType
@@ -123,7 +123,7 @@ def _describe(value) -> str:
     """An op argument as ranks compare it: tensors by shape and dtype; ranks (ints) may differ."""
     if isinstance(value, Tensor):
         return f"{value.shape} {str(value.dtype).removeprefix('torch.')}"
-    return "int" if isinstance(value, int) and not isinstance(value, bool) else repr(value)
+    return "int" if is_int(value) else repr(value)
 
 
 def _process_group() -> tuple[int, int]:
@@ -257,7 +257,9 @@ class Graph:
             raise GraphError(f"{what}: this is a kernel's sealed copy of a graph; add ops to the graph it was built from")
 
     # -- builder API (used by the task library) ---------------------------------------------------
-    def check(self, condition: bool, message: str) -> None:
+    def require(self, condition: bool, message: str) -> None:
+        """Refuse a bad op: a ``GraphError`` with ``message`` (which names the op, the tensor, the shapes)
+        unless ``condition`` holds."""
         if not condition:
             raise GraphError(message)
 

@@ -28,8 +28,9 @@ import triton
 import triton.language as tl
 
 from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
-from ..errors import GraphError
-from .common import TaskType, copy_row, heap_index, require_float, rounded, row_offsets, row_positions
+from ..errors import GraphError, is_count
+from .common import (TaskType, copy_row, heap_index, require_float, rounded, row_offsets, row_positions,
+                     vector_aligned)
 
 SPLIT = 64           # positions per partial tile: at most, and at parallelism 1 (``split_size``)
 BLOCK_S = 32         # positions per step of a partial tile (K and V: 2 x 32 x head_dim elements, 16 KiB at
@@ -62,26 +63,26 @@ def kv_append_tile(base, status,
     sequence, or a page outside the pool: no copy, reported; the cache keeps every row it had; a row of
     no sequence: no copy)."""
     position = tl.load(heap_ptr(base, pos, tl.int64))
-    row = row_position(status, heap_ptr(base, pos, tl.int64), seq_len)
-    write = (row == position) & (row >= 0)
+    checked = row_position(status, heap_ptr(base, pos, tl.int64), seq_len)  # NO_SEQUENCE, or in [0, seq_len)
+    write = (checked == position) & (checked >= 0)
     if PAGE != 0:
-        page = tl.load(heap_ptr(base, table, tl.int64) + tl.maximum(row, 0) // PAGE)
+        page = tl.load(heap_ptr(base, table, tl.int64) + tl.maximum(checked, 0) // PAGE)
         write = write & (checked_index(status, page, pages) == page)
     if write:
-        row = cache_row(base, table, row, pages, PAGE)
+        row = cache_row(base, table, checked, pages, PAGE)
         copy_row(base, cache + row * cache_stride * DTYPE.primitive_bitwidth // 8, x, cols, DTYPE, BLOCK_N)
 
 
 def _append_reference(heap, task) -> None:
     if _no_sequence(heap, task.pos):
         return
-    row = _cache_rows(heap, task, heap_index(heap, task.pos, task.seq_len))
+    row = reference_cache_rows(heap, task, heap_index(heap, task.pos, task.seq_len))
     x = heap.tensor(task.x, task.DTYPE, 1, task.cols, task.cols)
     stride = task.cache_stride
     heap.tensor(task.cache + int(row) * stride * x.element_size(), task.DTYPE, 1, task.cols, stride).copy_(x)
 
 
-def _cache_rows(heap, task, positions):
+def reference_cache_rows(heap, task, positions):
     """``cache_row`` of each of ``positions``, for a reference tile (a page outside the pool refused)."""
     if task.PAGE == 0:
         return torch.as_tensor(positions)
@@ -142,10 +143,10 @@ def attention_partial_tile(base, status,
         for s0 in range(first - first % BLOCK_S, end, BLOCK_S):
             valid = (s0 + j >= first) & (s0 + j < end)
             cache_rows = (cache_row(base, table, s0, pages, PAGE) + j)[:, None]
-            rows = row_offsets(cache_rows, cache_stride, DTYPE, ALIGNED) + d
+            step = row_offsets(cache_rows, cache_stride, DTYPE, ALIGNED) + d  # the step's elements of K and of V
             mask = valid[:, None] & (d < HEAD_DIM)
-            kv = tl.load(k_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-            vv = tl.load(v_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+            kv = tl.load(k_ptr + step, mask=mask, other=0.0).to(tl.float32)
+            vv = tl.load(v_ptr + step, mask=mask, other=0.0).to(tl.float32)
             scores = tl.where(valid, tl.sum(kv * qg, axis=1), float("-inf"))     # [BLOCK_S]
             m_new = tl.maximum(m, tl.max(scores, axis=0))
             p = tl.exp(scores - m_new)
@@ -171,10 +172,10 @@ def _partial_reference(heap, task) -> None:
         ml[0].fill_(float("-inf"))
         ml[1].zero_()
         return
-    rows = _cache_rows(heap, task, torch.arange(start, end))
-    pool = int(rows.max()) + 1
-    k = heap.tensor(task.k, dtype, pool, hd, stride)[rows].float()
-    v = heap.tensor(task.v, dtype, pool, hd, stride)[rows].float()
+    cache_rows = reference_cache_rows(heap, task, torch.arange(start, end))
+    pool = int(cache_rows.max()) + 1
+    k = heap.tensor(task.k, dtype, pool, hd, stride)[cache_rows].float()
+    v = heap.tensor(task.v, dtype, pool, hd, stride)[cache_rows].float()
     scores = q @ k.T
     m = scores.max(-1).values
     p = (scores - m[:, None]).exp()
@@ -248,10 +249,10 @@ def kv_append(g, cache, x, pos, batch: int, table=None, page_size: int | None = 
     position, or one per row, ``common.row_positions``): contiguous, row ``b * max_seq + *pos``; paged
     (``table`` [batch, max_pages] int64 and ``page_size``), through the block table (module docstring).
     Returns ``cache``."""
-    g.check(cache.ndim == 2 and x.ndim == 2 and x.rows == batch and cache.cols == x.cols and cache.dtype == x.dtype,
-            f"kv_append: cache {cache.shape} {cache.dtype} and x {x.shape} {x.dtype} do not match for batch {batch}")
+    g.require(cache.ndim == 2 and x.ndim == 2 and x.rows == batch and cache.cols == x.cols and cache.dtype == x.dtype,
+              f"kv_append: cache {cache.shape} {cache.dtype} and x {x.shape} {x.dtype} do not match for batch {batch}")
     require_float(g, "kv_append", x=x)
-    paging = _paging(g, "kv_append", cache, batch, table, page_size)
+    paging = Paging.checked(g, "kv_append", cache, batch, table, page_size)
     opcode = g.opcode(KV_APPEND, DTYPE=x.dtype, BLOCK_N=min(triton.next_power_of_2(x.cols), 1024), PAGE=paging.page)
     for b, (position, position_region) in enumerate(row_positions(g, "kv_append", pos, batch)):
         g.add_task(opcode, cache=cache.addr(paging.first_row(b), 0), x=x.addr(b, 0), pos=position,
@@ -273,6 +274,20 @@ class Paging:
     pages: int         # pages in the pool (paged)
     table: Any         # the block table (paged), else None
 
+    @classmethod
+    def checked(cls, g, op: str, cache, batch: int, table, page_size: int | None) -> "Paging":
+        """The paging of ``cache`` for ``batch`` rows: contiguous without a block ``table``, else pages of
+        ``page_size`` rows; refused (``GraphError``) when the shapes do not fit."""
+        if table is None:
+            g.require(page_size is None, f"{op}: page_size {page_size} without a block table")
+            g.require(cache.rows % batch == 0, f"{op}: cache of {cache.rows} rows is not {batch} batch rows")
+            return cls(cache.rows // batch, 0, 0, None)
+        g.require(is_count(page_size) and cache.rows % page_size == 0,
+                  f"{op}: page_size must be a positive int dividing the pool's {cache.rows} rows, got {page_size!r}")
+        g.require(table.ndim == 2 and table.rows == batch and table.dtype == torch.int64,
+                  f"{op}: the block table must be int64 [batch {batch}, max_pages], got {table.shape} {table.dtype}")
+        return cls(table.cols * page_size, page_size, cache.rows // page_size, table)
+
     def block(self, most: int) -> int:
         """Positions per step of a tile: ``most`` (a power of two), or in a paged cache the largest power
         of two at most that which divides a page (aligned steps then never cross a page)."""
@@ -287,7 +302,7 @@ class Paging:
     def table_region(self, b: int) -> tuple:
         return (self.table.region(b, 1, 0, self.table.cols),) if self.page else ()
 
-    def rows(self, cache, b: int, col: int, cols: int):
+    def readable(self, cache, b: int, col: int, cols: int):
         """The region of ``cache`` batch row b may read: its block, or the whole pool."""
         return (cache.region(0, cache.rows, col, cols) if self.page
                 else cache.region(b * self.max_seq, self.max_seq, col, cols))
@@ -300,31 +315,18 @@ class Paging:
         writes no one reads); every reader declares the whole pool, so it comes after every append of
         its step and before those of the next."""
         if not self.page:
-            return self.rows(cache, b, 0, cache.cols)
+            return self.readable(cache, b, 0, cache.cols)
         return cache.region((self.table.row0 + b) % cache.rows, 1, 0, cache.cols)
 
 
-def _paging(g, op: str, cache, batch: int, table, page_size: int | None) -> Paging:
-    if table is None:
-        g.check(page_size is None, f"{op}: page_size {page_size} without a block table")
-        g.check(cache.rows % batch == 0, f"{op}: cache of {cache.rows} rows is not {batch} batch rows")
-        return Paging(cache.rows // batch, 0, 0, None)
-    g.check(isinstance(page_size, int) and not isinstance(page_size, bool) and page_size >= 1
-            and cache.rows % page_size == 0,
-            f"{op}: page_size must be a positive int dividing the pool's {cache.rows} rows, got {page_size!r}")
-    g.check(table.ndim == 2 and table.rows == batch and table.dtype == torch.int64,
-            f"{op}: the block table must be int64 [batch {batch}, max_pages], got {table.shape} {table.dtype}")
-    return Paging(table.cols * page_size, page_size, cache.rows // page_size, table)
-
-
-def split_size(rows: int, max_seq: int, parallelism: int) -> int:
-    """Cache positions per partial tile, for ``rows`` (batch x KV heads) of ``max_seq`` positions.
+def split_size(sequences: int, max_seq: int, parallelism: int) -> int:
+    """Cache positions per partial tile, for ``sequences`` (batch rows x KV heads) of ``max_seq`` positions.
 
     SPLIT (64) when that makes at least ``parallelism`` partial tiles (always at parallelism 1);
     otherwise halved, down to BLOCK_S, until it does, so that every worker gets a split at long contexts.
     """
     size = SPLIT
-    while size > BLOCK_S and rows * triton.cdiv(max_seq, size) < parallelism:
+    while size > BLOCK_S and sequences * triton.cdiv(max_seq, size) < parallelism:
         size //= 2
     return size
 
@@ -333,11 +335,11 @@ def same_caches(g, op: str, q, k_cache, v_cache) -> None:
     """Refuse caches the tiles would misread: they read K and V with one row stride and everything in
     q's dtype (float)."""
     require_float(g, op, q=q, k_cache=k_cache, v_cache=v_cache)
-    g.check(k_cache.shape == v_cache.shape and k_cache.row_stride == v_cache.row_stride
-            and k_cache.dtype == v_cache.dtype == q.dtype,
-            f"{op}: caches {k_cache.shape} {k_cache.dtype} (row stride {k_cache.row_stride}) and "
-            f"{v_cache.shape} {v_cache.dtype} (row stride {v_cache.row_stride}) must match each other and "
-            f"q's dtype {q.dtype}")
+    g.require(k_cache.shape == v_cache.shape and k_cache.row_stride == v_cache.row_stride
+              and k_cache.dtype == v_cache.dtype == q.dtype,
+              f"{op}: caches {k_cache.shape} {k_cache.dtype} (row stride {k_cache.row_stride}) and "
+              f"{v_cache.shape} {v_cache.dtype} (row stride {v_cache.row_stride}) must match each other and "
+              f"q's dtype {q.dtype}")
 
 
 def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, window: int | None = None, table=None,
@@ -352,15 +354,15 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
     and split) and a combine tile per batch row and query head adds up the splits that reach ``*pos``.
     """
     heads, kv_heads = q.cols // head_dim, k_cache.cols // head_dim
-    g.check(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0,
-            f"decode_attention: q {q.shape} and cache {k_cache.shape} are not whole heads of {head_dim} "
-            f"with query heads a multiple of KV heads")
-    g.check(q.rows == batch, f"decode_attention: q {q.shape} for batch {batch}")
+    g.require(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0,
+              f"decode_attention: q {q.shape} and cache {k_cache.shape} are not whole heads of {head_dim} "
+              f"with query heads a multiple of KV heads")
+    g.require(q.rows == batch, f"decode_attention: q {q.shape} for batch {batch}")
     same_caches(g, "decode_attention", q, k_cache, v_cache)
-    paging = _paging(g, "decode_attention", k_cache, batch, table, page_size)
+    paging = Paging.checked(g, "decode_attention", k_cache, batch, table, page_size)
     positions = row_positions(g, "decode_attention", pos, batch)
-    g.check(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
-            f"decode_attention: window must be None or a positive integer, got {window!r}")
+    g.require(window is None or is_count(window),
+              f"decode_attention: window must be None or a positive integer, got {window!r}")
     group = heads // kv_heads
     max_seq = paging.max_seq
     split = split_size(batch * kv_heads, max_seq, g.parallelism)
@@ -370,8 +372,8 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
     out = g.new_tensor(q.shape, q.dtype)
     size = q.element_size
     # 16-byte vectors along head_dim: every row of q and of the caches must start 16-byte aligned
-    aligned = all(a % 16 == 0 for a in (q.addr(0, 0), q.row_stride * size, head_dim * size, k_cache.addr(0, 0),
-                                        v_cache.addr(0, 0), k_cache.row_stride * size, v_cache.row_stride * size))
+    aligned = vector_aligned(q.addr(0, 0), q.row_stride * size, head_dim * size, k_cache.addr(0, 0),
+                             v_cache.addr(0, 0), k_cache.row_stride * size, v_cache.row_stride * size)
     block_d = triton.next_power_of_2(head_dim)
     partial = g.opcode(PARTIAL, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, SCALE=1.0 / math.sqrt(head_dim),
                        BLOCK_D=block_d, BLOCK_S=paging.block(BLOCK_S), ALIGNED=aligned, PAGE=paging.page)
@@ -388,14 +390,16 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
                            window=min(window or max_seq, max_seq), start=s * split, length=split,
                            cache_stride=k_cache.row_stride,
                            reads=(q_rows, position_region, *paging.table_region(b),
-                                  paging.rows(k_cache, b, cols, head_dim), paging.rows(v_cache, b, cols, head_dim)),
+                                  paging.readable(k_cache, b, cols, head_dim),
+                                  paging.readable(v_cache, b, cols, head_dim)),
                            writes=(partial_o.region(slot * group, group, 0, head_dim),
                                    partial_ml.region(slot * 2, 2, 0, group)),
                            bytes=2 * min(split, max_seq) * head_dim * size,
                            flops=4 * group * min(split, max_seq) * head_dim)
     g.phase("decode_attention.combine")
     combine = g.opcode(COMBINE, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                       BLOCK_P=min(COMBINE_SPLITS, triton.next_power_of_2(splits)), ALIGNED=head_dim % 4 == 0)
+                       BLOCK_P=min(COMBINE_SPLITS, triton.next_power_of_2(splits)),
+                       ALIGNED=vector_aligned(partial_o.addr(0, 0), head_dim * partial_o.element_size))
     for b, (position, position_region) in enumerate(positions):
         for h in range(kv_heads):
             slot = (b * kv_heads + h) * splits

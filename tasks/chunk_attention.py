@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .attention import _cache_rows, _paging, cache_row, same_caches
-from .common import TaskType, dot, rounded, row_offsets, row_positions
+from ..errors import is_count
+from .attention import Paging, cache_row, reference_cache_rows, same_caches
+from .common import TaskType, dot, rounded, row_offsets, row_positions, vector_aligned
 
 BLOCK_ROWS = 16   # chunk rows per tile (a sequence's part of a chunk starts at a multiple of it)
 BLOCK_KEYS = 16   # key positions per step; both are tl.dot's smallest dimension
@@ -103,10 +104,10 @@ def _reference(heap, task) -> None:
     if last < 0:
         out.zero_()
         return
-    rows = _cache_rows(heap, task, torch.arange(last + 1))
-    pool = int(rows.max()) + 1
-    k = heap.tensor(task.k, dtype, pool, hd, task.cache_stride)[rows].float()
-    v = heap.tensor(task.v, dtype, pool, hd, task.cache_stride)[rows].float()
+    cache_rows = reference_cache_rows(heap, task, torch.arange(last + 1))
+    pool = int(cache_rows.max()) + 1
+    k = heap.tensor(task.k, dtype, pool, hd, task.cache_stride)[cache_rows].float()
+    v = heap.tensor(task.v, dtype, pool, hd, task.cache_stride)[cache_rows].float()
     keys = torch.arange(last + 1)
     seen = (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - task.window)  # [rows, keys]
     scores = torch.einsum("rgd,kd->rgk", q * task.SCALE, k).masked_fill(~seen[:, None, :], float("-inf"))
@@ -122,38 +123,41 @@ def chunk_attention(g, q, k_cache, v_cache, pos, head_dim: int, window: int | No
     Every block of BLOCK_ROWS rows holds one sequence's rows: its first row's block table row serves
     the block. ``window``: keys ``p - window < key <= p``."""
     heads, kv_heads = q.cols // head_dim, k_cache.cols // head_dim
-    g.check(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0,
-            f"chunk_attention: q {q.shape} and cache {k_cache.shape} are not whole heads of {head_dim} with "
-            f"query heads a multiple of KV heads")
+    g.require(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0,
+              f"chunk_attention: q {q.shape} and cache {k_cache.shape} are not whole heads of {head_dim} with "
+              f"query heads a multiple of KV heads")
     same_caches(g, "chunk_attention", q, k_cache, v_cache)
-    g.check(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
-            f"chunk_attention: window must be None or a positive integer, got {window!r}")
-    rows = q.rows
-    paging = _paging(g, "chunk_attention", k_cache, rows if table is not None else 1, table, page_size)
-    positions = row_positions(g, "chunk_attention", pos, rows)
-    g.check(pos.block().cols == rows, f"chunk_attention: pos must have one position per row ({rows},), got {pos.shape}")
+    g.require(window is None or is_count(window),
+              f"chunk_attention: window must be None or a positive integer, got {window!r}")
+    chunk_rows = q.rows
+    paging = Paging.checked(g, "chunk_attention", k_cache, chunk_rows if table is not None else 1, table, page_size)
+    positions = row_positions(g, "chunk_attention", pos, chunk_rows)
+    g.require(pos.block().cols == chunk_rows,
+              f"chunk_attention: pos must have one position per row ({chunk_rows},), got {pos.shape}")
     group = heads // kv_heads
     out = g.new_tensor(q.shape, q.dtype)
     size = q.element_size
-    aligned = all(a % 16 == 0 for a in (q.addr(0, 0), q.row_stride * size, out.addr(0, 0), head_dim * size,
-                                        k_cache.addr(0, 0), v_cache.addr(0, 0), k_cache.row_stride * size))
+    aligned = vector_aligned(q.addr(0, 0), q.row_stride * size, out.addr(0, 0), head_dim * size, k_cache.addr(0, 0),
+                             v_cache.addr(0, 0), k_cache.row_stride * size)
     opcode = g.opcode(CHUNK_ATTENTION, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim,
                       SCALE=1.0 / math.sqrt(head_dim), BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS,
                       BLOCK_D=max(BLOCK_KEYS, triton.next_power_of_2(head_dim)), ALIGNED=aligned, PAGE=paging.page)
-    for r0 in range(0, rows, BLOCK_ROWS):
-        n = min(BLOCK_ROWS, rows - r0)
+    for r0 in range(0, chunk_rows, BLOCK_ROWS):
+        block_rows = min(BLOCK_ROWS, chunk_rows - r0)
         for h in range(kv_heads):
-            cols = h * group * head_dim
-            g.add_task(opcode, out=out.addr(r0, cols), q=q.addr(r0, cols), k=k_cache.addr(0, h * head_dim),
-                       v=v_cache.addr(0, h * head_dim), pos=positions[r0][0], rows=n, seq_len=paging.max_seq,
+            q_col = h * group * head_dim
+            g.add_task(opcode, out=out.addr(r0, q_col), q=q.addr(r0, q_col), k=k_cache.addr(0, h * head_dim),
+                       v=v_cache.addr(0, h * head_dim), pos=positions[r0][0], rows=block_rows, seq_len=paging.max_seq,
                        table=paging.table_row(r0), pages=paging.pages, window=min(window or paging.max_seq,
                                                                                   paging.max_seq),
                        q_stride=q.row_stride, out_stride=out.row_stride, cache_stride=k_cache.row_stride,
-                       reads=(q.region(r0, n, cols, group * head_dim), pos.block().region(0, 1, r0, n),
-                              *paging.table_region(r0), paging.rows(k_cache, 0, h * head_dim, head_dim),
-                              paging.rows(v_cache, 0, h * head_dim, head_dim)),
-                       writes=(out.region(r0, n, cols, group * head_dim),),
-                       bytes=2 * paging.max_seq * head_dim * size, flops=4 * n * group * paging.max_seq * head_dim)
+                       reads=(q.region(r0, block_rows, q_col, group * head_dim),
+                              pos.block().region(0, 1, r0, block_rows), *paging.table_region(r0),
+                              paging.readable(k_cache, 0, h * head_dim, head_dim),
+                              paging.readable(v_cache, 0, h * head_dim, head_dim)),
+                       writes=(out.region(r0, block_rows, q_col, group * head_dim),),
+                       bytes=2 * paging.max_seq * head_dim * size,
+                       flops=4 * block_rows * group * paging.max_seq * head_dim)
     return out
 
 

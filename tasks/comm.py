@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import heap_ptr, peer_ptr
+from ..errors import is_int
 from .common import TaskType, Tiling, load_block, require_float, store_block
 from .reduction import sum_slices
 
@@ -27,9 +29,8 @@ def put_tile(base, bases,
              dst_stride, src_stride,  # row strides, in elements
              DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Copy a local block to the same-shaped block at ``dst`` on rank ``peer``."""
-    block = load_block(base, src, src_stride, rows, cols, DTYPE, BLOCK_M, BLOCK_N)
-    peer_base = tl.load(bases + peer)
-    store_block(peer_base, dst, dst_stride, rows, cols, block, DTYPE, BLOCK_M, BLOCK_N)
+    block = load_block(heap_ptr(base, src, DTYPE), src_stride, rows, cols, BLOCK_M, BLOCK_N)
+    store_block(peer_ptr(bases, peer, dst, DTYPE), dst_stride, rows, cols, block, BLOCK_M, BLOCK_N)
 
 
 def _reference(heap, task, peers) -> None:
@@ -51,8 +52,8 @@ def put_tiles(g, src, dst_rank: int, dst) -> None:
 
 
 def _check_rank(g, op: str, rank: int) -> None:
-    g.check(isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < g.world_size,
-            f"{op}: rank {rank!r} is outside world size {g.world_size}")
+    g.require(is_int(rank) and 0 <= rank < g.world_size,
+              f"{op}: rank {rank!r} is outside world size {g.world_size}")
 
 
 def put(g, x, to_rank: int, into):
@@ -61,11 +62,11 @@ def put(g, x, to_rank: int, into):
     itself."""
     _check_rank(g, "put", to_rank)
     require_float(g, "put", x=x)
-    g.check(x.shape == into.shape and x.dtype == into.dtype,
-            f"put: x is {x.shape} {x.dtype} but into is {into.shape} {into.dtype}")
-    g.check(to_rank == g.rank or into.buffer.comm,
-            f"put: into ({into.buffer.name!r}) is written by rank {g.rank} on rank {to_rank}: it must be a "
-            f"communication buffer, made with new_tensor(..., comm=True)")
+    g.require(x.shape == into.shape and x.dtype == into.dtype,
+              f"put: x is {x.shape} {x.dtype} but into is {into.shape} {into.dtype}")
+    g.require(to_rank == g.rank or into.buffer.comm,
+              f"put: into ({into.buffer.name!r}) is written by rank {g.rank} on rank {to_rank}: it must be a "
+              f"communication buffer, made with new_tensor(..., comm=True)")
     put_tiles(g, x.block(), to_rank, into.block())
     return into
 
@@ -81,7 +82,7 @@ def all_reduce(g, x, algorithm: str | None = None):
     require_float(g, "all_reduce", x=x)
     if algorithm is None:
         algorithm = "one_shot" if x.rows * x.cols * x.element_size <= ONE_SHOT_MAX_BYTES else "two_shot"
-    g.check(algorithm in ("one_shot", "two_shot"), f"all_reduce: unknown algorithm {algorithm!r}")
+    g.require(algorithm in ("one_shot", "two_shot"), f"all_reduce: unknown algorithm {algorithm!r}")
     src = x.block()
     rows, cols = src.rows, src.cols
     stage = g.new_tensor((world * rows, cols), x.dtype, comm=True)  # slot s holds rank s's contribution
@@ -109,41 +110,49 @@ def all_reduce(g, x, algorithm: str | None = None):
     return out
 
 
+def _along_rows(g, op: str, x, dim: int) -> bool:
+    """Refuse a bad ``dim`` or ``x`` for a collective along ``dim``; whether ``dim`` is the rows of x's 2-D
+    view (else it is its columns)."""
+    g.require(dim in range(x.ndim), f"{op}: dim {dim} is out of range for shape {x.shape}")
+    require_float(g, op, x=x)
+    return x.ndim == 2 and dim == 0
+
+
+def _chunk(t, i: int, size: int, along_rows: bool):
+    """Chunk ``i`` of ``size`` rows (``along_rows``) or columns of the 2-D view ``t``."""
+    return t.block(i * size, size) if along_rows else t.block(0, t.rows, i * size, size)
+
+
+def _resized(shape: tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:
+    return tuple(size if d == dim else s for d, s in enumerate(shape))
+
+
 def all_gather(g, x, dim: int = 0):
     """Concatenation of every rank's ``x`` along ``dim``, in rank order, on every rank."""
-    world, me = g.world_size, g.rank
-    g.check(dim in range(x.ndim), f"all_gather: dim {dim} is out of range for shape {x.shape}")
-    require_float(g, "all_gather", x=x)
-    shape = list(x.shape)
-    shape[dim] *= world
-    out = g.new_tensor(tuple(shape), x.dtype, comm=True)
-    src = x.block()
-    along_rows = x.ndim == 2 and dim == 0
-    slot = out.block(me * src.rows, src.rows) if along_rows else out.block(0, src.rows, me * src.cols, src.cols)
-    for dst in range(world):
-        put_tiles(g, src, dst, slot)
+    along_rows = _along_rows(g, "all_gather", x, dim)
+    size = x.shape[dim]
+    out = g.new_tensor(_resized(x.shape, dim, g.world_size * size), x.dtype, comm=True)
+    slot = _chunk(out.block(), g.rank, size, along_rows)
+    for dst in range(g.world_size):
+        put_tiles(g, x.block(), dst, slot)
     return out
 
 
 def reduce_scatter(g, x, dim: int = 0):
     """This rank's chunk (chunk ``rank`` of ``world`` along ``dim``) of the sum of ``x`` over ranks."""
     world, me = g.world_size, g.rank
-    g.check(dim in range(x.ndim), f"reduce_scatter: dim {dim} is out of range for shape {x.shape}")
-    require_float(g, "reduce_scatter", x=x)
-    g.check(x.shape[dim] % world == 0,
-            f"reduce_scatter: dim {dim} of shape {x.shape} does not split into {world} equal chunks")
-    src = x.block()
-    along_rows = x.ndim == 2 and dim == 0
-    rows, cols = (src.rows // world, src.cols) if along_rows else (src.rows, src.cols // world)
-    shape = list(x.shape)
-    shape[dim] //= world
-    out = g.new_tensor(tuple(shape), x.dtype)
-    stage = g.new_tensor((world * rows, cols), x.dtype, comm=True)
-    for owner in range(world):
-        chunk = src.block(owner * rows, rows) if along_rows else src.block(0, rows, owner * cols, cols)
-        put_tiles(g, chunk, owner, stage.block(me * rows, rows))
+    along_rows = _along_rows(g, "reduce_scatter", x, dim)
+    g.require(x.shape[dim] % world == 0,
+              f"reduce_scatter: dim {dim} of shape {x.shape} does not split into {world} equal chunks")
+    size = x.shape[dim] // world
+    chunks = [_chunk(x.block(), owner, size, along_rows) for owner in range(world)]
+    chunk_rows, chunk_cols = chunks[0].rows, chunks[0].cols
+    out = g.new_tensor(_resized(x.shape, dim, size), x.dtype)
+    stage = g.new_tensor((world * chunk_rows, chunk_cols), x.dtype, comm=True)  # slot s holds rank s's chunk
+    for owner, chunk in enumerate(chunks):
+        put_tiles(g, chunk, owner, stage.block(me * chunk_rows, chunk_rows))
     g.phase("reduce_scatter.sum")
-    sum_slices(g, out.block(), stage, world, rows)
+    sum_slices(g, out.block(), stage, world, chunk_rows)
     return out
 
 

@@ -1,4 +1,5 @@
-"""What every task type shares: its declaration, the tiling of 2-D ops, tile-shaped loads and stores.
+"""What every task type shares: its declaration, the tiling of 2-D ops, tile-shaped loads and stores,
+the 16-byte alignment decision.
 
 A task type is an opcode's meaning, declared once by its tile's signature::
 
@@ -36,6 +37,7 @@ from ..errors import GraphError
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int64: "int64"}
 CONTEXT_PARAMS = ("base", "bases", "status")                    # what a tile may take before its words
 BUILDER_KEYWORDS = ("reads", "writes", "bytes", "flops", "remote")  # Graph.add_task's own keywords
+VECTOR_BYTES = 16  # the widest load of a thread: one ld.global.v4 (CUDA) / global_load_dwordx4 (AMD)
 
 
 @dataclass(frozen=True)
@@ -80,15 +82,15 @@ def require_float(g, op: str, **tensors) -> None:
     """Refuse integer tensors in an op whose tiles compute in float32 (an int64 above 2**24 would not
     survive the trip)."""
     for name, t in tensors.items():
-        g.check(t.dtype.is_floating_point, f"{op}: {name} is {t.dtype}; {op} takes floating-point tensors only")
+        g.require(t.dtype.is_floating_point, f"{op}: {name} is {t.dtype}; {op} takes floating-point tensors only")
 
 
 def row_positions(g, op: str, pos, rows: int) -> list[tuple[int, tuple]]:
     """Per batch row, the heap offset of its position and the region read: ``pos`` is one int64 element
     (every row at that position) or one per row (``[rows]``: sequences at positions of their own; -1
     marks a row that holds no sequence, ``device.row_position``)."""
-    g.check(pos.dtype == torch.int64 and pos.shape in ((1,), (1, 1), (rows,)),
-            f"{op}: pos must be one int64 element or one per row ({rows},), got {pos.shape} {pos.dtype}")
+    g.require(pos.dtype == torch.int64 and pos.shape in ((1,), (1, 1), (rows,)),
+              f"{op}: pos must be one int64 element or one per row ({rows},), got {pos.shape} {pos.dtype}")
     flat = pos.block()
     per_row = flat.cols == rows and rows > 1
     return [(flat.addr(0, r if per_row else 0), flat.region(0, 1, r if per_row else 0, 1)) for r in range(rows)]
@@ -101,6 +103,13 @@ def heap_index(heap, offset: int, bound: int) -> int:
     if not 0 <= value < bound:
         raise GraphError(f"index {value} read at heap offset {offset} is outside [0, {bound})")
     return value
+
+
+def vector_aligned(*byte_counts: int) -> bool:
+    """The host's ALIGNED decision: every one of ``byte_counts`` (heap offsets, row strides, lengths, in
+    bytes) is a whole number of VECTOR_BYTES, so that every row a tile reads starts on a vector and it
+    may load 16-byte vectors (``row_offsets``)."""
+    return all(count % VECTOR_BYTES == 0 for count in byte_counts)
 
 
 @dataclass(frozen=True)
@@ -192,21 +201,19 @@ def copy_row(base, dst, src, cols, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def load_block(base, offset, row_stride, rows, cols, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr):
-    """The ``rows x cols`` tile at heap ``offset`` as a float32 ``BLOCK_M x BLOCK_N`` block (0 outside)."""
+def load_block(ptr, row_stride, rows, cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The ``rows x cols`` tile at typed pointer ``ptr`` as a float32 ``BLOCK_M x BLOCK_N`` block (0
+    outside)."""
     r = tl.arange(0, BLOCK_M)[:, None]
     c = tl.arange(0, BLOCK_N)[None, :]
-    ptr = heap_ptr(base, offset, DTYPE)
     return tl.load(ptr + r * row_stride + c, mask=(r < rows) & (c < cols), other=0.0).to(tl.float32)
 
 
 @triton.jit
-def store_block(base, offset, row_stride, rows, cols, block, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """Store the valid ``rows x cols`` part of a ``BLOCK_M x BLOCK_N`` block at heap ``offset``."""
+def store_block(ptr, row_stride, rows, cols, block, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store the valid ``rows x cols`` part of a float32 ``BLOCK_M x BLOCK_N`` block at typed pointer
+    ``ptr`` (this rank's heap, ``heap_ptr``, or a peer's, ``peer_ptr``), rounded to its element type."""
     r = tl.arange(0, BLOCK_M)[:, None]
     c = tl.arange(0, BLOCK_N)[None, :]
-    ptr = heap_ptr(base, offset, DTYPE)
-    tl.store(ptr + r * row_stride + c, rounded(block, DTYPE), mask=(r < rows) & (c < cols))
+    tl.store(ptr + r * row_stride + c, rounded(block, ptr.dtype.element_ty), mask=(r < rows) & (c < cols))
 

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import heap_ptr
 from .common import TaskType, Tiling, load_block, require_float, store_block
 
 
@@ -16,8 +17,8 @@ def binary_tile(base,
                 out_stride, a_stride, b_stride,   # row strides, in elements
                 OP: tl.constexpr, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``out = a OP b`` over one tile, computed in float32."""
-    x = load_block(base, a, a_stride, rows, cols, DTYPE, BLOCK_M, BLOCK_N)
-    y = load_block(base, b, b_stride, rows, cols, DTYPE, BLOCK_M, BLOCK_N)
+    x = load_block(heap_ptr(base, a, DTYPE), a_stride, rows, cols, BLOCK_M, BLOCK_N)
+    y = load_block(heap_ptr(base, b, DTYPE), b_stride, rows, cols, BLOCK_M, BLOCK_N)
     if OP == "add":
         z = x + y
     elif OP == "mul":
@@ -27,7 +28,7 @@ def binary_tile(base,
     else:  # "gelu_tanh_mul": gelu(x) * y with gelu's tanh approximation (Gemma's GeGLU); tanh(u) = 1 - 2 / (e^2u + 1)
         u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2 / pi) (x + 0.044715 x^3)
         z = 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)) * y
-    store_block(base, out, out_stride, rows, cols, z, DTYPE, BLOCK_M, BLOCK_N)
+    store_block(heap_ptr(base, out, DTYPE), out_stride, rows, cols, z, BLOCK_M, BLOCK_N)
 
 
 def _reference(heap, task) -> None:
@@ -40,8 +41,8 @@ def _reference(heap, task) -> None:
 
 def binary(g, op: str, a, b):
     """Split ``a OP b`` (same shape and dtype) into tiles (``Tiling``)."""
-    g.check(a.shape == b.shape, f"{op}: shapes differ: a {a.shape}, b {b.shape}")
-    g.check(a.dtype == b.dtype, f"{op}: dtypes differ: a {a.dtype}, b {b.dtype}")
+    g.require(a.shape == b.shape, f"{op}: shapes differ: a {a.shape}, b {b.shape}")
+    g.require(a.dtype == b.dtype, f"{op}: dtypes differ: a {a.dtype}, b {b.dtype}")
     require_float(g, op, a=a, b=b)
     out = g.new_tensor(a.shape, a.dtype)
     tiling = Tiling(out.rows, out.cols)

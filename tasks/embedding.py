@@ -62,12 +62,12 @@ def embedding(g, tokens, table, pos=None):
     """``table[tokens]``: tokens int64 [B], table [vocab, hidden] -> [B, hidden]; with ``pos`` (one int64
     element, or one per row: ``common.row_positions``), ``table[tokens[b, pos_b]]`` for a history of
     tokens int64 [B, positions]."""
-    g.check(table.ndim == 2, f"embedding: table must be 2-D, got {table.shape}")
+    g.require(table.ndim == 2, f"embedding: table must be 2-D, got {table.shape}")
     block_n = min(triton.next_power_of_2(table.cols), MAX_BLOCK_N)
     if pos is not None:
         return _embedding_at(g, tokens, table, pos, block_n)
-    g.check(tokens.ndim == 1 and tokens.dtype == torch.int64,
-            f"embedding: tokens must be 1-D int64, got {tokens.shape} {tokens.dtype}")
+    g.require(tokens.ndim == 1 and tokens.dtype == torch.int64,
+              f"embedding: tokens must be 1-D int64, got {tokens.shape} {tokens.dtype}")
     batch = tokens.cols
     out = g.new_tensor((batch, table.cols), table.dtype)
     opcode = g.opcode(EMBEDDING, DTYPE=table.dtype, BLOCK_N=block_n)
@@ -82,8 +82,8 @@ def embedding(g, tokens, table, pos=None):
 
 
 def _embedding_at(g, history, table, pos, block_n: int):
-    g.check(history.ndim == 2 and history.dtype == torch.int64,
-            f"embedding: a history must be 2-D int64 [batch, positions], got {history.shape} {history.dtype}")
+    g.require(history.ndim == 2 and history.dtype == torch.int64,
+              f"embedding: a history must be 2-D int64 [batch, positions], got {history.shape} {history.dtype}")
     out = g.new_tensor((history.rows, table.cols), table.dtype)
     opcode = g.opcode(EMBEDDING_AT, DTYPE=table.dtype, BLOCK_N=block_n)
     for b, (position, position_region) in enumerate(row_positions(g, "embedding", pos, history.rows)):

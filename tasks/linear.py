@@ -27,15 +27,15 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import TaskType, dot, require_float, rounded, row_offsets, store_block
+from ..errors import is_count
+from .common import TaskType, dot, require_float, rounded, row_offsets, store_block, vector_aligned
 from .reduction import sum_slices
 
 DOT_MIN_M = 16
 DOT_BLOCK_M, DOT_BLOCK_N, DOT_BLOCK_K = 32, 32, 32
 
-# GEMV blocks. The kernel runs 128 threads per program (num_warps=4) and several programs per SM; a
-# 16-byte vector per thread along K is one ld.global.v4 (CUDA) / global_load_dwordx4 (AMD).
-VECTOR_BYTES = 16
+# GEMV blocks. The kernel runs 128 threads per program (num_warps=4) and several programs per SM, each
+# thread loading 16-byte vectors along K (common.VECTOR_BYTES).
 # One row of x: a block is 4 rows x 1 KiB of w (64 threads x 16 B along a row: BLOCK_K = 512 bfloat16
 # or 256 float32), and a step loads ONE_ROW_UNROLL = 4 blocks, 16 KiB of w, before its first FMA: four
 # programs per SM then keep 64 KiB in flight, above the ~33 KiB (bandwidth x latency, ~33 B/ns per SM
@@ -69,10 +69,10 @@ def gemv_blocks(m: int, w_dtype: torch.dtype, k: int) -> tuple[int, int, int]:
     layer does not load, multiply and mask columns it does not have.
     """
     size = w_dtype.itemsize
-    segment, unroll, rows = ((ONE_ROW_SEGMENT_BYTES, ONE_ROW_UNROLL.value, ONE_ROW_BLOCK_N) if m == 1
-                             else (ROWS_SEGMENT_BYTES, ROWS_UNROLL.value, ROWS_BLOCK_N))
+    segment, unroll, segment_rows = ((ONE_ROW_SEGMENT_BYTES, ONE_ROW_UNROLL.value, ONE_ROW_BLOCK_N) if m == 1
+                                     else (ROWS_SEGMENT_BYTES, ROWS_UNROLL.value, ROWS_BLOCK_N))
     block_k = min(segment // size, max(MIN_BLOCK_K, triton.next_power_of_2(triton.cdiv(k, unroll))))
-    block_n = min(TILE_ROWS, max(rows, segment * rows // (block_k * size)))
+    block_n = min(TILE_ROWS, max(segment_rows, segment * segment_rows // (block_k * size)))
     return triton.next_power_of_2(m), block_n, block_k
 
 
@@ -115,7 +115,7 @@ def _x_block(x_cols, kk, k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
+def gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
                   Y_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                   ALIGNED: tl.constexpr):
     """``y[0, :n] = x[0, :k] @ w[:n, :k].T`` for any n, BLOCK_N rows at a time.
@@ -158,9 +158,9 @@ def _gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE: tl.constexpr, W_DTYPE:
 
 @triton.jit
 def _store_one_row(base, y, r0, n, acc, Y_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``y[0, r0 + i] = sum_k acc[i, k]`` for the rows below n."""
-    rows = r0 + tl.arange(0, BLOCK_N)
-    tl.store(heap_ptr(base, y, Y_DTYPE) + rows, rounded(tl.sum(acc, axis=1), Y_DTYPE), mask=rows < n)
+    """``y[0, r0 + i] = sum_k acc[i, k]`` for r0 + i below n (rows r0 + i of w)."""
+    rn = r0 + tl.arange(0, BLOCK_N)
+    tl.store(heap_ptr(base, y, Y_DTYPE) + rn, rounded(tl.sum(acc, axis=1), Y_DTYPE), mask=rn < n)
 
 
 @triton.jit
@@ -173,7 +173,7 @@ def _gemv_rows(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl
     x_ptr, w_ptr, k = _operands(base, x, w, k, X_DTYPE, W_DTYPE, BLOCK_K, EVEN_K, ALIGNED)
     rn = tl.arange(0, BLOCK_N)[:, None]
     rk = tl.arange(0, BLOCK_K)[None, :]
-    cols = tl.arange(0, BLOCK_M)[None, :]
+    rm = tl.arange(0, BLOCK_M)[None, :]  # acc's columns: the rows of x
     steps = tl.cdiv(k, ROWS_UNROLL * BLOCK_K)
     blocks = tl.cdiv(n, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # transposed: y[i, r0 + j] is acc[j, i]
@@ -190,7 +190,7 @@ def _gemv_rows(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl
             x_cols = x_ptr + row_offsets(i, x_stride, X_DTYPE, ALIGNED) + rn * 0 + rk
             part = b0 * _x_block(x_cols, k0, k, BLOCK_K, EVEN_K).to(tl.float32)
             part += b1 * _x_block(x_cols, k0 + BLOCK_K, k, BLOCK_K, EVEN_K).to(tl.float32)
-            acc = tl.where(cols == i, acc + tl.sum(part, axis=1)[:, None], acc)
+            acc = tl.where(rm == i, acc + tl.sum(part, axis=1)[:, None], acc)
     _store_rows(base, y, y_stride, m, (blocks - 1) * BLOCK_N, n, acc, Y_DTYPE, BLOCK_M, BLOCK_N)
 
 
@@ -198,10 +198,9 @@ def _gemv_rows(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl
 def _store_rows(base, y, y_stride, m, r0, n, acc, Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
     """``y[i, r0 + j] = acc[j, i]`` for i < m, r0 + j < n."""
-    rows = r0 + tl.arange(0, BLOCK_N)[:, None]
-    cols = tl.arange(0, BLOCK_M)[None, :]
-    tl.store(heap_ptr(base, y, Y_DTYPE) + cols * y_stride + rows, rounded(acc, Y_DTYPE),
-             mask=(rows < n) & (cols < m))
+    rn = r0 + tl.arange(0, BLOCK_N)[:, None]
+    rm = tl.arange(0, BLOCK_M)[None, :]
+    tl.store(heap_ptr(base, y, Y_DTYPE) + rm * y_stride + rn, rounded(acc, Y_DTYPE), mask=(rn < n) & (rm < m))
 
 
 @triton.jit
@@ -220,7 +219,7 @@ def _dot_tile(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl.
         a = tl.load(x_rows + k0, mask=(rm < m) & (k0 + rk < k), other=0.0)
         b = tl.load(w_rows + k0, mask=(rn < n) & (k0 + rk < k), other=0.0)
         acc += dot(a, tl.trans(b))
-    store_block(base, y, y_stride, m, n, acc, Y_DTYPE, BLOCK_M, BLOCK_N)
+    store_block(heap_ptr(base, y, Y_DTYPE), y_stride, m, n, acc, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -242,7 +241,7 @@ def linear_tile(base,
         _dot_tile(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M,
                   BLOCK_N, BLOCK_K, ALIGNED)
     elif BLOCK_M == 1:
-        _gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_N, BLOCK_K, EVEN_K, ALIGNED)
+        gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_N, BLOCK_K, EVEN_K, ALIGNED)
     else:
         _gemv_rows(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M,
                    BLOCK_N, BLOCK_K, EVEN_K, ALIGNED)
@@ -256,9 +255,9 @@ def _reference(heap, task) -> None:
 
 @dataclass(frozen=True)
 class Plan:
-    """How a linear is cut: ``rows`` of w per tile (a multiple of BLOCK_N) and the K-ranges."""
+    """How a linear is cut: ``tile_rows`` of w per tile (a multiple of BLOCK_N) and the K-ranges."""
 
-    rows: int
+    tile_rows: int
     k_ranges: tuple[tuple[int, int], ...]
 
 
@@ -328,26 +327,25 @@ def linear(g, x, w, split_k: int | None = None):
     ``split_k=None`` (the default) chooses the tiling for ``g.parallelism`` workers (``plan``): at 1,
     no split; above, K is split when the output alone has fewer blocks than workers.
     """
-    g.check(x.ndim == 2 and w.ndim == 2, f"linear: x {x.shape} and w {w.shape} must both be 2-D")
+    g.require(x.ndim == 2 and w.ndim == 2, f"linear: x {x.shape} and w {w.shape} must both be 2-D")
     require_float(g, "linear", x=x, w=w)
-    g.check(x.cols == w.cols, f"linear: x has shape {x.shape} but w has shape {w.shape}; "
-                              f"expected w of shape (N, {x.cols})")
-    g.check(split_k is None or (isinstance(split_k, int) and not isinstance(split_k, bool) and 1 <= split_k <= x.cols),
-            f"linear: split_k must be None or an integer in [1, {x.cols}], got {split_k!r}")
+    g.require(x.cols == w.cols, f"linear: x has shape {x.shape} but w has shape {w.shape}; "
+                                f"expected w of shape (N, {x.cols})")
+    g.require(split_k is None or (is_count(split_k) and split_k <= x.cols),
+              f"linear: split_k must be None or an integer in [1, {x.cols}], got {split_k!r}")
     m_total, n_total, k_total = x.rows, w.rows, x.cols
     y = g.new_tensor((m_total, n_total), x.dtype)
     use_dot = m_total >= DOT_MIN_M
     blocks = (DOT_BLOCK_M, DOT_BLOCK_N, DOT_BLOCK_K) if use_dot else gemv_blocks(m_total, w.dtype, k_total)
     block_m, block_n, block_k = blocks
     cut = plan(m_total, n_total, k_total, blocks, w.element_size, g.parallelism, split_k)
-    k_ranges, tile_rows = cut.k_ranges, cut.rows
+    k_ranges, tile_rows = cut.k_ranges, cut.tile_rows
     target = y if len(k_ranges) == 1 else g.new_tensor((len(k_ranges) * m_total, n_total), torch.float32)
     x_size, w_size, y_size = x.element_size, w.element_size, target.element_size
     even_k = all(kk % block_k == 0 for _, kk in k_ranges)
     starts_and_lengths = [kk for k_range in k_ranges for kk in k_range]
-    aligned = all(v % VECTOR_BYTES == 0 for v in (x.addr(0, 0), w.addr(0, 0), x.row_stride * x_size,
-                                                   w.row_stride * w_size, *(kk * x_size for kk in starts_and_lengths),
-                                                   *(kk * w_size for kk in starts_and_lengths)))
+    aligned = vector_aligned(x.addr(0, 0), w.addr(0, 0), x.row_stride * x_size, w.row_stride * w_size,
+                             *(kk * x_size for kk in starts_and_lengths), *(kk * w_size for kk in starts_and_lengths))
     opcode = g.opcode(LINEAR, X_DTYPE=x.dtype, W_DTYPE=w.dtype, Y_DTYPE=target.dtype, BLOCK_M=block_m,
                       BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot, EVEN_K=even_k and not use_dot,
                       ALIGNED=aligned)

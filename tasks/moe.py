@@ -3,7 +3,7 @@
 The choice of experts is known only mid-step, on the device, so the task graph is fixed when it is
 built and only addresses depend on the router: per token, ``route`` writes the top-k experts and
 their weights to the heap; for each (token, slot) the ``expert_linear`` tiles read the expert's index
-there and stream that expert's slice of a stacked weight ``[experts * n, k]`` (at batch 1 only k of
+there and stream that expert's slice of a stacked weight ``[experts * n, K]`` (at batch 1 only k of
 the experts are read at all); ``moe_sum`` adds the k slot outputs, weighted, in slot order (bitwise
 independent of which tile finished first).
 """
@@ -14,8 +14,9 @@ import triton
 import triton.language as tl
 
 from ..device import checked_index, heap_ptr
-from .common import TaskType, Tiling, heap_index, load_block, require_float, rounded, store_block
-from .linear import VECTOR_BYTES, _gemv_one_row, gemv_blocks, plan
+from ..errors import is_count
+from .common import TaskType, Tiling, heap_index, load_block, require_float, rounded, store_block, vector_aligned
+from .linear import gemv_blocks, gemv_one_row, plan
 
 
 @triton.jit
@@ -63,9 +64,9 @@ def route(g, logits, k: int, normalize: bool, weight_dtype: torch.dtype = torch.
     weights [tokens, k] of weight_dtype)``. Equal probabilities go to the lowest expert first
     (``torch.topk`` leaves the order of ties unspecified, and its CPU and CUDA kernels differ)."""
     require_float(g, "route", logits=logits)
-    g.check(logits.ndim == 2 and isinstance(k, int) and 1 <= k <= logits.cols,
-            f"route: logits must be [tokens, experts] and 1 <= k <= experts, got {logits.shape} and k={k!r}")
-    g.check(logits.cols <= 4096, f"route: at most 4096 experts, got {logits.cols}")
+    g.require(logits.ndim == 2 and is_count(k) and k <= logits.cols,
+              f"route: logits must be [tokens, experts] and 1 <= k <= experts, got {logits.shape} and k={k!r}")
+    g.require(logits.cols <= 4096, f"route: at most 4096 experts, got {logits.cols}")
     experts = g.new_tensor((logits.rows, k), torch.int64)
     weights = g.new_tensor((logits.rows, k), weight_dtype)
     opcode = g.opcode(ROUTE, K=k, NORMALIZE=bool(normalize), L_DTYPE=logits.dtype, WEIGHT_DTYPE=weight_dtype,
@@ -90,8 +91,8 @@ def expert_linear_tile(base, status,
     """``y[0, :n] = x[0, :k] @ w_e[:n, :k].T`` for the expert ``e`` read from the heap (an index outside
     [0, count): expert 0, reported): the one-row GEMV of ``linear``, on the expert's rows."""
     e = checked_index(status, tl.load(heap_ptr(base, expert, tl.int64)), count)
-    _gemv_one_row(base, y, x, w + e * expert_bytes, n, k, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_N, BLOCK_K,
-                  EVEN_K, ALIGNED)
+    gemv_one_row(base, y, x, w + e * expert_bytes, n, k, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_N, BLOCK_K,
+                 EVEN_K, ALIGNED)
 
 
 def _expert_linear_reference(heap, task) -> None:
@@ -102,38 +103,39 @@ def _expert_linear_reference(heap, task) -> None:
 
 
 def expert_rows(g, x, w, experts, count: int):
-    """For each token b and slot s of ``experts [tokens, k]``, row ``b * k + s`` of the result is
-    ``x_row @ w_e.T``: ``w_e`` is expert ``e = experts[b, s]``'s rows of ``w [count * n, K]`` (the experts'
-    weights stacked), ``x_row`` is ``x[b]`` when ``x`` has a row per token (every slot reads its token's
-    row) or ``x[b * k + s]`` when it has a row per slot. Returns ``[tokens * k, n]`` in x's dtype."""
-    tokens, k = experts.rows, experts.cols
-    g.check(experts.ndim == 2 and experts.dtype == torch.int64,
-            f"expert_rows: experts must be int64 [tokens, k], got {experts.shape} {experts.dtype}")
+    """For each token b and slot s of ``experts [tokens, slots]`` (the router's top-k: a slot per chosen
+    expert), row ``b * slots + s`` of the result is ``x_row @ w_e.T``: ``w_e`` is expert ``e = experts[b,
+    s]``'s rows of ``w [count * n, K]`` (the experts' weights stacked), ``x_row`` is ``x[b]`` when ``x``
+    has a row per token (every slot reads its token's row) or ``x[b * slots + s]`` when it has a row per
+    slot. Returns ``[tokens * slots, n]`` in x's dtype."""
+    tokens, slots = experts.rows, experts.cols
+    g.require(experts.ndim == 2 and experts.dtype == torch.int64,
+              f"expert_rows: experts must be int64 [tokens, slots], got {experts.shape} {experts.dtype}")
     require_float(g, "expert_rows", x=x, w=w)
-    g.check(x.ndim == 2 and w.ndim == 2 and x.cols == w.cols and x.rows in (tokens, tokens * k),
-            f"expert_rows: x {x.shape} must have a row per token ({tokens}) or per slot ({tokens * k}), and as "
-            f"many columns as w {w.shape}")
-    g.check(isinstance(count, int) and count >= 1 and w.rows % count == 0,
-            f"expert_rows: w has {w.rows} rows, not a whole number per expert for {count!r} experts")
+    g.require(x.ndim == 2 and w.ndim == 2 and x.cols == w.cols and x.rows in (tokens, tokens * slots),
+              f"expert_rows: x {x.shape} must have a row per token ({tokens}) or per slot ({tokens * slots}), and as "
+              f"many columns as w {w.shape}")
+    g.require(is_count(count) and w.rows % count == 0,
+              f"expert_rows: w has {w.rows} rows, not a whole number per expert for {count!r} experts")
     n_total, k_total = w.rows // count, x.cols
-    y = g.new_tensor((tokens * k, n_total), x.dtype)
+    y = g.new_tensor((tokens * slots, n_total), x.dtype)
     blocks = gemv_blocks(1, w.dtype, k_total)
     _, block_n, block_k = blocks
-    rows = plan(1, n_total, k_total, blocks, w.element_size, max(1, g.parallelism // (tokens * k)), 1).rows
+    tile_rows = plan(1, n_total, k_total, blocks, w.element_size, max(1, g.parallelism // (tokens * slots)),
+                     1).tile_rows
     x_size, w_size, y_size = x.element_size, w.element_size, y.element_size
     expert_bytes = n_total * w.row_stride * w_size
-    aligned = all(v % VECTOR_BYTES == 0 for v in (x.addr(0, 0), w.addr(0, 0), x.row_stride * x_size,
-                                                   w.row_stride * w_size, expert_bytes, k_total * x_size,
-                                                   k_total * w_size))
+    aligned = vector_aligned(x.addr(0, 0), w.addr(0, 0), x.row_stride * x_size, w.row_stride * w_size, expert_bytes,
+                             k_total * x_size, k_total * w_size)
     opcode = g.opcode(EXPERT_LINEAR, X_DTYPE=x.dtype, W_DTYPE=w.dtype, Y_DTYPE=y.dtype, BLOCK_N=block_n,
                       BLOCK_K=block_k, EVEN_K=k_total % block_k == 0, ALIGNED=aligned)
     whole_w = w.region(0, w.rows, 0, k_total)  # the rows read depend on the router: all of them, as far as order goes
     for b in range(tokens):
-        for s in range(k):
-            row = b * k + s
-            x_row = row if x.rows == tokens * k else b
-            for c0 in range(0, n_total, rows):
-                n = min(rows, n_total - c0)
+        for s in range(slots):
+            row = b * slots + s
+            x_row = row if x.rows == tokens * slots else b
+            for c0 in range(0, n_total, tile_rows):
+                n = min(tile_rows, n_total - c0)
                 g.add_task(opcode, y=y.addr(row, c0), x=x.addr(x_row, 0), w=w.addr(c0, 0), expert=experts.addr(b, s),
                            count=count, expert_bytes=expert_bytes, n=n, k=k_total, w_stride=w.row_stride,
                            reads=(x.region(x_row, 1, 0, k_total), experts.region(b, 1, s, 1), whole_w),
@@ -152,9 +154,8 @@ def moe_sum_tile(base,
     acc = tl.zeros((1, BLOCK_N), tl.float32)
     for s in tl.static_range(K):
         weight = tl.load(heap_ptr(base, weights, WEIGHT_DTYPE) + s).to(tl.float32)
-        acc += weight * load_block(base, y + s * y_stride * Y_DTYPE.primitive_bitwidth // 8, y_stride, 1, cols,
-                                   Y_DTYPE, 1, BLOCK_N)
-    store_block(base, out, cols, 1, cols, acc, Y_DTYPE, 1, BLOCK_N)
+        acc += weight * load_block(heap_ptr(base, y, Y_DTYPE) + s * y_stride, y_stride, 1, cols, 1, BLOCK_N)
+    store_block(heap_ptr(base, out, Y_DTYPE), cols, 1, cols, acc, 1, BLOCK_N)
 
 
 def _moe_sum_reference(heap, task) -> None:
@@ -168,20 +169,20 @@ def _moe_sum_reference(heap, task) -> None:
 
 
 def moe_sum(g, y, weights):
-    """``out[b] = sum_s weights[b, s] * y[b * k + s]`` (``y [tokens * k, n]``, ``weights [tokens, k]``), in
-    slot order: ``[tokens, n]`` in y's dtype."""
-    tokens, k = weights.rows, weights.cols
+    """``out[b] = sum_s weights[b, s] * y[b * slots + s]`` (``y [tokens * slots, n]``, ``weights [tokens,
+    slots]``: a slot per expert of the router's top-k), in slot order: ``[tokens, n]`` in y's dtype."""
+    tokens, slots = weights.rows, weights.cols
     require_float(g, "moe_sum", y=y, weights=weights)
-    g.check(y.ndim == 2 and y.rows == tokens * k, f"moe_sum: y {y.shape} must have a row per slot of weights "
-                                                  f"{weights.shape}")
+    g.require(y.ndim == 2 and y.rows == tokens * slots,
+              f"moe_sum: y {y.shape} must have a row per slot of weights {weights.shape}")
     out = g.new_tensor((tokens, y.cols), y.dtype)
     tiling = Tiling(1, y.cols)
-    opcode = g.opcode(MOE_SUM, K=k, Y_DTYPE=y.dtype, WEIGHT_DTYPE=weights.dtype, BLOCK_N=tiling.block_n)
+    opcode = g.opcode(MOE_SUM, K=slots, Y_DTYPE=y.dtype, WEIGHT_DTYPE=weights.dtype, BLOCK_N=tiling.block_n)
     for b in range(tokens):
         for _, _, c0, n in tiling:
-            g.add_task(opcode, out=out.addr(b, c0), y=y.addr(b * k, c0), weights=weights.addr(b, 0), cols=n,
-                       y_stride=y.row_stride, reads=(y.region(b * k, k, c0, n), weights.region(b, 1, 0, k)),
-                       writes=(out.region(b, 1, c0, n),), bytes=(k + 1) * n * y.element_size, flops=2 * k * n)
+            g.add_task(opcode, out=out.addr(b, c0), y=y.addr(b * slots, c0), weights=weights.addr(b, 0), cols=n,
+                       y_stride=y.row_stride, reads=(y.region(b * slots, slots, c0, n), weights.region(b, 1, 0, slots)),
+                       writes=(out.region(b, 1, c0, n),), bytes=(slots + 1) * n * y.element_size, flops=2 * slots * n)
     return out
 
 
@@ -190,8 +191,8 @@ def moe_mlp(g, x, router, gate_up, down, k: int, normalize: bool, weight_dtype: 
     expert's gate rows, then its up rows), ``down [E * hidden, I]``; the k experts of largest router
     probability per token, their outputs weighted and summed. Returns ``[tokens, hidden]``."""
     count = router.rows
-    g.check(gate_up.rows % (2 * count) == 0 and down.rows == count * x.cols,
-            f"moe_mlp: gate_up {gate_up.shape} and down {down.shape} do not hold {count} experts of hidden {x.cols}")
+    g.require(gate_up.rows % (2 * count) == 0 and down.rows == count * x.cols,
+              f"moe_mlp: gate_up {gate_up.shape} and down {down.shape} do not hold {count} experts of hidden {x.cols}")
     experts, weights = g.route(g.linear(x, router), k, normalize, weight_dtype)
     inter = gate_up.rows // (2 * count)
     both = g.expert_rows(x, gate_up, experts, count)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
+from ..errors import is_number
 from .common import TaskType, require_float, rounded
 
 ROWS_PER_TILE = 4
@@ -63,12 +64,12 @@ def _reference(heap, task) -> None:
 def rms_norm(g, x, weight, eps: float = 1e-6, head_dim: int | None = None, unit_offset: bool = False):
     """RMSNorm of each row of ``x`` [M, N] with ``weight`` [N], or of each ``head_dim`` segment with
     ``weight`` [head_dim]; the output has x's dtype. ``unit_offset``: scale by ``1 + weight`` (Gemma)."""
-    g.check(x.ndim in (1, 2), f"rms_norm: x must be 1-D or 2-D, got shape {x.shape}")
+    g.require(x.ndim in (1, 2), f"rms_norm: x must be 1-D or 2-D, got shape {x.shape}")
     size = x.cols if head_dim is None else head_dim
-    g.check(weight.ndim == 1 and weight.shape[0] == size and x.cols % size == 0,
-            f"rms_norm: weight has shape {weight.shape}, x has shape {x.shape}; expected weight ({size},)")
-    g.check(isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < float("inf"),
-            f"rms_norm: eps must be a positive number, got {eps!r}")
+    g.require(weight.ndim == 1 and weight.shape[0] == size and x.cols % size == 0,
+              f"rms_norm: weight has shape {weight.shape}, x has shape {x.shape}; expected weight ({size},)")
+    g.require(is_number(eps) and 0 < eps < float("inf"),
+              f"rms_norm: eps must be a positive number, got {eps!r}")
     require_float(g, "rms_norm", x=x, weight=weight)
     out = g.new_tensor(x.shape, x.dtype)
     segments = x.cols // size

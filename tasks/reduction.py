@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import heap_ptr
 from .common import TaskType, Tiling, load_block, store_block
 
 
@@ -22,8 +23,8 @@ def sum_slices_tile(base,
     """``y = sum_s p[s]`` over one tile, in slice order."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for s in range(0, slices):
-        acc += load_block(base, p + s * slice_bytes, p_stride, rows, cols, P_DTYPE, BLOCK_M, BLOCK_N)
-    store_block(base, y, y_stride, rows, cols, acc, Y_DTYPE, BLOCK_M, BLOCK_N)
+        acc += load_block(heap_ptr(base, p + s * slice_bytes, P_DTYPE), p_stride, rows, cols, BLOCK_M, BLOCK_N)
+    store_block(heap_ptr(base, y, Y_DTYPE), y_stride, rows, cols, acc, BLOCK_M, BLOCK_N)
 
 
 def _reference(heap, task) -> None:

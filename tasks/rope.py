@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
+from ..errors import is_number
 from .common import TaskType, require_float, rounded, row_positions
 
 
@@ -60,23 +61,23 @@ def rope(g, x, inv_freq, pos, head_dim: int, scaling: float = 1.0):
     ``inv_freq`` is float32 [head_dim / 2]; ``pos`` an int64 tensor of one element, or one per row
     (``common.row_positions``); ``scaling`` multiplies cos and sin.
     """
-    g.check(isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and 0 < scaling < float("inf"),
-            f"rope: scaling must be a positive number, got {scaling!r}")
-    g.check(head_dim % 2 == 0 and x.cols % head_dim == 0,
-            f"rope: x has shape {x.shape}; its rows must be whole heads of even size {head_dim}")
+    g.require(is_number(scaling) and 0 < scaling < float("inf"),
+              f"rope: scaling must be a positive number, got {scaling!r}")
+    g.require(head_dim % 2 == 0 and x.cols % head_dim == 0,
+              f"rope: x has shape {x.shape}; its rows must be whole heads of even size {head_dim}")
     require_float(g, "rope", x=x)
-    g.check(inv_freq.shape == (head_dim // 2,) and inv_freq.dtype == torch.float32,
-            f"rope: inv_freq must be float32 of shape ({head_dim // 2},), got {inv_freq.shape} {inv_freq.dtype}")
+    g.require(inv_freq.shape == (head_dim // 2,) and inv_freq.dtype == torch.float32,
+              f"rope: inv_freq must be float32 of shape ({head_dim // 2},), got {inv_freq.shape} {inv_freq.dtype}")
     heads = x.cols // head_dim
     out = g.new_tensor(x.shape, x.dtype)
     opcode = g.opcode(ROPE, DTYPE=x.dtype, HEAD_DIM=head_dim, SCALING=float(scaling),
                       BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim // 2))
-    rows = x.block()
-    for r, (position, position_region) in enumerate(row_positions(g, "rope", pos, rows.rows)):
-        g.add_task(opcode, out=out.block().addr(r, 0), x=rows.addr(r, 0), inv_freq=inv_freq.addr(0, 0),
+    src, dst = x.block(), out.block()
+    for r, (position, position_region) in enumerate(row_positions(g, "rope", pos, src.rows)):
+        g.add_task(opcode, out=dst.addr(r, 0), x=src.addr(r, 0), inv_freq=inv_freq.addr(0, 0),
                    pos=position, heads=heads,
-                   reads=(rows.region(r, 1, 0, rows.cols), inv_freq.region(0, 1, 0, head_dim // 2), position_region),
-                   writes=(out.block().region(r, 1, 0, rows.cols),),
+                   reads=(src.region(r, 1, 0, src.cols), inv_freq.region(0, 1, 0, head_dim // 2), position_region),
+                   writes=(dst.region(r, 1, 0, src.cols),),
                    bytes=2 * x.cols * x.element_size, flops=6 * x.cols)
     return out
 

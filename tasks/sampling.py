@@ -57,10 +57,10 @@ def sample_greedy(g, logits, history, pos, prompt_len, vocab: int | None = None)
     first ones; all by default: tensor-parallel logits may end with padding)."""
     require_float(g, "sample_greedy", logits=logits)
     vocab = logits.cols if vocab is None else vocab
-    g.check(logits.ndim == 2 and history.ndim == 2 and history.dtype == torch.int64 and history.rows == logits.rows,
-            f"sample_greedy: logits must be [batch, vocab] and history int64 [batch, positions], got {logits.shape} "
-            f"and {history.shape} {history.dtype}")
-    g.check(0 < vocab <= logits.cols, f"sample_greedy: vocab {vocab} is outside [1, {logits.cols}]")
+    g.require(logits.ndim == 2 and history.ndim == 2 and history.dtype == torch.int64 and history.rows == logits.rows,
+              f"sample_greedy: logits must be [batch, vocab] and history int64 [batch, positions], got {logits.shape} "
+              f"and {history.shape} {history.dtype}")
+    g.require(0 < vocab <= logits.cols, f"sample_greedy: vocab {vocab} is outside [1, {logits.cols}]")
     positions = row_positions(g, "sample_greedy", pos, logits.rows)
     lengths = row_positions(g, "sample_greedy", prompt_len, logits.rows)
     opcode = g.opcode(ARGMAX, DTYPE=logits.dtype, BLOCK_N=min(triton.next_power_of_2(vocab), MAX_BLOCK_N))
@@ -95,7 +95,7 @@ def advance(g, pos, by: int = 1, limit: int = 2**62):
     """``pos += by`` for each element of ``pos`` (int64 positions, one per batch row or one for all), after
     every task of the step that reads it: -1 (a row of no sequence) stays -1, and a position that
     reaches ``limit`` becomes -1 (the sequence has no room left). Returns ``pos``."""
-    g.check(pos.ndim == 1 and pos.dtype == torch.int64, f"advance: pos must be 1-D int64, got {pos.shape} {pos.dtype}")
+    g.require(pos.ndim == 1 and pos.dtype == torch.int64, f"advance: pos must be 1-D int64, got {pos.shape} {pos.dtype}")
     opcode = g.opcode(ADVANCE)
     for r in range(pos.cols):
         g.add_task(opcode, counter=pos.addr(0, r), by=by, limit=limit, reads=(), writes=(pos.region(0, 1, r, 1),),

@@ -183,7 +183,7 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     ``kv_only``: stop after the KV cache append and return None (a prefill chunk's last layer, whose
     output nothing reads)."""
     hd, q_cols, kv_cols = c.head_dim, s.heads * c.head_dim, s.kv_heads * c.head_dim
-    g.check(not chunk or kv is not None, "decoder_layer: a prefill chunk needs its sequences' paged cache (kv)")
+    g.require(not chunk or kv is not None, "decoder_layer: a prefill chunk needs its sequences' paged cache (kv)")
     w = w or layer_inputs(g, c, s, i)
     bias = lambda name: w[name][row0:row0 + x.rows]  # noqa: E731
     h = g.rms_norm(x, w["input_norm"], c.eps, unit_offset=c.gemma)
