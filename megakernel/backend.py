@@ -18,6 +18,8 @@ made, so the runtime never asks which backend it runs on.
 """
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -26,7 +28,7 @@ import torch
 
 from .bootstrap import Group, default_backend
 from .errors import BackendError
-from .heap import RankHeap
+from .heap import SHM_DIR, RankHeap
 
 if TYPE_CHECKING:
     from .cpu_backend import WorkerPool
@@ -117,6 +119,15 @@ KINDS: dict[str, BackendKind] = {
     "hip": BackendKind(target="hip", gpu=True, make=_make_gpu),
 }
 BACKENDS = ("auto", *KINDS)
+
+
+@functools.cache
+def largest_heap() -> int:
+    """The most bytes a heap could take on any backend of this machine: the shared-memory folder's size
+    (cpu) or the largest GPU's memory. A graph past it can never run, so it is refused as it is built."""
+    shm = os.statvfs(SHM_DIR)
+    gpus = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+    return max([shm.f_blocks * shm.f_frsize, *gpus])
 
 
 def gpu_flavour() -> str | None:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from .backend import largest_heap
 from .errors import GraphError, is_count, is_int
 from .layout import COMM, align
 from .scheduler import NO_GUARD, Region, Spec, Tasks, task_cost
@@ -274,6 +275,10 @@ class Graph:
                              f"{', '.join(str(d) for d in DTYPES)}")
         rows, cols = (1, shape[0]) if len(shape) == 1 else shape
         index = len(self.buffers)
+        total = self.heap_bytes + self.comm_bytes + rows * cols * dtype.itemsize
+        if total > largest_heap():  # before any op splits it into tiles: that alone would never end
+            raise GraphError(f"{name or 'tensor'} {shape} {dtype}: the graph's buffers would take {total:,} bytes; the "
+                             f"largest heap this machine can hold is {largest_heap():,}")
         if comm:
             buffer = Buffer(index, name or f"t{index}", rows, cols, dtype, COMM + self.comm_bytes)
             self.comm_bytes += align(buffer.nbytes)
