@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from megakernel.image import load
 from megakernel.scheduler import serialize
@@ -15,6 +16,7 @@ def megakernel(*args, timeout=300):
     return result.stdout
 
 
+@pytest.mark.slow
 def test_demo_generates_what_transformers_generates(tmp_path):
     out = megakernel("demo", "--tokens", "4", "--out", str(tmp_path))
     assert "tokens identical to transformers on every rank" in out and "9 steps" in out and "in 1 launch per rank" in out

@@ -11,6 +11,8 @@ from megakernel.models import DecoderConfig, decode_step, from_hf
 
 from helpers import assert_close
 
+pytestmark = pytest.mark.slow  # decoder models end to end against transformers, under the interpreter
+
 # Not powers of two on purpose: head dim 48, intermediate 200, one KV head (Llama) or two (Qwen3).
 SHAPES = dict(hidden_size=96, head_dim=48, intermediate_size=200, num_hidden_layers=2, vocab_size=128,
               max_position_embeddings=64)

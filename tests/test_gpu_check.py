@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the GPU check's smoke run on the cpu backend
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 
 

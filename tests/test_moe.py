@@ -10,6 +10,8 @@ from megakernel.models import from_hf, from_pretrained
 
 from helpers import assert_close, run_checked
 
+pytestmark = pytest.mark.slow  # mixture-of-experts models end to end against transformers
+
 
 def moe_graph(tokens: int, hidden: int, experts: int, inter: int, k: int, normalize: bool):
     g = mk.Graph(world_size=1, rank=0)

@@ -26,6 +26,8 @@ from megakernel.layout import COMM, HeapLayout, device_words
 
 from helpers import assert_close
 
+pytestmark = pytest.mark.slow  # several ranks: processes and virtual ranks
+
 ROWS, COLS = 3, 100
 
 

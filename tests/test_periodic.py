@@ -89,6 +89,7 @@ def periodic_job(ops, shift: int, steps: int, split: list[int], workers: int, po
 @settings(max_examples=16, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(program=programs(), world=st.integers(1, 3), workers=st.integers(1, 3),
        policy=st.sampled_from(["round_robin", "critical_path"]), steps=st.sampled_from([1, 2, 5]), data=st.data())
+@pytest.mark.slow
 def test_steps_in_one_launch_equal_steps_over_launches_and_the_reference(program, world, workers, policy, steps, data):
     ops, shift = program
     split = data.draw(st.sampled_from([c for c in _compositions(steps)]))
@@ -214,6 +215,7 @@ def model_job(ops, shift: int, workers: int):
     (2, 1, ([("all_reduce", 0, 0)], 1)),
     (2, 2, ([("mul", 1, 1), ("all_reduce", 0, 0), ("add", 3, 2)], 1)),
 ])
+@pytest.mark.slow
 def test_no_wait_is_satisfied_early_in_any_interleaving(world, workers, program):
     ops, shift = program
     job = functools.partial(model_job, ops, shift, workers)
@@ -260,6 +262,7 @@ def stalled_in_a_long_launch():
         return "no error"
 
 
+@pytest.mark.slow
 def test_a_rank_stalled_in_a_multi_step_launch_is_named_with_its_step(monkeypatch):
     from test_multirank import _TAG, _megakernel_processes, _shm_segments
     monkeypatch.setenv(*_TAG.decode().split("=", 1))

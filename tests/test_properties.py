@@ -8,6 +8,8 @@ import megakernel as mk
 
 from helpers import assert_close, run_checked
 
+pytestmark = pytest.mark.slow  # random graphs under hypothesis, every policy and worker count
+
 
 @st.composite
 def programs(draw):

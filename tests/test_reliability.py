@@ -47,6 +47,7 @@ def expected(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 # -- 1. interrupts ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_an_interrupted_run_leaves_the_kernel_and_the_pool_correct():
     """Ctrl-C in the middle of a run (about 1 s here): the workers are stopped before the interrupt goes
     on, so no late reply is taken for a later run's, of this kernel or of a new one."""
@@ -239,6 +240,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_ranks_die_with_a_killed_launcher_and_its_store_is_swept(tmp_path):
     script = tmp_path / "launcher.py"
     script.write_text(LAUNCHER_SCRIPT)

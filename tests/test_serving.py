@@ -14,6 +14,8 @@ from megakernel.reference import execute
 from helpers import assert_close, tolerance
 from test_decode import hf_model
 
+pytestmark = pytest.mark.slow  # continuous batching and prefill end to end
+
 
 def _prompt(length: int) -> torch.Tensor:
     return torch.randint(0, 128, (length,), generator=torch.Generator().manual_seed(100 + length))

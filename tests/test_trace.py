@@ -263,6 +263,7 @@ def two_ranks():
             f.unlink(missing_ok=True)
 
 
+@pytest.mark.slow
 def test_two_rank_trace_has_every_task_once_and_respects_cross_rank_edges(two_ranks, tmp_path):
     trace = two_ranks[0][0]
     tables = [deserialize(blob) for _, blob, _ in two_ranks]
@@ -279,6 +280,7 @@ def test_two_rank_trace_has_every_task_once_and_respects_cross_rank_edges(two_ra
     _check_chrome(trace.save(tmp_path / "trace.json"), trace)
 
 
+@pytest.mark.slow
 def test_two_rank_graph_joins_the_ranks(two_ranks, tmp_path, capsys):
     files = []
     for rank, (_, blob, _) in enumerate(two_ranks):
@@ -295,6 +297,7 @@ def test_two_rank_graph_joins_the_ranks(two_ranks, tmp_path, capsys):
                      for _, task, *_ in remote}
 
 
+@pytest.mark.slow
 def test_injected_hang_names_consumer_and_producer_and_leaves_a_partial_trace(two_ranks, capsys):
     for rank, (_, blob, hang) in enumerate(two_ranks):
         assert hang, f"rank {rank}: the run with a missing signal did not stop"
