@@ -37,6 +37,14 @@ pytestmark = pytest.mark.aot  # compiled for the GPU targets: the interpreter ac
 KERNELS = ["every task type", "decode step"]
 NVIDIA = [t for t, gpu in TARGETS.items() if gpu.backend == "cuda"]
 AMD = [t for t, gpu in TARGETS.items() if gpu.backend == "hip"]
+FAST = ("sm_90", "gfx942")  # one target of each vendor in the fast tier; the others with the slow tests
+
+
+def fast_first(targets: list[str]) -> list:
+    return [t if t in FAST else pytest.param(t, marks=pytest.mark.slow) for t in targets]
+
+
+EVERY_TARGET = fast_first(sorted(TARGETS))
 
 
 def need(target: str) -> None:
@@ -70,8 +78,9 @@ def test_the_targets_every_triton_has_are_supported():
 TRACED = ("sm_90", "gfx942")  # the traced loop compiled once a vendor
 
 
-@pytest.mark.parametrize("target,trace", [(target, trace) for target in sorted(TARGETS) for trace in (False, True)
-                                          if not trace or target in TRACED])
+@pytest.mark.parametrize("target,trace", [(target, False) for target in FAST] + [
+    pytest.param(target, trace, marks=pytest.mark.slow) for target in sorted(TARGETS) for trace in (False, True)
+    if (target not in FAST and not trace) or (trace and target in TRACED)])
 def test_every_task_type_compiles_ahead_of_time(target, trace):
     g, _ = graph("every task type")
     assert {s.task_type for s in g.specs} == set(TASK_TYPES), "the example must use every task type"
@@ -82,7 +91,7 @@ def test_every_task_type_compiles_ahead_of_time(target, trace):
     assert c.size > 10_000
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("target", EVERY_TARGET)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_registers_read_from_the_binary_are_plausible(kernel, target):
     c = compiled(kernel, target)
@@ -93,7 +102,7 @@ def test_registers_read_from_the_binary_are_plausible(kernel, target):
         assert 0 < c.registers <= 512 and 0 < c.scalar_registers <= 112
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("target", EVERY_TARGET)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_workers_fit_on_every_target(kernel, target):
     c = compiled(kernel, target)
@@ -104,7 +113,7 @@ def test_workers_fit_on_every_target(kernel, target):
         check_grid(max_grid(limits, c.resources) + 1, limits, c.resources)
 
 
-@pytest.mark.parametrize("target", NVIDIA)
+@pytest.mark.parametrize("target", fast_first(NVIDIA))
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_nvidia_kernels_are_capped_to_four_programs_per_sm(kernel, target):
     c = compiled(kernel, target)
@@ -112,7 +121,7 @@ def test_nvidia_kernels_are_capped_to_four_programs_per_sm(kernel, target):
     assert programs_per_unit(LIMITS[target], c.resources) >= 4
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("target", EVERY_TARGET)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_no_kernel_spills_a_register(kernel, target):
     """Nothing of either kernel lives in local memory / scratch: each tile's invariants stay in the tile
@@ -139,7 +148,7 @@ def loads_by_file(assembly: str) -> dict[str, Counter]:
     return loads
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("target", EVERY_TARGET)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_weights_and_caches_are_not_loaded_element_by_element(kernel, target):
     """A decode step's bytes are its weights and KV cache: the GEMV, ``tl.dot``, attention and prefill tiles
@@ -151,7 +160,7 @@ def test_weights_and_caches_are_not_loaded_element_by_element(kernel, target):
         assert not [op for op in loads.get(source, {}) if re.search(r"\.b16$|short", op)], (source, loads[source])
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("target", EVERY_TARGET)
 def test_16_bit_dots_run_on_tensor_cores_and_float32_ones_stay_ieee(target):
     """The every-task kernel has bfloat16 ``tl.dot`` tiles (chunk attention) and float32 ones (a linear):
     the first are matrix-core instructions on bfloat16, none rounds float32 to tf32 / xf32."""
@@ -203,7 +212,7 @@ NEAREST_EVEN = {"sm_90": r"cvt\.rn\.bf16\.f32", "sm_100": r"cvt\.rn\.bf16\.f32",
                 "gfx942": r"v_bfe_u32 \S+, \S+, 16, 1\b", "gfx950": r"v_cvt_pk_bf16_f32\b"}
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("target", EVERY_TARGET)
 def test_compiled_bfloat16_stores_round_to_nearest_even(target):
     """``rounded`` rounds the bits itself only under the interpreter (which truncates); a compiled kernel
     leaves it to the conversion, which rounds to nearest even on every target."""
@@ -216,7 +225,7 @@ def test_compiled_bfloat16_stores_round_to_nearest_even(target):
     assert not re.search(r"cvt\.rz|-65536\b|0xffff0000\b", asm)  # no truncation; no mask of a rounding of ours
 
 
-@pytest.mark.parametrize("target", AMD)
+@pytest.mark.parametrize("target", fast_first(AMD))
 def test_spills_are_read_from_the_amd_code_object(target):
     """64 values per lane: they fit in the VGPRs of one wave per SIMD, not in those of 8 (64 each)."""
     need(target)
@@ -235,7 +244,7 @@ def test_num_warps_reaches_the_compiler():
     assert programs_per_unit(LIMITS["sm_90"], c.resources) >= 1
 
 
-@pytest.mark.parametrize("target", AMD)
+@pytest.mark.parametrize("target", fast_first(AMD))
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_amd_occupancy_agrees_with_llvm(kernel, target):
     """LLVM writes the waves per SIMD it expects into the assembly; the occupancy rule must say the same.
@@ -264,7 +273,7 @@ def compile_dot_tile(target: str, m: int, n: int, k: int):
     return triton.compile(source, target=TARGETS[target], options={"num_warps": 4})
 
 
-@pytest.mark.parametrize("target", AMD)
+@pytest.mark.parametrize("target", fast_first(AMD))
 def test_a_tile_too_big_for_an_mi300x_cu(target):
     """A 256x128 tile with K=256 takes 128 KiB of LDS and AGPRs beside 256 VGPRs: an MI355X CU holds one
     program, an MI300X CU (64 KiB of LDS) none."""
@@ -281,7 +290,7 @@ def test_a_tile_too_big_for_an_mi300x_cu(target):
         assert programs_per_unit(LIMITS[target], res) == 1
 
 
-@pytest.mark.parametrize("target", NVIDIA)
+@pytest.mark.parametrize("target", fast_first(NVIDIA))
 def test_cubin_resources_match_cuobjdump(target, tmp_path):
     """The registers and shared memory read from the cubin are those NVIDIA's own tool reports."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
