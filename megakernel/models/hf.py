@@ -2,8 +2,9 @@
 
 The architectures differ in what the decode step builds (``DecoderConfig``: Qwen3's q/k norms, biases
 on q/k/v (Qwen2, Llama's ``attention_bias``), on o (``attention_bias``) and on the MLP (``mlp_bias``),
-sliding windows per layer (Mistral's ``sliding_window``, ``layer_types``)) and in how the weights are
-stored (Phi-3 fuses q/k/v and gate/up): ``shard_weights`` reads either.
+sliding windows per layer (Mistral's ``sliding_window``, ``layer_types``), sparse MLPs) and in how the
+weights are stored (Phi-3 fuses q/k/v and gate/up): the weights, wherever stored, are ``schema``'s;
+this module translates a model's config into a ``DecoderConfig``.
 
 RoPE comes from the model's own rotary module: its inverse frequencies and attention scaling are what
 ``transformers`` computed for the rope type (``default``, ``linear``, ``llama3``, ``yarn``,
@@ -22,6 +23,7 @@ from ..bootstrap import current_world
 from ..errors import GraphError, is_count
 from .decoder import DecoderConfig, Shard
 from .engine import DecodeModel
+from .schema import shard_weights
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
              "GemmaForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
@@ -84,98 +86,6 @@ def _moe_config(model) -> dict:
                 moe_intermediate=cfg.intermediate_size if mixtral else cfg.moe_intermediate_size,
                 norm_topk=True if mixtral else bool(cfg.norm_topk_prob),
                 router_weight_dtype=torch.float32 if mixtral else model.dtype)  # as each model applies them
-
-
-def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_freq: torch.Tensor, tied: bool
-                  ) -> dict[str, torch.Tensor]:
-    """This rank's slices of a model's weights, named as the decode graph's inputs.
-
-    ``tensors``: the model's weights by their ``transformers`` state-dict names, as tensors (``from_hf``)
-    or as lazy slices of a checkpoint (``from_pretrained``: only what is taken here is read; a missing
-    tensor is a ``GraphError`` naming it). q/k/v and gate/up may be apart or fused (Phi-3's
-    ``qkv_proj``: q rows, then k, then v; ``gate_up_proj``: gate, then up); ``tied``: the LM head is
-    the embedding.
-    """
-    hd = c.head_dim
-    embed = tensors["model.embed_tokens.weight"]
-    weights = {"embed": embed, "norm": tensors["model.norm.weight"],
-               "lm_head": s.lm.take(embed if tied else tensors["lm_head.weight"]), "inv_freq": inv_freq.float()}
-    if c.gemma:  # the embedding's scale, sqrt(hidden), as the model's dtype holds it, for every batch row
-        weights["embed_scale"] = torch.full((c.rows, c.hidden), c.hidden ** 0.5, dtype=c.dtype)
-    per_row = lambda bias: bias.reshape(1, -1).expand(c.rows, -1)  # noqa: E731 (a bias input is per step row)
-    for i in range(c.layers):
-        layer = lambda name: tensors[f"model.layers.{i}.{name}"]  # noqa: E731
-        qkv = lambda part: _qkv(tensors, f"model.layers.{i}.self_attn.", part, c)  # noqa: E731
-        gate_up = lambda part: _gate_up(tensors, f"model.layers.{i}.mlp.", part, c)  # noqa: E731
-        q, k, v = qkv("weight")
-        weights[f"layers.{i}.input_norm"] = layer("input_layernorm.weight")
-        weights[f"layers.{i}.qkv"] = torch.cat([s.q.take(q, hd), s.kv.take(k, hd), s.kv.take(v, hd)])
-        weights[f"layers.{i}.o"] = s.q.take(layer("self_attn.o_proj.weight"), hd, dim=1)
-        weights[f"layers.{i}.post_norm"] = layer("post_attention_layernorm.weight")
-        if c.moe and c.moe[i]:
-            weights.update(_expert_weights(tensors, c, s, i))
-        else:
-            gate, up = gate_up("weight")
-            weights[f"layers.{i}.gate_up"] = torch.cat([s.mlp.take(gate), s.mlp.take(up)])
-            weights[f"layers.{i}.down"] = s.mlp.take(layer("mlp.down_proj.weight"), dim=1)
-        if c.qkv_bias:
-            q, k, v = qkv("bias")
-            weights[f"layers.{i}.qkv_bias"] = per_row(torch.cat([s.q.take(q, hd), s.kv.take(k, hd), s.kv.take(v, hd)]))
-        if c.o_bias:
-            weights[f"layers.{i}.o_bias"] = per_row(layer("self_attn.o_proj.bias"))
-        if c.mlp_bias:
-            gate, up = gate_up("bias")
-            weights[f"layers.{i}.gate_up_bias"] = per_row(torch.cat([s.mlp.take(gate), s.mlp.take(up)]))
-            weights[f"layers.{i}.down_bias"] = per_row(layer("mlp.down_proj.bias"))
-        if c.qk_norm:
-            weights[f"layers.{i}.q_norm"] = layer("self_attn.q_norm.weight")
-            weights[f"layers.{i}.k_norm"] = layer("self_attn.k_norm.weight")
-    return {name: w.detach().contiguous() for name, w in weights.items()}
-
-
-def _expert_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, i: int) -> dict[str, torch.Tensor]:
-    """A sparse MLP's router (whole) and every expert's share of columns, stacked expert after expert:
-    ``experts.gate_up [E * 2 I_rank, hidden]`` (each expert's gate rows, then its up rows) and
-    ``experts.down [E * hidden, I_rank]``. ``tensors`` name them as ``transformers`` holds them in
-    memory (``mlp.experts.gate_up_proj [E, 2 I, hidden]``, ``mlp.experts.down_proj [E, hidden, I]``) or as
-    checkpoints store them, expert by expert (Qwen3-MoE: ``mlp.experts.{e}.gate_proj``, ``up_proj``,
-    ``down_proj``; Mixtral: ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down))."""
-    prefix, inter = f"model.layers.{i}.", c.moe_intermediate
-    fused = tensors.get(f"{prefix}mlp.experts.gate_up_proj")
-    if fused is not None:
-        gates = [fused.narrow(0, e, 1).narrow(1, 0, inter).reshape(inter, c.hidden) for e in range(c.experts)]
-        ups = [fused.narrow(0, e, 1).narrow(1, inter, inter).reshape(inter, c.hidden) for e in range(c.experts)]
-        down = tensors[f"{prefix}mlp.experts.down_proj"]
-        downs = [down.narrow(0, e, 1).reshape(c.hidden, inter) for e in range(c.experts)]
-        router = tensors[f"{prefix}mlp.gate.weight"]
-    else:
-        mixtral = tensors.get(f"{prefix}block_sparse_moe.gate.weight") is not None
-        block, (gate, up, down) = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else \
-            ("mlp", ("gate_proj", "up_proj", "down_proj"))
-        expert = lambda e, name: tensors[f"{prefix}{block}.experts.{e}.{name}.weight"]  # noqa: E731
-        gates, ups = [expert(e, gate) for e in range(c.experts)], [expert(e, up) for e in range(c.experts)]
-        downs = [expert(e, down) for e in range(c.experts)]
-        router = tensors[f"{prefix}{block}.gate.weight"]
-    return {f"layers.{i}.router": router,
-            f"layers.{i}.experts.gate_up": torch.cat([t for g, u in zip(gates, ups) for t in (s.moe.take(g), s.moe.take(u))]),
-            f"layers.{i}.experts.down": torch.cat([s.moe.take(d, dim=1) for d in downs])}
-
-
-def _qkv(tensors: Mapping[str, Any], prefix: str, part: str, c: DecoderConfig) -> tuple:
-    """The q, k and v projections' ``part`` ("weight" or "bias"), apart or fused (Phi-3)."""
-    fused = tensors.get(f"{prefix}qkv_proj.{part}")
-    if fused is None:
-        return tuple(tensors[f"{prefix}{n}_proj.{part}"] for n in "qkv")
-    q_rows, kv_rows = c.heads * c.head_dim, c.kv_heads * c.head_dim
-    return fused.narrow(0, 0, q_rows), fused.narrow(0, q_rows, kv_rows), fused.narrow(0, q_rows + kv_rows, kv_rows)
-
-
-def _gate_up(tensors: Mapping[str, Any], prefix: str, part: str, c: DecoderConfig) -> tuple:
-    """The gate and up projections' ``part``, apart or fused (Phi-3: gate rows, then up)."""
-    fused = tensors.get(f"{prefix}gate_up_proj.{part}")
-    if fused is None:
-        return tensors[f"{prefix}gate_proj.{part}"], tensors[f"{prefix}up_proj.{part}"]
-    return fused.narrow(0, 0, c.intermediate), fused.narrow(0, c.intermediate, c.intermediate)
 
 
 def from_hf(model, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
