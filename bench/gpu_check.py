@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 import megakernel as mk
+from megakernel.models import schema
 from megakernel.models.decoder import DecoderConfig, Shard, decoder_layer
 from megakernel.reference import execute
 from megakernel.scheduler import deserialize, serialize
@@ -196,19 +197,17 @@ def check_decode(s: Setup) -> list[Row]:
 # -- 6. a mixture-of-experts layer -----------------------------------------------------------------------
 def moe_floor_bytes(c: DecoderConfig, pos: int) -> int:
     """What the MoE layer must read at least: attention weights, the router, the k chosen experts, the cache."""
-    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
-    attention = (q + 2 * kv) * c.hidden + c.hidden * q + 2 * c.hidden
-    experts = c.top_k * 3 * c.moe_intermediate * c.hidden
-    return (attention + c.experts * c.hidden + experts + 2 * (pos + 1) * kv) * c.dtype.itemsize
+    s = Shard.of(c, 0, 1)
+    weights = sum(math.prod(w.shape(c, s)) * c.top_k // c.experts if w.per_expert else math.prod(w.shape(c, s))
+                  for w in schema.layer_weights(c, 0))
+    return (weights + 2 * (pos + 1) * c.kv_heads * c.head_dim) * c.dtype.itemsize
 
 
 def check_moe(s: Setup) -> list[Row]:
     c, pos = s.moe, s.pos
     gen = torch.Generator().manual_seed(11)
     (g,), kernel = sized_kernel(lambda parallelism: (layer_graph(c, parallelism),), s)
-    inputs = {name: ((1 + 0.1 * torch.randn(t.shape, generator=gen)) if t.ndim == 1 else
-                     torch.randn(t.shape, generator=gen) / math.sqrt(t.shape[1])).to(t.dtype)
-              for name, t in g.inputs.items() if t.dtype.is_floating_point}
+    inputs = {name: random_weight(t.shape, t.dtype, gen) for name, t in g.inputs.items() if t.dtype.is_floating_point}
     inputs["pos"] = torch.tensor([pos])
     inputs["inv_freq"] = 1.0 / 10000.0 ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
     try:
@@ -366,14 +365,17 @@ def layer_graph(c: DecoderConfig, parallelism: int) -> mk.Graph:
     return g
 
 
+def random_weight(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A norm's weight (1-D) near 1, a projection's [out, in] scaled by 1 / sqrt(in): activations stay O(1)."""
+    if len(shape) == 1:
+        return (1 + 0.1 * torch.randn(shape, generator=gen)).to(dtype)
+    return (torch.randn(shape, generator=gen) / math.sqrt(shape[1])).to(dtype)
+
+
 def layer_weights(c: DecoderConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
-    shapes = {"qkv": (q + 2 * kv, c.hidden), "o": (c.hidden, q), "gate_up": (2 * c.intermediate, c.hidden),
-              "down": (c.hidden, c.intermediate)}
-    weights = {f"layers.0.{k}": (torch.randn(s, generator=gen) / math.sqrt(s[1])).to(c.dtype) for k, s in shapes.items()}
-    for norm in ("input_norm", "post_norm"):
-        weights[f"layers.0.{norm}"] = (1 + 0.1 * torch.randn(c.hidden, generator=gen)).to(c.dtype)
-    return weights
+    """Random weights for layer 0 of ``c`` on one rank (the schema's), named as ``layer_graph``'s inputs."""
+    s = Shard.of(c, 0, 1)
+    return {f"layers.0.{w.name}": random_weight(w.shape(c, s), c.dtype, gen) for w in schema.layer_weights(c, 0)}
 
 
 def eager_layer(c: DecoderConfig, w: dict[str, torch.Tensor], x: torch.Tensor, pos: int, inv_freq: torch.Tensor,
@@ -407,9 +409,9 @@ def eager_layer(c: DecoderConfig, w: dict[str, torch.Tensor], x: torch.Tensor, p
 
 def layer_bytes(c: DecoderConfig, pos: int) -> int:
     """What the layer must move at least: its weights once, the KV cache it attends to, the stream."""
-    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
-    weights = (q + 2 * kv) * c.hidden + c.hidden * q + 3 * c.intermediate * c.hidden + 2 * c.hidden
-    return (weights + 2 * (pos + 1) * kv + 2 * c.hidden) * c.dtype.itemsize
+    s = Shard.of(c, 0, 1)
+    weights = sum(math.prod(w.shape(c, s)) for w in schema.layer_weights(c, 0))
+    return (weights + 2 * (pos + 1) * c.kv_heads * c.head_dim + 2 * c.hidden) * c.dtype.itemsize
 
 
 def copy_bandwidth(device: str, mib: int) -> float:

@@ -164,6 +164,26 @@ def test_architectures_match_transformers(name):
         m.close()
 
 
+@pytest.mark.parametrize("name", ["qwen2", "phi3", "llama_biases", "llama_tied", "gemma"])
+def test_the_weight_schema_is_what_the_graph_declares_and_the_ranks_bind(name):
+    """Every graph input a weight makes (``schema``) has the shape of what ``shard_weights`` takes for it,
+    on every rank of 3, whether the model stores q/k/v and gate/up apart or fused (Phi-3)."""
+    from megakernel.models.decoder import Shard
+    from megakernel.models.hf import config_of
+    from megakernel.models.schema import shard_weights
+
+    model = architecture(name)
+    c = config_of(model, max_seq_len=16, max_batch=2, prefill_chunk=4)
+    for rank in range(3):
+        g = decode_step(c, mk.Graph(world_size=3, rank=rank))
+        weights = shard_weights(model.state_dict(), c, Shard.of(c, rank, 3), model.model.rotary_emb.inv_freq,
+                                tied=bool(model.config.tie_word_embeddings))
+        runtime = {"history", "pos", "prompt_len", "block_table", "prefill_pos", "prefill_tokens"}
+        assert set(weights) == set(g.inputs) - runtime, f"{name}, rank {rank}"
+        for input_name, tensor in weights.items():
+            assert tuple(tensor.shape) == tuple(g.inputs[input_name].shape), f"{name}, rank {rank}: {input_name}"
+
+
 @pytest.mark.parametrize("name", ["qwen2", "phi3", "llama_biases", "mistral_window", "llama_tied", "gemma"])
 def test_architectures_over_three_ranks(name):
     """Each architecture sharded over 3 virtual ranks (4 query heads and 2 KV heads padded to 3 groups,

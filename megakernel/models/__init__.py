@@ -1,6 +1,8 @@
 """Whole-layer builders: decoder layers and decode steps, and loading from ``transformers``."""
 from .decoder import DecoderConfig, KVCache, Shard, decode_step, decoder_layer, layer_inputs
-from .hf import DecodeModel, from_hf, from_pretrained
+from .checkpoint import from_pretrained
+from .engine import DecodeModel
+from .hf import from_hf
 from .pages import KVCacheFull, PagePool
 
 __all__ = ["DecodeModel", "DecoderConfig", "KVCache", "KVCacheFull", "PagePool", "Shard", "decode_step",

@@ -11,6 +11,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import GraphError
+from .engine import DecodeModel
+from .hf import SUPPORTED, decode_model
 
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
 
@@ -91,3 +93,32 @@ class Checkpoint:
         tensor = self.files[self.located[name]].get_slice(name)[tuple(slice(start, stop) for start, stop in ranges)]
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
+
+
+def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
+                    prefill_chunk: int = 0, parallelism: int | str = "auto", **kernel_options) -> DecodeModel:
+    """Load a checkpoint directory (``config.json`` + ``*.safetensors``, one file or shards, as
+    ``save_pretrained`` writes it; nothing is downloaded) straight into this rank's heap and compile
+    its decode step. Only this rank's slices are read (``Checkpoint``): no whole model in host memory.
+    The model's modules are made on the meta device (no memory) for what ``from_hf`` reads off them;
+    the RoPE frequencies from its rotary module's class, made for real. The other arguments are ``from_hf's``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    serving = dict(max_seq_len=max_seq_len, max_batch=max_batch, page_size=page_size, kv_pages=kv_pages,
+                   prefill_chunk=prefill_chunk)
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise GraphError(f"{path}: no config.json: not a checkpoint directory as save_pretrained writes one")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    name = (getattr(config, "architectures", None) or ["?"])[0]
+    if name not in SUPPORTED:
+        raise GraphError(f"{path}: from_pretrained supports {', '.join(SUPPORTED)}, got {name}")
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    checkpoint = Checkpoint(path, {key: tuple(t.shape) for key, t in skeleton.state_dict().items()})
+    skeleton.to(checkpoint["model.embed_tokens.weight"].dtype)  # the dtype the weights are stored in
+    rotary = type(skeleton.model.rotary_emb)(config)  # on the host: the frequencies for real
+    model = decode_model(skeleton, checkpoint, rotary, serving, parallelism, **kernel_options)
+    model.bytes_read = checkpoint.bytes_read
+    return model

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..graph import Graph, Tensor
+from .schema import EMBED, HEAD, NORM, Weight, layer_weights
 
 
 @dataclass(frozen=True)
@@ -108,22 +109,6 @@ class Shard:
     lm: Share      # vocabulary rows
     moe: Share     # each expert's intermediate columns
 
-    @property
-    def heads(self) -> int:
-        return self.q.size
-
-    @property
-    def kv_heads(self) -> int:
-        return self.kv.size
-
-    @property
-    def intermediate(self) -> int:
-        return self.mlp.size
-
-    @property
-    def vocab(self) -> int:
-        return self.lm.size
-
     @classmethod
     def of(cls, c: DecoderConfig, rank: int, world: int) -> "Shard":
         group = c.heads // c.kv_heads
@@ -151,24 +136,13 @@ class KVCache:
 
 
 def layer_inputs(g: Graph, c: DecoderConfig, s: Shard, i: int) -> dict[str, Tensor]:
-    """Layer ``i``'s weights as graph inputs ``layers.{i}.*``, by short name; biases have a row per step row."""
-    q_cols, kv_cols = s.heads * c.head_dim, s.kv_heads * c.head_dim
-    shapes = {"input_norm": (c.hidden,), "qkv": (q_cols + 2 * kv_cols, c.hidden), "o": (c.hidden, q_cols),
-              "post_norm": (c.hidden,)}
-    if c.qkv_bias:
-        shapes["qkv_bias"] = (c.rows, q_cols + 2 * kv_cols)
-    if c.qk_norm:
-        shapes.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
-    if c.o_bias:
-        shapes["o_bias"] = (c.rows, c.hidden)
-    if c.moe and c.moe[i]:
-        shapes.update({"router": (c.experts, c.hidden), "experts.gate_up": (c.experts * 2 * s.moe.size, c.hidden),
-                       "experts.down": (c.experts * c.hidden, s.moe.size)})
-    else:
-        shapes.update(gate_up=(2 * s.intermediate, c.hidden), down=(c.hidden, s.intermediate))
-        if c.mlp_bias:
-            shapes.update(gate_up_bias=(c.rows, 2 * s.intermediate), down_bias=(c.rows, c.hidden))
-    return {name: g.input(f"layers.{i}.{name}", shape, c.dtype) for name, shape in shapes.items()}
+    """Layer ``i``'s weights as graph inputs ``layers.{i}.*``, by short name (``schema.layer_weights``)."""
+    return {w.name: weight_input(g, c, s, w, f"layers.{i}.") for w in layer_weights(c, i)}
+
+
+def weight_input(g: Graph, c: DecoderConfig, s: Shard, w: Weight, prefix: str = "") -> Tensor:
+    """The graph input of the schema's weight ``w`` on rank ``s``, named ``prefix + w.name``."""
+    return g.input(prefix + w.name, w.shape(c, s), c.dtype)
 
 
 def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, inv_freq: Tensor, i: int,
@@ -182,7 +156,7 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     of a sequence's consecutive positions) rather than a batch of one position per sequence;
     ``kv_only``: stop after the KV cache append and return None (a prefill chunk's last layer, whose
     output nothing reads)."""
-    hd, q_cols, kv_cols = c.head_dim, s.heads * c.head_dim, s.kv_heads * c.head_dim
+    hd, q_cols, kv_cols = c.head_dim, s.q.size * c.head_dim, s.kv.size * c.head_dim
     g.require(not chunk or kv is not None, "decoder_layer: a prefill chunk needs its sequences' paged cache (kv)")
     w = w or layer_inputs(g, c, s, i)
     bias = lambda name: w[name][row0:row0 + x.rows]  # noqa: E731
@@ -218,7 +192,7 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     gate_up = g.linear(h, w["gate_up"])
     if c.mlp_bias:
         gate_up = g.add(gate_up, bias("gate_up_bias"))
-    act = (g.gelu_tanh_mul if c.gemma else g.silu_mul)(gate_up[:, :s.intermediate], gate_up[:, s.intermediate:])
+    act = (g.gelu_tanh_mul if c.gemma else g.silu_mul)(gate_up[:, :s.mlp.size], gate_up[:, s.mlp.size:])
     out = _row_parallel(g, s, g.linear(act, w["down"]))
     return g.add(x, g.add(out, bias("down_bias")) if c.mlp_bias else out)
 
@@ -256,7 +230,7 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     prompt_len = g.input("prompt_len", (c.batch,), torch.int64)
     table = g.input("block_table", (c.rows, c.max_pages), torch.int64)
     inv_freq = g.input("inv_freq", (c.head_dim // 2,), torch.float32)
-    embed = g.input("embed", (c.vocab, c.hidden), c.dtype)
+    embed = weight_input(g, c, s, EMBED)
     scale = g.input("embed_scale", (c.rows, c.hidden), c.dtype) if c.gemma else None  # sqrt(hidden) in the dtype
     x = g.embedding(history, embed, pos=pos)
     if scale is not None:
@@ -271,7 +245,7 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     for i in range(c.layers):
         with g.scope(f"layer{i}"):
             w = layer_inputs(g, c, s, i)
-            kv = KVCache(*(g.new_tensor((pool_rows, s.kv_heads * c.head_dim), c.dtype, name=f"layers.{i}.{name}")
+            kv = KVCache(*(g.new_tensor((pool_rows, s.kv.size * c.head_dim), c.dtype, name=f"layers.{i}.{name}")
                            for name in ("k_cache", "v_cache")), table, c.page_size)
             if c.prefill_chunk:
                 with g.scope("prefill"), g.guarded(prefill_pos[0]):
@@ -280,8 +254,8 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
                                           chunk=True, kv_only=i == c.layers - 1)
             x = decoder_layer(g, c, s, x, pos, inv_freq, i, w, KVCache(kv.k, kv.v, table[:c.batch], c.page_size))
     with g.scope("head"):
-        h = g.rms_norm(x, g.input("norm", (c.hidden,), c.dtype), c.eps, unit_offset=c.gemma)
-        logits = g.linear(h, g.input("lm_head", (s.vocab, c.hidden), c.dtype))
+        h = g.rms_norm(x, weight_input(g, c, s, NORM), c.eps, unit_offset=c.gemma)
+        logits = g.linear(h, weight_input(g, c, s, HEAD))
         logits = g.all_gather(logits, dim=1) if s.world > 1 else logits
         g.output("logits", logits)
     with g.scope("sample"):

@@ -2,8 +2,9 @@
 
 The architectures differ in what the decode step builds (``DecoderConfig``: Qwen3's q/k norms, biases
 on q/k/v (Qwen2, Llama's ``attention_bias``), on o (``attention_bias``) and on the MLP (``mlp_bias``),
-sliding windows per layer (Mistral's ``sliding_window``, ``layer_types``)) and in how the weights are
-stored (Phi-3 fuses q/k/v and gate/up): ``shard_weights`` reads either.
+sliding windows per layer (Mistral's ``sliding_window``, ``layer_types``), sparse MLPs) and in how the
+weights are stored (Phi-3 fuses q/k/v and gate/up): the weights, wherever stored, are ``schema``'s;
+this module translates a model's config into a ``DecoderConfig``.
 
 RoPE comes from the model's own rotary module: its inverse frequencies and attention scaling are what
 ``transformers`` computed for the rope type (``default``, ``linear``, ``llama3``, ``yarn``,
@@ -14,19 +15,15 @@ sequence length: before each step the module is asked for the frequencies at tha
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
 
 from ..bootstrap import current_world
 from ..errors import GraphError, is_count
-from ..graph import Graph
-from ..runtime import Megakernel
-from ..tasks.chunk_attention import BLOCK_ROWS
-from .decoder import DecoderConfig, Shard, decode_step
-from .pages import KVCacheFull, PagePool
+from .decoder import DecoderConfig, Shard
+from .engine import DecodeModel
+from .schema import shard_weights
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
              "GemmaForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
@@ -91,450 +88,6 @@ def _moe_config(model) -> dict:
                 router_weight_dtype=torch.float32 if mixtral else model.dtype)  # as each model applies them
 
 
-def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_freq: torch.Tensor, tied: bool
-                  ) -> dict[str, torch.Tensor]:
-    """This rank's slices of a model's weights, named as the decode graph's inputs.
-
-    ``tensors``: the model's weights by their ``transformers`` state-dict names, as tensors (``from_hf``)
-    or as lazy slices of a checkpoint (``from_pretrained``: only what is taken here is read; a missing
-    tensor is a ``GraphError`` naming it). q/k/v and gate/up may be apart or fused (Phi-3's
-    ``qkv_proj``: q rows, then k, then v; ``gate_up_proj``: gate, then up); ``tied``: the LM head is
-    the embedding.
-    """
-    hd = c.head_dim
-    embed = tensors["model.embed_tokens.weight"]
-    weights = {"embed": embed, "norm": tensors["model.norm.weight"],
-               "lm_head": s.lm.take(embed if tied else tensors["lm_head.weight"]), "inv_freq": inv_freq.float()}
-    if c.gemma:  # the embedding's scale, sqrt(hidden), as the model's dtype holds it, for every batch row
-        weights["embed_scale"] = torch.full((c.rows, c.hidden), c.hidden ** 0.5, dtype=c.dtype)
-    per_row = lambda bias: bias.reshape(1, -1).expand(c.rows, -1)  # noqa: E731 (a bias input is per step row)
-    for i in range(c.layers):
-        layer = lambda name: tensors[f"model.layers.{i}.{name}"]  # noqa: E731
-        qkv = lambda part: _qkv(tensors, f"model.layers.{i}.self_attn.", part, c)  # noqa: E731
-        gate_up = lambda part: _gate_up(tensors, f"model.layers.{i}.mlp.", part, c)  # noqa: E731
-        q, k, v = qkv("weight")
-        weights[f"layers.{i}.input_norm"] = layer("input_layernorm.weight")
-        weights[f"layers.{i}.qkv"] = torch.cat([s.q.take(q, hd), s.kv.take(k, hd), s.kv.take(v, hd)])
-        weights[f"layers.{i}.o"] = s.q.take(layer("self_attn.o_proj.weight"), hd, dim=1)
-        weights[f"layers.{i}.post_norm"] = layer("post_attention_layernorm.weight")
-        if c.moe and c.moe[i]:
-            weights.update(_expert_weights(tensors, c, s, i))
-        else:
-            gate, up = gate_up("weight")
-            weights[f"layers.{i}.gate_up"] = torch.cat([s.mlp.take(gate), s.mlp.take(up)])
-            weights[f"layers.{i}.down"] = s.mlp.take(layer("mlp.down_proj.weight"), dim=1)
-        if c.qkv_bias:
-            q, k, v = qkv("bias")
-            weights[f"layers.{i}.qkv_bias"] = per_row(torch.cat([s.q.take(q, hd), s.kv.take(k, hd), s.kv.take(v, hd)]))
-        if c.o_bias:
-            weights[f"layers.{i}.o_bias"] = per_row(layer("self_attn.o_proj.bias"))
-        if c.mlp_bias:
-            gate, up = gate_up("bias")
-            weights[f"layers.{i}.gate_up_bias"] = per_row(torch.cat([s.mlp.take(gate), s.mlp.take(up)]))
-            weights[f"layers.{i}.down_bias"] = per_row(layer("mlp.down_proj.bias"))
-        if c.qk_norm:
-            weights[f"layers.{i}.q_norm"] = layer("self_attn.q_norm.weight")
-            weights[f"layers.{i}.k_norm"] = layer("self_attn.k_norm.weight")
-    return {name: w.detach().contiguous() for name, w in weights.items()}
-
-
-def _expert_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, i: int) -> dict[str, torch.Tensor]:
-    """A sparse MLP's router (whole) and every expert's share of columns, stacked expert after expert:
-    ``experts.gate_up [E * 2 I_rank, hidden]`` (each expert's gate rows, then its up rows) and
-    ``experts.down [E * hidden, I_rank]``. ``tensors`` name them as ``transformers`` holds them in
-    memory (``mlp.experts.gate_up_proj [E, 2 I, hidden]``, ``mlp.experts.down_proj [E, hidden, I]``) or as
-    checkpoints store them, expert by expert (Qwen3-MoE: ``mlp.experts.{e}.gate_proj``, ``up_proj``,
-    ``down_proj``; Mixtral: ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down))."""
-    prefix, inter = f"model.layers.{i}.", c.moe_intermediate
-    fused = tensors.get(f"{prefix}mlp.experts.gate_up_proj")
-    if fused is not None:
-        gates = [fused.narrow(0, e, 1).narrow(1, 0, inter).reshape(inter, c.hidden) for e in range(c.experts)]
-        ups = [fused.narrow(0, e, 1).narrow(1, inter, inter).reshape(inter, c.hidden) for e in range(c.experts)]
-        down = tensors[f"{prefix}mlp.experts.down_proj"]
-        downs = [down.narrow(0, e, 1).reshape(c.hidden, inter) for e in range(c.experts)]
-        router = tensors[f"{prefix}mlp.gate.weight"]
-    else:
-        mixtral = tensors.get(f"{prefix}block_sparse_moe.gate.weight") is not None
-        block, (gate, up, down) = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else \
-            ("mlp", ("gate_proj", "up_proj", "down_proj"))
-        expert = lambda e, name: tensors[f"{prefix}{block}.experts.{e}.{name}.weight"]  # noqa: E731
-        gates, ups = [expert(e, gate) for e in range(c.experts)], [expert(e, up) for e in range(c.experts)]
-        downs = [expert(e, down) for e in range(c.experts)]
-        router = tensors[f"{prefix}{block}.gate.weight"]
-    return {f"layers.{i}.router": router,
-            f"layers.{i}.experts.gate_up": torch.cat([t for g, u in zip(gates, ups) for t in (s.moe.take(g), s.moe.take(u))]),
-            f"layers.{i}.experts.down": torch.cat([s.moe.take(d, dim=1) for d in downs])}
-
-
-def _qkv(tensors: Mapping[str, Any], prefix: str, part: str, c: DecoderConfig) -> tuple:
-    """The q, k and v projections' ``part`` ("weight" or "bias"), apart or fused (Phi-3)."""
-    fused = tensors.get(f"{prefix}qkv_proj.{part}")
-    if fused is None:
-        return tuple(tensors[f"{prefix}{n}_proj.{part}"] for n in "qkv")
-    q_rows, kv_rows = c.heads * c.head_dim, c.kv_heads * c.head_dim
-    return fused.narrow(0, 0, q_rows), fused.narrow(0, q_rows, kv_rows), fused.narrow(0, q_rows + kv_rows, kv_rows)
-
-
-def _gate_up(tensors: Mapping[str, Any], prefix: str, part: str, c: DecoderConfig) -> tuple:
-    """The gate and up projections' ``part``, apart or fused (Phi-3: gate rows, then up)."""
-    fused = tensors.get(f"{prefix}gate_up_proj.{part}")
-    if fused is None:
-        return tensors[f"{prefix}gate_proj.{part}"], tensors[f"{prefix}up_proj.{part}"]
-    return fused.narrow(0, 0, c.intermediate), fused.narrow(0, c.intermediate, c.intermediate)
-
-
-@dataclass
-class Sequence:
-    """A sequence of continuous batching (``DecodeModel.add``): its batch row, prompt and new tokens."""
-
-    id: int
-    slot: int
-    prompt: torch.Tensor
-    max_new: int
-    eos: int | None
-    pos: int = 0                                   # the position its row is at (the device's, mirrored)
-    prefilled: int = 0                             # prompt positions whose KV the prefill rows wrote
-    tokens: list[int] = field(default_factory=list)
-    done: bool = False
-
-    @property
-    def prefilling(self) -> bool:
-        """Its prompt still has positions before the last for prefill rows (its batch row waits)."""
-        return self.prefilled < self.prompt.numel() - 1
-
-    @property
-    def last_position(self) -> int:
-        """The position of its last step (which samples its last token)."""
-        return self.prompt.numel() + self.max_new - 2
-
-
-class DecodeModel:
-    """One rank's share of a model, compiled into one megakernel: one launch per decode step."""
-
-    def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor], parallelism: int | str = "auto",
-                 rope_at: Callable[[int], torch.Tensor] | None = None, **kernel_options):
-        """``parallelism``: the workers the step's tiles are sized for (``Graph.parallelism``); "auto": on a
-        GPU, every worker the kernel holds (found by building once), on the cpu backend 1 (the
-        interpreter runs few large tiles best). ``rope_at(pos)``: the inverse frequencies for the step
-        at ``pos``, for rope types whose frequencies follow the sequence length (rebound when they
-        change)."""
-        self.config = config
-        self.rope_at = rope_at
-        self.bytes_read = 0  # of a checkpoint, by this rank (from_pretrained)
-        self.inv_freq = weights["inv_freq"].clone()  # the frequencies bound now (the model may update its own)
-        auto = parallelism == "auto"
-        if auto:
-            parallelism = 1
-        self.graph = decode_step(config, Graph(parallelism=parallelism))
-        self.kernel = Megakernel(self.graph, **kernel_options)
-        if auto and self.kernel.backend.name != "cpu" and self.kernel.workers > 1:
-            self.kernel.close()
-            self.graph = decode_step(config, Graph(parallelism=self.kernel.workers))
-            self.kernel = Megakernel(self.graph, **kernel_options)
-        self.kernel.bind(weights)
-        self.pool = PagePool(config.pool_pages, config.page_size, config.rows, config.max_pages)
-        self.kernel.bind({"history": torch.zeros(config.batch, config.max_seq_len, dtype=torch.int64),
-                          "pos": torch.full((config.batch,), -1), "prompt_len": torch.zeros(config.batch, dtype=torch.int64),
-                          "block_table": self.pool.table})
-        if config.prefill_chunk:
-            self.kernel.bind({"prefill_pos": torch.full((config.prefill_chunk,), -1),
-                              "prefill_tokens": torch.zeros(config.prefill_chunk, dtype=torch.int64)})
-        self.slots: list[Sequence | None] = [None] * config.batch  # the sequences of add(), by batch row
-        self.finished: dict[int, torch.Tensor] = {}  # sequence id -> prompt + new tokens, once it ended
-        self.logits: torch.Tensor | None = None  # float32 [batch, vocab]: the last step's, by slot (``step``)
-        self._next_id = 0
-
-    def decode(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
-        """Logits [B, vocab] (float32) for ``tokens`` [B] at position ``pos``; the KV cache keeps the step.
-
-        One launch of one step: the tokens go into the history at ``pos``, and the step writes no token
-        (the prompt length is set past the history)."""
-        c = self.config
-        tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
-        if tokens.numel() != c.batch:
-            raise GraphError(f"decode: tokens has {tokens.numel()} entries; the model was built for batch {c.batch}")
-        bad = tokens[(tokens < 0) | (tokens >= c.vocab)]
-        if bad.numel():
-            raise GraphError(f"decode: token id {int(bad[0])} is outside the vocabulary [0, {c.vocab})")
-        if not 0 <= pos < c.max_seq_len:
-            raise GraphError(f"decode: position {pos} is outside [0, {c.max_seq_len}) (max_seq_len)")
-        self._require_no_sequences("decode")
-        with self.pool.transaction():  # each row keeps its pages from one decode() to the next
-            for row in range(c.batch):
-                self.pool.grow(row, pos + 1, f"batch row {row}")
-        self.kernel.tensor(self.graph.inputs["history"])[:, pos] = tokens  # the host's write, between launches
-        inputs = {"pos": torch.full((c.batch,), pos), "prompt_len": torch.full((c.batch,), c.max_seq_len),
-                  "block_table": self.pool.table}
-        logits = self.kernel.run({**inputs, **self._frequencies(pos)})["logits"][:, :c.vocab].float()
-        self.kernel.bind({"pos": torch.full((c.batch,), -1)})  # every row free again
-        return logits
-
-    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, tokens_per_launch: int | None = None,
-                 eos_token_id: int | None = None) -> torch.Tensor:
-        """Greedy decoding on the device: the prompt and ``max_new_tokens`` argmax tokens in
-        ``ceil((T + max_new_tokens - 1) / tokens_per_launch)`` launches of ``tokens_per_launch`` steps each
-        (by default all in one; fewer tokens per launch where the RoPE frequencies change with the
-        position, ``rope_at``). After ``eos_token_id`` a row's tokens are dropped: generation stops (checked
-        between launches) once every row has produced it, and a row that ends earlier than others is
-        filled with it.
-
-        ``prompt_ids`` [B, T] (or [T] for batch 1); returns [B, T + new tokens], prompt included. A list
-        of prompts (1-D, of any lengths, as many as you like) runs them by continuous batching
-        (``add``/``step``: each in a slot at a position of its own, a waiting one joining as a slot frees)
-        and returns one tensor per prompt, prompt + new tokens, what each would get alone.
-        """
-        if isinstance(prompt_ids, (list, tuple)) and prompt_ids and not isinstance(prompt_ids[0], int):
-            if tokens_per_launch is not None:
-                raise GraphError("generate: a list of prompts runs by continuous batching: its launches end where a "
-                                 "sequence does (no tokens_per_launch)")
-            return self._generate_each(prompt_ids, max_new_tokens, eos_token_id)
-        c = self.config
-        ids = torch.as_tensor(prompt_ids, dtype=torch.int64)
-        ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
-        prompt = ids.shape[1]
-        if ids.ndim != 2 or ids.shape[0] != c.batch or prompt < 1:
-            raise GraphError(f"generate: prompt_ids must be [{c.batch}, T >= 1] (the model's batch), got "
-                             f"{tuple(ids.shape)}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise GraphError(f"generate: max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        if tokens_per_launch is not None and not (isinstance(tokens_per_launch, int) and tokens_per_launch >= 1):
-            raise GraphError(f"generate: tokens_per_launch must be a positive int, got {tokens_per_launch!r}")
-        if prompt + max_new_tokens > c.max_seq_len:
-            raise GraphError(f"generate: {prompt} prompt + {max_new_tokens} new tokens exceed max_seq_len "
-                             f"{c.max_seq_len}")
-        bad = ids[(ids < 0) | (ids >= c.vocab)]
-        if bad.numel():
-            raise GraphError(f"generate: token id {int(bad[0])} is outside the vocabulary [0, {c.vocab})")
-        if max_new_tokens == 0:
-            return ids.clone()
-        self._require_no_sequences("generate")
-        steps = prompt + max_new_tokens - 1  # step p embeds the token at p and samples the one at p + 1
-        if c.batch * self.pool.pages_for(steps) > self.pool.pages:  # before the rows' pages are given back
-            raise KVCacheFull(f"KV cache full: generate: {c.batch} rows of {prompt} prompt + {max_new_tokens} new "
-                              f"tokens need {c.batch * self.pool.pages_for(steps)} pages of {self.pool.page_size} "
-                              f"positions; the pool has {self.pool.pages}. Nothing changed")
-        self._release_rows()  # each row keeps its pages afterwards, as decode() does: decode() may go on
-        with self.pool.transaction():
-            for row in range(c.batch):
-                self.pool.grow(row, steps, f"batch row {row} ({prompt} prompt + {max_new_tokens} new tokens)")
-        history = torch.zeros(c.batch, c.max_seq_len, dtype=torch.int64)
-        history[:, :prompt] = ids
-        self.kernel.bind({"history": history, "pos": torch.zeros(c.batch, dtype=torch.int64),
-                          "prompt_len": torch.full((c.batch,), prompt), "block_table": self.pool.table})
-        pos = 0
-        while pos < steps:
-            count = min(tokens_per_launch or steps, steps - pos)
-            frequencies = self._frequencies(pos)
-            if self.rope_at is not None:  # the steps of one launch share the frequencies bound for its first
-                count = next((k for k in range(1, count) if not torch.equal(self.rope_at(pos + k), self.inv_freq)),
-                             count)
-            history = self.kernel.run(frequencies, steps=count)["history"]
-            pos += count
-            if eos_token_id is not None and pos >= prompt and bool((history[:, prompt:pos + 1] == eos_token_id)
-                                                                   .any(dim=1).all()):
-                break
-        tokens = history[:, :pos + 1].clone()
-        if eos_token_id is not None:
-            ended = (tokens[:, prompt:] == eos_token_id).cumsum(dim=1) > 0
-            after = torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], dim=1)  # past each row's first eos
-            tokens[:, prompt:][after] = eos_token_id
-            if ended.all(dim=0).any():  # every row ended: drop the columns after the last row's eos
-                tokens = tokens[:, :prompt + int(ended.all(dim=0).nonzero()[0]) + 1]
-        self.kernel.bind({"pos": torch.full((c.batch,), -1)})  # every row free again
-        return tokens
-
-    # -- continuous batching -------------------------------------------------------------------------
-    def add(self, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None) -> int:
-        """Start a sequence in a free batch row (slot): its prompt goes into the row's history; the next
-        ``step`` prefills it (``prefill_chunk`` tokens per launch; without prefill rows its batch row reads
-        the prompt a token per step) and then advances it with the others. Returns its id."""
-        c = self.config
-        ids = torch.as_tensor(prompt_ids, dtype=torch.int64).reshape(-1)
-        if ids.numel() == 0:
-            raise GraphError("add: the prompt is empty")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise GraphError(f"add: max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        if ids.numel() + max_new_tokens > c.max_seq_len:
-            raise GraphError(f"add: {ids.numel()} prompt + {max_new_tokens} new tokens exceed max_seq_len {c.max_seq_len}")
-        bad = ids[(ids < 0) | (ids >= c.vocab)]
-        if bad.numel():
-            raise GraphError(f"add: token id {int(bad[0])} is outside the vocabulary [0, {c.vocab})")
-        if self.rope_at is not None:
-            raise GraphError("add: rope types whose frequencies follow the position (dynamic, longrope) need one "
-                             "position for the whole batch: use generate")
-        slot = next((row for row, sequence in enumerate(self.slots) if sequence is None), None)
-        if slot is None:
-            raise GraphError(f"add: all {c.batch} slots (max_batch) hold sequences; step until one finishes")
-        if not any(self.slots):
-            self._release_rows()  # the pages decode() kept
-        sequence = Sequence(self._next_id, slot, ids, max_new_tokens, eos_token_id)
-        if c.prefill_chunk:  # the prefill rows write positions before the last; the batch row starts there
-            sequence.pos = ids.numel() - 1
-        else:                # the batch row reads the prompt from position 0
-            sequence.prefilled = ids.numel() - 1
-        self.slots[slot] = sequence
-        self._next_id += 1
-        self.kernel.tensor(self.graph.inputs["history"])[slot, :ids.numel()] = ids  # between launches
-        self.kernel.tensor(self.graph.inputs["prompt_len"])[slot] = ids.numel()
-        self.kernel.tensor(self.graph.inputs["pos"])[slot] = -1 if sequence.prefilling else sequence.pos
-        return sequence.id
-
-    def step(self, steps: int = 1) -> dict[int, list[int]]:
-        """One launch of ``steps`` steps. Its first step prefills up to ``prefill_chunk`` prompt tokens of the
-        sequences still in their prompts (in the order they were added); every other sequence advances
-        ``steps`` positions (one still in its prompt without prefill rows reads the next prompt token;
-        the others sample one token each). Returns the new tokens of each sequence that made some. A
-        sequence that has all its tokens, or ends with its eos token, frees its slot and its KV pages
-        (tokens it sampled past its end in the same launch are dropped). Out of KV pages: ``KVCacheFull``,
-        nothing run or changed."""
-        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
-            raise GraphError(f"step: steps must be a positive int, got {steps!r}")
-        active = [s for s in self.slots if s is not None]
-        if not active:
-            return {}
-        chunk = self._plan_prefill(active)
-        running = [s for s in active if not s.prefilling or s.id in chunk.finishing]
-        with self.pool.transaction():
-            for s, first, count, _ in chunk.parts:
-                self.pool.grow(s.slot, first + count, f"sequence {s.id}")
-            for s in running:
-                self.pool.grow(s.slot, min(s.pos + steps, s.last_position + 1), f"sequence {s.id}")
-        self._bind_prefill(chunk)
-        for s in running:  # a sequence whose prefill ends in this launch starts in its batch row
-            self.kernel.tensor(self.graph.inputs["pos"])[s.slot] = s.pos
-        out = self.kernel.run({"block_table": self.pool.table}, steps=steps)
-        history, self.logits = out["history"], out["logits"][:, :self.config.vocab].float()
-        for s, first, count, _ in chunk.parts:
-            s.prefilled = first + count
-        new: dict[int, list[int]] = {}
-        for s in running:
-            start, s.pos = s.pos, s.pos + steps
-            first = max(start + 1, s.prompt.numel())  # the first position this launch sampled into
-            made = history[s.slot, first:s.pos + 1].tolist()[:s.max_new - len(s.tokens)]
-            if s.eos is not None and s.eos in made:
-                made = made[:made.index(s.eos) + 1]
-            if made:
-                s.tokens += made
-                new[s.id] = made
-            if len(s.tokens) == s.max_new or (s.eos is not None and made and made[-1] == s.eos):
-                s.done = True
-                self._free(s)
-                self.finished[s.id] = torch.cat([s.prompt, torch.tensor(s.tokens, dtype=torch.int64)])
-        return new
-
-    def cancel(self, sequence_id: int) -> torch.Tensor:
-        """Stop a sequence of ``add`` now: its slot and pages are free for others. Returns its prompt and the
-        tokens it made."""
-        sequence = next((s for s in self.slots if s is not None and s.id == sequence_id), None)
-        if sequence is None:
-            running = [s.id for s in self.slots if s is not None]
-            raise GraphError(f"cancel: no running sequence has id {sequence_id!r} (running: {running})")
-        self._free(sequence)
-        return torch.cat([sequence.prompt, torch.tensor(sequence.tokens, dtype=torch.int64)])
-
-    def _free(self, s: Sequence) -> None:
-        self.slots[s.slot] = None
-        self.pool.release(s.slot)
-        self.kernel.tensor(self.graph.inputs["pos"])[s.slot] = -1  # no sequence: no work
-
-    def _plan_prefill(self, active: list[Sequence]) -> "Chunk":
-        """The prompt positions the prefill rows take in the next launch: each prefilling sequence in turn
-        (oldest first), from a row at a multiple of ``BLOCK_ROWS`` (a block of rows holds one sequence's),
-        up to ``prefill_chunk`` rows in all."""
-        chunk, row = Chunk(), 0
-        for s in sorted((s for s in active if s.prefilling), key=lambda s: s.id):
-            count = min(self.config.prefill_chunk - row, s.prompt.numel() - 1 - s.prefilled)
-            if count <= 0:
-                break
-            chunk.parts.append((s, s.prefilled, count, row))
-            row += -(-count // BLOCK_ROWS) * BLOCK_ROWS
-            if s.prefilled + count == s.prompt.numel() - 1:
-                chunk.finishing.add(s.id)
-        return chunk
-
-    def _bind_prefill(self, chunk: "Chunk") -> None:
-        """Write the chunk's tokens, positions and block table rows (between launches)."""
-        c = self.config
-        if not c.prefill_chunk:
-            return
-        tokens = torch.zeros(c.prefill_chunk, dtype=torch.int64)
-        positions = torch.full((c.prefill_chunk,), -1)
-        for j in range(c.prefill_chunk):
-            self.pool.release(c.batch + j)
-        for s, first, count, row in chunk.parts:
-            tokens[row:row + count] = s.prompt[first:first + count]
-            positions[row:row + count] = torch.arange(first, first + count)
-            for j in range(row, row + count):
-                self.pool.share(c.batch + j, s.slot)
-        self.kernel.tensor(self.graph.inputs["prefill_tokens"]).copy_(tokens)
-        self.kernel.tensor(self.graph.inputs["prefill_pos"]).copy_(positions)
-
-    def _generate_each(self, prompts, max_new_tokens: int, eos_token_id: int | None) -> list[torch.Tensor]:
-        """Greedy continuous batching: every prompt (1-D ids, of any lengths) gets a slot as one frees and
-        the pool has the pages it will need, and each launch runs until the next sequence ends (so that a
-        waiting prompt joins then; one launch while a prompt is being prefilled). Returns one tensor
-        per prompt, prompt + new tokens: what it would get alone."""
-        if max_new_tokens == 0:
-            return [torch.as_tensor(p, dtype=torch.int64).reshape(-1).clone() for p in prompts]
-        waiting = list(enumerate(prompts))
-        ids: dict[int, int] = {}  # sequence id -> prompt index
-        out: list[torch.Tensor | None] = [None] * len(waiting)
-        pages = lambda s: self.pool.pages_for(s.last_position + 1)  # noqa: E731 (all a sequence will take)
-        needs = [self.pool.pages_for(torch.as_tensor(prompt).numel() + max_new_tokens - 1) for prompt in prompts]
-        for index, need in enumerate(needs):  # before anything runs or any page is given back
-            if need > self.pool.pages:
-                raise KVCacheFull(f"KV cache full: generate: prompt {index} and {max_new_tokens} new tokens need {need} "
-                                  f"pages of {self.pool.page_size} positions; the pool has {self.pool.pages}. "
-                                  f"Nothing changed")
-        while waiting or any(self.slots):
-            while waiting and None in self.slots:
-                index, prompt = waiting[0]
-                running = [s for s in self.slots if s is not None]
-                if sum(pages(s) - len(self.pool.held[s.slot]) for s in running) + needs[index] > len(self.pool.free):
-                    break  # waits for pages (an empty batch always has them)
-                ids[self.add(prompt, max_new_tokens, eos_token_id)] = index
-                waiting.pop(0)
-            running = [s for s in self.slots if s is not None]
-            if any(s.prefilling for s in running):
-                self.step()
-            else:
-                self.step(min(s.last_position + 1 - s.pos for s in running))
-            for sequence_id in [i for i in ids if i in self.finished]:
-                out[ids.pop(sequence_id)] = self.finished.pop(sequence_id)
-        return out
-
-    def _release_rows(self) -> None:
-        for row in range(self.config.rows):
-            self.pool.release(row)
-
-    def _require_no_sequences(self, what: str) -> None:
-        busy = [s.id for s in self.slots if s is not None]
-        if busy:
-            raise GraphError(f"{what}: sequences {busy} of add() are running in the batch; step until they finish")
-
-    def _frequencies(self, pos: int) -> dict[str, torch.Tensor]:
-        """The RoPE frequencies to bind for a launch starting at ``pos`` (none when they did not change)."""
-        if self.rope_at is None:
-            return {}
-        inv_freq = self.rope_at(pos)
-        if torch.equal(inv_freq, self.inv_freq):
-            return {}
-        self.inv_freq = inv_freq
-        return {"inv_freq": inv_freq}
-
-    def close(self) -> None:
-        self.kernel.close()
-
-
-@dataclass
-class Chunk:
-    """The prefill rows of a launch: (sequence, first position, positions, first row) parts, and the
-    sequences whose prompt they finish."""
-
-    parts: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
-    finishing: set[int] = field(default_factory=set)
-
-
 def from_hf(model, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
             prefill_chunk: int = 0, parallelism: int | str = "auto", **kernel_options) -> DecodeModel:
     """Shard ``model`` (already in memory; nothing is downloaded) for this rank and compile its decode step.
@@ -544,51 +97,28 @@ def from_hf(model, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16,
     (0: a prompt goes through its batch row a token per step). ``parallelism``: the number of workers
     the step's tiles are sized for; "auto" (see ``DecodeModel``).
     """
+    serving = dict(max_seq_len=max_seq_len, max_batch=max_batch, page_size=page_size, kv_pages=kv_pages,
+                   prefill_chunk=prefill_chunk)
+    # a copy: following the sequence length updates the rotary module's frequencies, not the model's
+    rotary = copy.deepcopy(model.model.rotary_emb)
+    return decode_model(model, model.state_dict(), rotary, serving, parallelism, **kernel_options)
+
+
+def decode_model(model, tensors: Mapping[str, Any], rotary, serving: dict[str, Any], parallelism: int | str,
+                 **kernel_options) -> DecodeModel:
+    """This rank's ``DecodeModel`` of the transformers causal LM ``model`` (its modules may be on the meta
+    device: only its config and module structure are read), its weights taken from ``tensors`` (by
+    state-dict name, see ``shard_weights``), its RoPE frequencies from ``rotary`` (a rotary module of its
+    own, which ``rope_frequencies`` may update). ``serving``: ``config_of``'s serving arguments."""
     world, rank = current_world()
-    config = config_of(model, max_seq_len, max_batch, page_size, kv_pages, prefill_chunk)
-    rope_at = None
-    if model.model.rotary_emb.rope_type in LENGTH_DEPENDENT_ROPE:
-        rope_at = _rope_frequencies(copy.deepcopy(model.model.rotary_emb))
-    weights = shard_weights(model.state_dict(), config, Shard.of(config, rank, world), model.model.rotary_emb.inv_freq,
+    config = config_of(model, **serving)
+    weights = shard_weights(tensors, config, Shard.of(config, rank, world), rotary.inv_freq,
                             tied=bool(model.config.tie_word_embeddings))
+    rope_at = rope_frequencies(rotary) if rotary.rope_type in LENGTH_DEPENDENT_ROPE else None
     return DecodeModel(config, weights, parallelism, rope_at, **kernel_options)
 
 
-def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
-                    prefill_chunk: int = 0, parallelism: int | str = "auto", **kernel_options) -> DecodeModel:
-    """Load a checkpoint directory (``config.json`` + ``*.safetensors``, one file or shards, as
-    ``save_pretrained`` writes it; nothing is downloaded) straight into this rank's heap and compile
-    its decode step. Only this rank's slices are read (``Checkpoint``): no whole model in host memory.
-    The model's modules are made on the meta device (no memory) for what ``from_hf`` reads off them;
-    the RoPE frequencies from its rotary module's class, made for real. The other arguments are ``from_hf's``.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from .checkpoint import Checkpoint
-
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise GraphError(f"{path}: no config.json: not a checkpoint directory as save_pretrained writes one")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    name = (getattr(config, "architectures", None) or ["?"])[0]
-    if name not in SUPPORTED:
-        raise GraphError(f"{path}: from_pretrained supports {', '.join(SUPPORTED)}, got {name}")
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    checkpoint = Checkpoint(path, {key: tuple(t.shape) for key, t in skeleton.state_dict().items()})
-    skeleton.to(checkpoint["model.embed_tokens.weight"].dtype)  # the dtype the weights are stored in
-    world, rank = current_world()
-    decoder = config_of(skeleton, max_seq_len, max_batch, page_size, kv_pages, prefill_chunk)
-    rotary = type(skeleton.model.rotary_emb)(config)  # on the host: the frequencies for real
-    weights = shard_weights(checkpoint, decoder, Shard.of(decoder, rank, world), rotary.inv_freq,
-                            tied=bool(config.tie_word_embeddings))
-    rope_at = _rope_frequencies(rotary) if rotary.rope_type in LENGTH_DEPENDENT_ROPE else None
-    model = DecodeModel(decoder, weights, parallelism, rope_at, **kernel_options)
-    model.bytes_read = checkpoint.bytes_read
-    return model
-
-
-def _rope_frequencies(rotary) -> Callable[[int], torch.Tensor]:
+def rope_frequencies(rotary) -> Callable[[int], torch.Tensor]:
     """The inverse frequencies ``rotary`` (a transformers rotary module, this model's own copy) uses for
     a token at ``pos``: its forward updates them for the sequence length, as in a decode step."""
     probe = torch.zeros(1, dtype=torch.float32, device=rotary.inv_freq.device)

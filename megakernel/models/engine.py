@@ -1,0 +1,372 @@
+"""``DecodeModel``: one rank's share of a decoder model compiled into one megakernel, and the engine that
+serves it: greedy decoding on the device (``decode``, ``generate``) and continuous batching
+(``add`` / ``step`` / ``cancel``: sequences in slots of the batch, their KV cache in pages of a pool, their
+prompts prefilled in chunks). It knows the decode graph (``decode_step``) and its weights by input name,
+not where they came from (``from_hf``, ``from_pretrained``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..backend import KINDS
+from ..errors import GraphError
+from ..graph import Graph
+from ..runtime import Megakernel
+from ..tasks.chunk_attention import BLOCK_ROWS
+from .decoder import DecoderConfig, decode_step
+from .pages import KVCacheFull, PagePool
+
+
+@dataclass
+class Sequence:
+    """A sequence of continuous batching (``DecodeModel.add``): its batch row, prompt and new tokens."""
+
+    id: int
+    slot: int
+    prompt: torch.Tensor
+    max_new: int
+    eos: int | None
+    pos: int = 0                                   # the position its row is at (the device's, mirrored)
+    prefilled: int = 0                             # prompt positions whose KV the prefill rows wrote
+    tokens: list[int] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prompt still has positions before the last for prefill rows (its batch row waits)."""
+        return self.prefilled < self.prompt.numel() - 1
+
+    @property
+    def last_position(self) -> int:
+        """The position of its last step (which samples its last token)."""
+        return self.prompt.numel() + self.max_new - 2
+
+
+class DecodeModel:
+    """One rank's share of a model, compiled into one megakernel: one launch per decode step."""
+
+    def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor], parallelism: int | str = "auto",
+                 rope_at: Callable[[int], torch.Tensor] | None = None, **kernel_options):
+        """``parallelism``: the workers the step's tiles are sized for (``Graph.parallelism``); "auto": on a
+        GPU, every worker the kernel holds (found by building once), on the cpu backend 1 (the
+        interpreter runs few large tiles best). ``rope_at(pos)``: the inverse frequencies for the step
+        at ``pos``, for rope types whose frequencies follow the sequence length (rebound when they
+        change)."""
+        self.config = config
+        self.rope_at = rope_at
+        self.bytes_read = 0  # of a checkpoint, by this rank (from_pretrained)
+        self.inv_freq = weights["inv_freq"].clone()  # the frequencies bound now (the model may update its own)
+        auto = parallelism == "auto"
+        if auto:
+            parallelism = 1
+        self.graph = decode_step(config, Graph(parallelism=parallelism))
+        self.kernel = Megakernel(self.graph, **kernel_options)
+        if auto and KINDS[self.kernel.backend.name].gpu and self.kernel.workers > 1:
+            self.kernel.close()
+            self.graph = decode_step(config, Graph(parallelism=self.kernel.workers))
+            self.kernel = Megakernel(self.graph, **kernel_options)
+        self.kernel.bind(weights)
+        self.pool = PagePool(config.pool_pages, config.page_size, config.rows, config.max_pages)
+        self.kernel.bind({"history": torch.zeros(config.batch, config.max_seq_len, dtype=torch.int64),
+                          "pos": torch.full((config.batch,), -1), "prompt_len": torch.zeros(config.batch, dtype=torch.int64),
+                          "block_table": self.pool.table})
+        if config.prefill_chunk:
+            self.kernel.bind({"prefill_pos": torch.full((config.prefill_chunk,), -1),
+                              "prefill_tokens": torch.zeros(config.prefill_chunk, dtype=torch.int64)})
+        self.slots: list[Sequence | None] = [None] * config.batch  # the sequences of add(), by batch row
+        self.finished: dict[int, torch.Tensor] = {}  # sequence id -> prompt + new tokens, once it ended
+        self.logits: torch.Tensor | None = None  # float32 [batch, vocab]: the last step's, by slot (``step``)
+        self._next_id = 0
+
+    def decode(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        """Logits [B, vocab] (float32) for ``tokens`` [B] at position ``pos``; the KV cache keeps the step.
+
+        One launch of one step: the tokens go into the history at ``pos``, and the step writes no token
+        (the prompt length is set past the history)."""
+        c = self.config
+        tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+        if tokens.numel() != c.batch:
+            raise GraphError(f"decode: tokens has {tokens.numel()} entries; the model was built for batch {c.batch}")
+        self._require_in_vocabulary(tokens, "decode")
+        if not 0 <= pos < c.max_seq_len:
+            raise GraphError(f"decode: position {pos} is outside [0, {c.max_seq_len}) (max_seq_len)")
+        self._require_no_sequences("decode")
+        with self.pool.transaction():  # each row keeps its pages from one decode() to the next
+            for row in range(c.batch):
+                self.pool.grow(row, pos + 1, f"batch row {row}")
+        self.kernel.tensor(self.graph.inputs["history"])[:, pos] = tokens  # the host's write, between launches
+        inputs = {"pos": torch.full((c.batch,), pos), "prompt_len": torch.full((c.batch,), c.max_seq_len),
+                  "block_table": self.pool.table}
+        logits = self.kernel.run({**inputs, **self._frequencies(pos)})["logits"][:, :c.vocab].float()
+        self.kernel.bind({"pos": torch.full((c.batch,), -1)})  # every row free again
+        return logits
+
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, tokens_per_launch: int | None = None,
+                 eos_token_id: int | None = None) -> torch.Tensor:
+        """Greedy decoding on the device: the prompt and ``max_new_tokens`` argmax tokens in
+        ``ceil((T + max_new_tokens - 1) / tokens_per_launch)`` launches of ``tokens_per_launch`` steps each
+        (by default all in one; fewer tokens per launch where the RoPE frequencies change with the
+        position, ``rope_at``). After ``eos_token_id`` a row's tokens are dropped: generation stops (checked
+        between launches) once every row has produced it, and a row that ends earlier than others is
+        filled with it.
+
+        ``prompt_ids`` [B, T] (or [T] for batch 1); returns [B, T + new tokens], prompt included. A list
+        of prompts (1-D, of any lengths, as many as you like) runs them by continuous batching
+        (``add``/``step``: each in a slot at a position of its own, a waiting one joining as a slot frees)
+        and returns one tensor per prompt, prompt + new tokens, what each would get alone.
+        """
+        if isinstance(prompt_ids, (list, tuple)) and prompt_ids and not isinstance(prompt_ids[0], int):
+            if tokens_per_launch is not None:
+                raise GraphError("generate: a list of prompts runs by continuous batching: its launches end where a "
+                                 "sequence does (no tokens_per_launch)")
+            return self._generate_each(prompt_ids, max_new_tokens, eos_token_id)
+        c = self.config
+        ids = torch.as_tensor(prompt_ids, dtype=torch.int64)
+        ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
+        prompt = ids.shape[1]
+        if ids.ndim != 2 or ids.shape[0] != c.batch or prompt < 1:
+            raise GraphError(f"generate: prompt_ids must be [{c.batch}, T >= 1] (the model's batch), got "
+                             f"{tuple(ids.shape)}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise GraphError(f"generate: max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        if tokens_per_launch is not None and not (isinstance(tokens_per_launch, int) and tokens_per_launch >= 1):
+            raise GraphError(f"generate: tokens_per_launch must be a positive int, got {tokens_per_launch!r}")
+        if prompt + max_new_tokens > c.max_seq_len:
+            raise GraphError(f"generate: {prompt} prompt + {max_new_tokens} new tokens exceed max_seq_len "
+                             f"{c.max_seq_len}")
+        self._require_in_vocabulary(ids, "generate")
+        if max_new_tokens == 0:
+            return ids.clone()
+        self._require_no_sequences("generate")
+        steps = prompt + max_new_tokens - 1  # step p embeds the token at p and samples the one at p + 1
+        if c.batch * self.pool.pages_for(steps) > self.pool.pages:  # before the rows' pages are given back
+            raise KVCacheFull(f"KV cache full: generate: {c.batch} rows of {prompt} prompt + {max_new_tokens} new "
+                              f"tokens need {c.batch * self.pool.pages_for(steps)} pages of {self.pool.page_size} "
+                              f"positions; the pool has {self.pool.pages}. Nothing changed")
+        self._release_rows()  # each row keeps its pages afterwards, as decode() does: decode() may go on
+        with self.pool.transaction():
+            for row in range(c.batch):
+                self.pool.grow(row, steps, f"batch row {row} ({prompt} prompt + {max_new_tokens} new tokens)")
+        history = torch.zeros(c.batch, c.max_seq_len, dtype=torch.int64)
+        history[:, :prompt] = ids
+        self.kernel.bind({"history": history, "pos": torch.zeros(c.batch, dtype=torch.int64),
+                          "prompt_len": torch.full((c.batch,), prompt), "block_table": self.pool.table})
+        pos = 0
+        while pos < steps:
+            count = min(tokens_per_launch or steps, steps - pos)
+            frequencies = self._frequencies(pos)
+            if self.rope_at is not None:  # the steps of one launch share the frequencies bound for its first
+                count = next((k for k in range(1, count) if not torch.equal(self.rope_at(pos + k), self.inv_freq)),
+                             count)
+            history = self.kernel.run(frequencies, steps=count)["history"]
+            pos += count
+            if eos_token_id is not None and pos >= prompt and bool((history[:, prompt:pos + 1] == eos_token_id)
+                                                                   .any(dim=1).all()):
+                break
+        tokens = history[:, :pos + 1].clone()
+        if eos_token_id is not None:
+            ended = (tokens[:, prompt:] == eos_token_id).cumsum(dim=1) > 0
+            after = torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], dim=1)  # past each row's first eos
+            tokens[:, prompt:][after] = eos_token_id
+            if ended.all(dim=0).any():  # every row ended: drop the columns after the last row's eos
+                tokens = tokens[:, :prompt + int(ended.all(dim=0).nonzero()[0]) + 1]
+        self.kernel.bind({"pos": torch.full((c.batch,), -1)})  # every row free again
+        return tokens
+
+    # -- continuous batching -------------------------------------------------------------------------
+    def add(self, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None) -> int:
+        """Start a sequence in a free batch row (slot): its prompt goes into the row's history; the next
+        ``step`` prefills it (``prefill_chunk`` tokens per launch; without prefill rows its batch row reads
+        the prompt a token per step) and then advances it with the others. Returns its id."""
+        c = self.config
+        ids = torch.as_tensor(prompt_ids, dtype=torch.int64).reshape(-1)
+        if ids.numel() == 0:
+            raise GraphError("add: the prompt is empty")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise GraphError(f"add: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if ids.numel() + max_new_tokens > c.max_seq_len:
+            raise GraphError(f"add: {ids.numel()} prompt + {max_new_tokens} new tokens exceed max_seq_len {c.max_seq_len}")
+        self._require_in_vocabulary(ids, "add")
+        if self.rope_at is not None:
+            raise GraphError("add: rope types whose frequencies follow the position (dynamic, longrope) need one "
+                             "position for the whole batch: use generate")
+        slot = next((row for row, sequence in enumerate(self.slots) if sequence is None), None)
+        if slot is None:
+            raise GraphError(f"add: all {c.batch} slots (max_batch) hold sequences; step until one finishes")
+        if not any(self.slots):
+            self._release_rows()  # the pages decode() kept
+        sequence = Sequence(self._next_id, slot, ids, max_new_tokens, eos_token_id)
+        if c.prefill_chunk:  # the prefill rows write positions before the last; the batch row starts there
+            sequence.pos = ids.numel() - 1
+        else:                # the batch row reads the prompt from position 0
+            sequence.prefilled = ids.numel() - 1
+        self.slots[slot] = sequence
+        self._next_id += 1
+        self.kernel.tensor(self.graph.inputs["history"])[slot, :ids.numel()] = ids  # between launches
+        self.kernel.tensor(self.graph.inputs["prompt_len"])[slot] = ids.numel()
+        self.kernel.tensor(self.graph.inputs["pos"])[slot] = -1 if sequence.prefilling else sequence.pos
+        return sequence.id
+
+    def step(self, steps: int = 1) -> dict[int, list[int]]:
+        """One launch of ``steps`` steps. Its first step prefills up to ``prefill_chunk`` prompt tokens of the
+        sequences still in their prompts (in the order they were added); every other sequence advances
+        ``steps`` positions (one still in its prompt without prefill rows reads the next prompt token;
+        the others sample one token each). Returns the new tokens of each sequence that made some. A
+        sequence that has all its tokens, or ends with its eos token, frees its slot and its KV pages
+        (tokens it sampled past its end in the same launch are dropped). Out of KV pages: ``KVCacheFull``,
+        nothing run or changed."""
+        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+            raise GraphError(f"step: steps must be a positive int, got {steps!r}")
+        active = [s for s in self.slots if s is not None]
+        if not active:
+            return {}
+        chunk = self._plan_prefill(active)
+        running = [s for s in active if not s.prefilling or s.id in chunk.finishing]
+        with self.pool.transaction():
+            for s, first, count, _ in chunk.parts:
+                self.pool.grow(s.slot, first + count, f"sequence {s.id}")
+            for s in running:
+                self.pool.grow(s.slot, min(s.pos + steps, s.last_position + 1), f"sequence {s.id}")
+        self._bind_prefill(chunk)
+        for s in running:  # a sequence whose prefill ends in this launch starts in its batch row
+            self.kernel.tensor(self.graph.inputs["pos"])[s.slot] = s.pos
+        out = self.kernel.run({"block_table": self.pool.table}, steps=steps)
+        history, self.logits = out["history"], out["logits"][:, :self.config.vocab].float()
+        for s, first, count, _ in chunk.parts:
+            s.prefilled = first + count
+        new: dict[int, list[int]] = {}
+        for s in running:
+            start, s.pos = s.pos, s.pos + steps
+            first = max(start + 1, s.prompt.numel())  # the first position this launch sampled into
+            made = history[s.slot, first:s.pos + 1].tolist()[:s.max_new - len(s.tokens)]
+            if s.eos is not None and s.eos in made:
+                made = made[:made.index(s.eos) + 1]
+            if made:
+                s.tokens += made
+                new[s.id] = made
+            if len(s.tokens) == s.max_new or (s.eos is not None and made and made[-1] == s.eos):
+                s.done = True
+                self._free(s)
+                self.finished[s.id] = torch.cat([s.prompt, torch.tensor(s.tokens, dtype=torch.int64)])
+        return new
+
+    def cancel(self, sequence_id: int) -> torch.Tensor:
+        """Stop a sequence of ``add`` now: its slot and pages are free for others. Returns its prompt and the
+        tokens it made."""
+        sequence = next((s for s in self.slots if s is not None and s.id == sequence_id), None)
+        if sequence is None:
+            running = [s.id for s in self.slots if s is not None]
+            raise GraphError(f"cancel: no running sequence has id {sequence_id!r} (running: {running})")
+        self._free(sequence)
+        return torch.cat([sequence.prompt, torch.tensor(sequence.tokens, dtype=torch.int64)])
+
+    def _free(self, s: Sequence) -> None:
+        self.slots[s.slot] = None
+        self.pool.release(s.slot)
+        self.kernel.tensor(self.graph.inputs["pos"])[s.slot] = -1  # no sequence: no work
+
+    def _plan_prefill(self, active: list[Sequence]) -> "Chunk":
+        """The prompt positions the prefill rows take in the next launch: each prefilling sequence in turn
+        (oldest first), from a row at a multiple of ``BLOCK_ROWS`` (a block of rows holds one sequence's),
+        up to ``prefill_chunk`` rows in all."""
+        chunk, row = Chunk(), 0
+        for s in sorted((s for s in active if s.prefilling), key=lambda s: s.id):
+            count = min(self.config.prefill_chunk - row, s.prompt.numel() - 1 - s.prefilled)
+            if count <= 0:
+                break
+            chunk.parts.append((s, s.prefilled, count, row))
+            row += -(-count // BLOCK_ROWS) * BLOCK_ROWS
+            if s.prefilled + count == s.prompt.numel() - 1:
+                chunk.finishing.add(s.id)
+        return chunk
+
+    def _bind_prefill(self, chunk: "Chunk") -> None:
+        """Write the chunk's tokens, positions and block table rows (between launches)."""
+        c = self.config
+        if not c.prefill_chunk:
+            return
+        tokens = torch.zeros(c.prefill_chunk, dtype=torch.int64)
+        positions = torch.full((c.prefill_chunk,), -1)
+        for j in range(c.prefill_chunk):
+            self.pool.release(c.batch + j)
+        for s, first, count, row in chunk.parts:
+            tokens[row:row + count] = s.prompt[first:first + count]
+            positions[row:row + count] = torch.arange(first, first + count)
+            for j in range(row, row + count):
+                self.pool.share(c.batch + j, s.slot)
+        self.kernel.tensor(self.graph.inputs["prefill_tokens"]).copy_(tokens)
+        self.kernel.tensor(self.graph.inputs["prefill_pos"]).copy_(positions)
+
+    def _generate_each(self, prompts, max_new_tokens: int, eos_token_id: int | None) -> list[torch.Tensor]:
+        """Greedy continuous batching: every prompt (1-D ids, of any lengths) gets a slot as one frees and
+        the pool has the pages it will need, and each launch runs until the next sequence ends (so that a
+        waiting prompt joins then; one launch while a prompt is being prefilled). Returns one tensor
+        per prompt, prompt + new tokens: what it would get alone."""
+        if max_new_tokens == 0:
+            return [torch.as_tensor(p, dtype=torch.int64).reshape(-1).clone() for p in prompts]
+        waiting = list(enumerate(prompts))
+        ids: dict[int, int] = {}  # sequence id -> prompt index
+        out: list[torch.Tensor | None] = [None] * len(waiting)
+        pages = lambda s: self.pool.pages_for(s.last_position + 1)  # noqa: E731 (all a sequence will take)
+        needs = [self.pool.pages_for(torch.as_tensor(prompt).numel() + max_new_tokens - 1) for prompt in prompts]
+        for index, need in enumerate(needs):  # before anything runs or any page is given back
+            if need > self.pool.pages:
+                raise KVCacheFull(f"KV cache full: generate: prompt {index} and {max_new_tokens} new tokens need {need} "
+                                  f"pages of {self.pool.page_size} positions; the pool has {self.pool.pages}. "
+                                  f"Nothing changed")
+        while waiting or any(self.slots):
+            while waiting and None in self.slots:
+                index, prompt = waiting[0]
+                running = [s for s in self.slots if s is not None]
+                if sum(pages(s) - len(self.pool.held[s.slot]) for s in running) + needs[index] > len(self.pool.free):
+                    break  # waits for pages (an empty batch always has them)
+                ids[self.add(prompt, max_new_tokens, eos_token_id)] = index
+                waiting.pop(0)
+            running = [s for s in self.slots if s is not None]
+            if any(s.prefilling for s in running):
+                self.step()
+            else:
+                self.step(min(s.last_position + 1 - s.pos for s in running))
+            for sequence_id in [i for i in ids if i in self.finished]:
+                out[ids.pop(sequence_id)] = self.finished.pop(sequence_id)
+        return out
+
+    def _release_rows(self) -> None:
+        for row in range(self.config.rows):
+            self.pool.release(row)
+
+    def _require_in_vocabulary(self, ids: torch.Tensor, what: str) -> None:
+        """Refuse token ids outside the vocabulary: the embedding would read past its rows."""
+        outside = ids[(ids < 0) | (ids >= self.config.vocab)]
+        if outside.numel():
+            raise GraphError(f"{what}: token id {int(outside[0])} is outside the vocabulary [0, {self.config.vocab})")
+
+    def _require_no_sequences(self, what: str) -> None:
+        busy = [s.id for s in self.slots if s is not None]
+        if busy:
+            raise GraphError(f"{what}: sequences {busy} of add() are running in the batch; step until they finish")
+
+    def _frequencies(self, pos: int) -> dict[str, torch.Tensor]:
+        """The RoPE frequencies to bind for a launch starting at ``pos`` (none when they did not change)."""
+        if self.rope_at is None:
+            return {}
+        inv_freq = self.rope_at(pos)
+        if torch.equal(inv_freq, self.inv_freq):
+            return {}
+        self.inv_freq = inv_freq
+        return {"inv_freq": inv_freq}
+
+    def close(self) -> None:
+        self.kernel.close()
+
+
+@dataclass
+class Chunk:
+    """The prefill rows of a launch: (sequence, first position, positions, first row) parts, and the
+    sequences whose prompt they finish."""
+
+    parts: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    finishing: set[int] = field(default_factory=set)
+

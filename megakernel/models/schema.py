@@ -1,0 +1,240 @@
+"""The weights of a decoder model, each declared once: the graph input a decode step binds (``Weight``: its
+name, its shape on a rank, the config flag it exists under, how it is stored), made of tensors as
+``transformers`` names and shapes them (``Stored``: where a state dict or checkpoint keeps it, how ranks
+split it), and the other ways a state dict may keep those (``LAYOUTS``: Phi-3's fused q/k/v and gate/up,
+every expert in one tensor, Mixtral's names).
+
+The tables, one per layer kind: ``MODEL`` (embedding, final norm, LM head), ``LAYER`` (every decoder
+layer: norms and attention), ``DENSE_MLP`` and ``SPARSE_MLP`` (a mixture of experts). The decode graph's
+inputs (``decoder.layer_inputs``, ``decode_step``), a rank's slices of a model (``shard_weights``: from
+``from_hf``'s state dict or ``from_pretrained``'s lazy checkpoint) and the benchmarks' random weights all
+come from them: an architecture variant is its entries here plus its config mapping (``hf.config_of``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+if TYPE_CHECKING:
+    from .decoder import DecoderConfig, Shard
+
+
+@dataclass(frozen=True)
+class Dim:
+    """A dimension of a stored tensor: ``count`` entries of ``unit`` rows or columns each (``DecoderConfig``
+    fields; no unit: 1). Ranks that split along it each hold their ``Shard``'s ``share`` of the entries
+    (zero-padded to the same size on every rank); no share: ranks never split it."""
+
+    count: str
+    unit: str | None = None
+    share: str | None = None
+
+    def per_entry(self, c: DecoderConfig) -> int:
+        return getattr(c, self.unit) if self.unit else 1
+
+    def whole(self, c: DecoderConfig) -> int:
+        return getattr(c, self.count) * self.per_entry(c)
+
+    def on_rank(self, c: DecoderConfig, s: Shard) -> int:
+        return getattr(s, self.share).size * self.per_entry(c)
+
+
+HIDDEN = Dim("hidden")
+HEAD_DIM = Dim("head_dim")
+Q_HEADS = Dim("heads", "head_dim", share="q")
+KV_HEADS = Dim("kv_heads", "head_dim", share="kv")
+INTERMEDIATE = Dim("intermediate", share="mlp")
+EXPERT_INTERMEDIATE = Dim("moe_intermediate", share="moe")
+EXPERTS = Dim("experts")
+VOCAB = Dim("vocab", share="lm")
+
+
+class Split(Enum):
+    """How ranks split a stored tensor; the value is the dimension split."""
+
+    REPLICATED = None  # every rank holds it whole
+    COLUMN = 0         # column-parallel: each rank its output rows (its heads, MLP columns, vocabulary rows)
+    ROW = 1            # row-parallel: each rank its input columns; the partial sums are all-reduced
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A tensor as ``transformers`` names and shapes it, whole: ``key`` in its state dict (``{i}``: the
+    layer, ``{e}``: the expert), ``shape`` [out, in] for a projection, and how ranks split it."""
+
+    key: str
+    shape: tuple[Dim, ...]
+    split: Split = Split.REPLICATED
+
+    def __post_init__(self):
+        if self.split is not Split.REPLICATED and self.shape[self.split.value].share is None:
+            raise ValueError(f"{self.key}: split along a dimension ranks do not split")
+
+    def whole_shape(self, c: DecoderConfig) -> tuple[int, ...]:
+        return tuple(d.whole(c) for d in self.shape)
+
+    def rank_shape(self, c: DecoderConfig, s: Shard) -> tuple[int, ...]:
+        return tuple(d.on_rank(c, s) if k == self.split.value else d.whole(c) for k, d in enumerate(self.shape))
+
+    def take(self, tensor: Any, c: DecoderConfig, s: Shard) -> Any:
+        """Rank ``s``'s slice of ``tensor`` (this stored tensor, whole: a tensor or a lazy checkpoint slice)."""
+        if self.split is Split.REPLICATED:
+            return tensor
+        dim = self.shape[self.split.value]
+        return getattr(s, dim.share).take(tensor, dim.per_entry(c), self.split.value)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Another way a state dict keeps stored tensors: one tensor ``key`` holding ``holds`` concatenated
+    along dim 0 (a renaming holds one); ``stacked``: the tensor is [experts, ...], expert e's at index e."""
+
+    key: str
+    holds: tuple[Stored, ...]
+    stacked: bool = False
+
+    def unpack(self, packed: Any, stored: Stored, c: DecoderConfig, expert: int) -> Any:
+        """``stored``'s part of ``packed`` (``expert``'s, when stacked): narrowed, so that a lazy checkpoint
+        slice reads only what a rank takes of it (a stacked one reads the expert's part here)."""
+        offset = sum(part.shape[0].whole(c) for part in self.holds[:self.holds.index(stored)])
+        rows = stored.shape[0].whole(c)
+        if self.stacked:
+            return packed.narrow(0, expert, 1).narrow(1, offset, rows).reshape(stored.whole_shape(c))
+        return packed.narrow(0, offset, rows)
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A graph input of the decode step: this rank's slices of ``parts``, concatenated along dim 0 (named
+    ``layers.{i}.{name}`` for a layer's, ``name`` for the model's)."""
+
+    name: str
+    parts: tuple[Stored, ...]
+    flag: str | None = None   # the ``DecoderConfig`` flag it exists under (None: always)
+    per_row: bool = False     # a bias: [rows, n], the same row for every step row (a step adds it row by row)
+    per_expert: bool = False  # ``parts`` for each expert in turn: [experts * rows of the parts, ...]
+    format: str = "dense"     # how it is stored: "dense", elements of the config's dtype (the only format yet)
+
+    def shape(self, c: DecoderConfig, s: Shard) -> tuple[int, ...]:
+        """Its shape on rank ``s``: the same on every rank (shares are zero-padded)."""
+        parts = [part.rank_shape(c, s) for part in self.parts] * (c.experts if self.per_expert else 1)
+        shape = (sum(part[0] for part in parts), *parts[0][1:])
+        return (c.rows, *shape) if self.per_row else shape
+
+
+def _layer(key: str) -> str:
+    return f"model.layers.{{i}}.{key}"
+
+
+EMBED_TOKENS = Stored("model.embed_tokens.weight", (VOCAB, HIDDEN))
+FINAL_NORM = Stored("model.norm.weight", (HIDDEN,))
+LM_HEAD = Stored("lm_head.weight", (VOCAB, HIDDEN), Split.COLUMN)  # vocabulary-parallel
+TIED = {LM_HEAD: EMBED_TOKENS}  # what tie_word_embeddings stores as what
+
+INPUT_NORM = Stored(_layer("input_layernorm.weight"), (HIDDEN,))
+POST_NORM = Stored(_layer("post_attention_layernorm.weight"), (HIDDEN,))
+Q_PROJ = Stored(_layer("self_attn.q_proj.weight"), (Q_HEADS, HIDDEN), Split.COLUMN)
+K_PROJ = Stored(_layer("self_attn.k_proj.weight"), (KV_HEADS, HIDDEN), Split.COLUMN)
+V_PROJ = Stored(_layer("self_attn.v_proj.weight"), (KV_HEADS, HIDDEN), Split.COLUMN)
+O_PROJ = Stored(_layer("self_attn.o_proj.weight"), (HIDDEN, Q_HEADS), Split.ROW)
+Q_BIAS = Stored(_layer("self_attn.q_proj.bias"), (Q_HEADS,), Split.COLUMN)
+K_BIAS = Stored(_layer("self_attn.k_proj.bias"), (KV_HEADS,), Split.COLUMN)
+V_BIAS = Stored(_layer("self_attn.v_proj.bias"), (KV_HEADS,), Split.COLUMN)
+O_BIAS = Stored(_layer("self_attn.o_proj.bias"), (HIDDEN,))  # added once, after the all-reduce
+Q_NORM = Stored(_layer("self_attn.q_norm.weight"), (HEAD_DIM,))
+K_NORM = Stored(_layer("self_attn.k_norm.weight"), (HEAD_DIM,))
+GATE_PROJ = Stored(_layer("mlp.gate_proj.weight"), (INTERMEDIATE, HIDDEN), Split.COLUMN)
+UP_PROJ = Stored(_layer("mlp.up_proj.weight"), (INTERMEDIATE, HIDDEN), Split.COLUMN)
+DOWN_PROJ = Stored(_layer("mlp.down_proj.weight"), (HIDDEN, INTERMEDIATE), Split.ROW)
+GATE_BIAS = Stored(_layer("mlp.gate_proj.bias"), (INTERMEDIATE,), Split.COLUMN)
+UP_BIAS = Stored(_layer("mlp.up_proj.bias"), (INTERMEDIATE,), Split.COLUMN)
+DOWN_BIAS = Stored(_layer("mlp.down_proj.bias"), (HIDDEN,))  # added once, after the all-reduce
+ROUTER = Stored(_layer("mlp.gate.weight"), (EXPERTS, HIDDEN))
+EXPERT_GATE = Stored(_layer("mlp.experts.{e}.gate_proj.weight"), (EXPERT_INTERMEDIATE, HIDDEN), Split.COLUMN)
+EXPERT_UP = Stored(_layer("mlp.experts.{e}.up_proj.weight"), (EXPERT_INTERMEDIATE, HIDDEN), Split.COLUMN)
+EXPERT_DOWN = Stored(_layer("mlp.experts.{e}.down_proj.weight"), (HIDDEN, EXPERT_INTERMEDIATE), Split.ROW)
+
+LAYOUTS = (
+    # Phi-3: q, k and v rows in one projection, gate and up rows in another
+    Layout(_layer("self_attn.qkv_proj.weight"), (Q_PROJ, K_PROJ, V_PROJ)),
+    Layout(_layer("self_attn.qkv_proj.bias"), (Q_BIAS, K_BIAS, V_BIAS)),
+    Layout(_layer("mlp.gate_up_proj.weight"), (GATE_PROJ, UP_PROJ)),
+    Layout(_layer("mlp.gate_up_proj.bias"), (GATE_BIAS, UP_BIAS)),
+    # sparse MLPs as transformers holds them in memory: every expert in one tensor
+    Layout(_layer("mlp.experts.gate_up_proj"), (EXPERT_GATE, EXPERT_UP), stacked=True),
+    Layout(_layer("mlp.experts.down_proj"), (EXPERT_DOWN,), stacked=True),
+    # Mixtral's checkpoints: w1 the gate, w3 the up, w2 the down projection
+    Layout(_layer("block_sparse_moe.gate.weight"), (ROUTER,)),
+    Layout(_layer("block_sparse_moe.experts.{e}.w1.weight"), (EXPERT_GATE,)),
+    Layout(_layer("block_sparse_moe.experts.{e}.w3.weight"), (EXPERT_UP,)),
+    Layout(_layer("block_sparse_moe.experts.{e}.w2.weight"), (EXPERT_DOWN,)),
+)
+
+# Each table in the order the decode step declares its inputs (the heap's layout).
+EMBED = Weight("embed", (EMBED_TOKENS,))
+NORM = Weight("norm", (FINAL_NORM,))
+HEAD = Weight("lm_head", (LM_HEAD,))
+MODEL = (EMBED, NORM, HEAD)
+LAYER = (Weight("input_norm", (INPUT_NORM,)),
+         Weight("qkv", (Q_PROJ, K_PROJ, V_PROJ)),
+         Weight("o", (O_PROJ,)),
+         Weight("post_norm", (POST_NORM,)),
+         Weight("qkv_bias", (Q_BIAS, K_BIAS, V_BIAS), flag="qkv_bias", per_row=True),  # Qwen2, attention_bias
+         Weight("q_norm", (Q_NORM,), flag="qk_norm"),  # Qwen3
+         Weight("k_norm", (K_NORM,), flag="qk_norm"),
+         Weight("o_bias", (O_BIAS,), flag="o_bias", per_row=True))  # Llama's attention_bias
+DENSE_MLP = (Weight("gate_up", (GATE_PROJ, UP_PROJ)),
+             Weight("down", (DOWN_PROJ,)),
+             Weight("gate_up_bias", (GATE_BIAS, UP_BIAS), flag="mlp_bias", per_row=True),  # Llama's mlp_bias
+             Weight("down_bias", (DOWN_BIAS,), flag="mlp_bias", per_row=True))
+SPARSE_MLP = (Weight("router", (ROUTER,)),
+              Weight("experts.gate_up", (EXPERT_GATE, EXPERT_UP), per_expert=True),  # each expert's gate, then up
+              Weight("experts.down", (EXPERT_DOWN,), per_expert=True))
+
+
+def layer_weights(c: DecoderConfig, i: int) -> list[Weight]:
+    """Layer ``i``'s weights under ``c``: its norms and attention, then its dense or sparse MLP."""
+    mlp = SPARSE_MLP if c.moe and c.moe[i] else DENSE_MLP
+    return [w for w in (*LAYER, *mlp) if w.flag is None or getattr(c, w.flag)]
+
+
+def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_freq: torch.Tensor, tied: bool
+                  ) -> dict[str, torch.Tensor]:
+    """Rank ``s``'s slices of a model's weights, named as the decode graph's inputs, and its RoPE
+    frequencies (float32).
+
+    ``tensors``: the model's weights by their ``transformers`` state-dict names (``Stored``, or any of
+    ``LAYOUTS``), as tensors (``from_hf``) or as lazy slices of a checkpoint (``from_pretrained``: only
+    what is taken here is read; a missing tensor is the mapping's error, naming it). ``tied``: the LM
+    head is the embedding.
+    """
+    def rank_slice(weight: Weight, layer: int = 0) -> torch.Tensor:
+        experts = range(c.experts) if weight.per_expert else (0,)
+        slices = [part.take(_find(tensors, TIED.get(part, part) if tied else part, c, layer, expert), c, s)
+                  for expert in experts for part in weight.parts]
+        value = slices[0] if len(slices) == 1 else torch.cat(slices)
+        return value.reshape(1, -1).expand(c.rows, -1) if weight.per_row else value
+
+    weights = {w.name: rank_slice(w) for w in MODEL}
+    weights["inv_freq"] = inv_freq.float()
+    if c.gemma:  # the embedding's scale, sqrt(hidden), as the model's dtype holds it, for every batch row
+        weights["embed_scale"] = torch.full((c.rows, c.hidden), c.hidden ** 0.5, dtype=c.dtype)
+    for i in range(c.layers):
+        weights.update({f"layers.{i}.{w.name}": rank_slice(w, i) for w in layer_weights(c, i)})
+    return {name: w.detach().contiguous() for name, w in weights.items()}
+
+
+def _find(tensors: Mapping[str, Any], stored: Stored, c: DecoderConfig, layer: int, expert: int) -> Any:
+    """``stored`` of layer ``layer`` (and expert ``expert``), whole, wherever ``tensors`` keeps it."""
+    key = stored.key.format(i=layer, e=expert)
+    tensor = tensors.get(key)
+    if tensor is not None:
+        return tensor
+    for layout in LAYOUTS:
+        packed = tensors.get(layout.key.format(i=layer, e=expert)) if stored in layout.holds else None
+        if packed is not None:
+            return layout.unpack(packed, stored, c, expert)
+    return tensors[key]  # kept nowhere: the mapping's error names the tensor
