@@ -29,8 +29,8 @@ import triton.language as tl
 
 from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
 from ..errors import GraphError, is_count
-from .common import (TaskType, copy_row, heap_index, require_float, rounded, row_offsets, row_positions,
-                     vector_aligned)
+from .common import (TaskType, ceil_div, copy_row, heap_index, next_power_of_2, require_float, rounded, row_offsets,
+                     row_positions, vector_aligned)
 
 SPLIT = 64           # positions per partial tile: at most, and at parallelism 1 (``split_size``)
 BLOCK_S = 32         # positions per step of a partial tile (K and V: 2 x 32 x head_dim elements, 16 KiB at
@@ -253,7 +253,7 @@ def kv_append(g, cache, x, pos, batch: int, table=None, page_size: int | None = 
               f"kv_append: cache {cache.shape} {cache.dtype} and x {x.shape} {x.dtype} do not match for batch {batch}")
     require_float(g, "kv_append", x=x)
     paging = Paging.checked(g, "kv_append", cache, batch, table, page_size)
-    opcode = g.opcode(KV_APPEND, DTYPE=x.dtype, BLOCK_N=min(triton.next_power_of_2(x.cols), 1024), PAGE=paging.page)
+    opcode = g.opcode(KV_APPEND, DTYPE=x.dtype, BLOCK_N=min(next_power_of_2(x.cols), 1024), PAGE=paging.page)
     for b, (position, position_region) in enumerate(row_positions(g, "kv_append", pos, batch)):
         g.add_task(opcode, cache=cache.addr(paging.first_row(b), 0), x=x.addr(b, 0), pos=position,
                    seq_len=paging.max_seq, table=paging.table_row(b), pages=paging.pages, cols=x.cols,
@@ -326,7 +326,7 @@ def split_size(sequences: int, max_seq: int, parallelism: int) -> int:
     otherwise halved, down to BLOCK_S, until it does, so that every worker gets a split at long contexts.
     """
     size = SPLIT
-    while size > BLOCK_S and sequences * triton.cdiv(max_seq, size) < parallelism:
+    while size > BLOCK_S and sequences * ceil_div(max_seq, size) < parallelism:
         size //= 2
     return size
 
@@ -366,7 +366,7 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
     group = heads // kv_heads
     max_seq = paging.max_seq
     split = split_size(batch * kv_heads, max_seq, g.parallelism)
-    splits = triton.cdiv(max_seq, split)
+    splits = ceil_div(max_seq, split)
     partial_o = g.new_tensor((batch * kv_heads * splits * group, head_dim), torch.float32)
     partial_ml = g.new_tensor((batch * kv_heads * splits * 2, group), torch.float32)
     out = g.new_tensor(q.shape, q.dtype)
@@ -374,7 +374,7 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
     # 16-byte vectors along head_dim: every row of q and of the caches must start 16-byte aligned
     aligned = vector_aligned(q.addr(0, 0), q.row_stride * size, head_dim * size, k_cache.addr(0, 0),
                              v_cache.addr(0, 0), k_cache.row_stride * size, v_cache.row_stride * size)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     partial = g.opcode(PARTIAL, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, SCALE=1.0 / math.sqrt(head_dim),
                        BLOCK_D=block_d, BLOCK_S=paging.block(BLOCK_S), ALIGNED=aligned, PAGE=paging.page)
     for b, (position, position_region) in enumerate(positions):
@@ -398,7 +398,7 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
                            flops=4 * group * min(split, max_seq) * head_dim)
     g.phase("decode_attention.combine")
     combine = g.opcode(COMBINE, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                       BLOCK_P=min(COMBINE_SPLITS, triton.next_power_of_2(splits)),
+                       BLOCK_P=min(COMBINE_SPLITS, next_power_of_2(splits)),
                        ALIGNED=vector_aligned(partial_o.addr(0, 0), head_dim * partial_o.element_size))
     for b, (position, position_region) in enumerate(positions):
         for h in range(kv_heads):

@@ -28,7 +28,8 @@ import triton.language as tl
 
 from ..device import heap_ptr
 from ..errors import is_count
-from .common import TaskType, dot, require_float, rounded, row_offsets, store_block, vector_aligned
+from .common import (TaskType, ceil_div, dot, next_power_of_2, require_float, rounded, row_offsets, store_block,
+                     vector_aligned)
 from .reduction import sum_slices
 
 DOT_MIN_M = 16
@@ -71,9 +72,9 @@ def gemv_blocks(m: int, w_dtype: torch.dtype, k: int) -> tuple[int, int, int]:
     size = w_dtype.itemsize
     segment, unroll, segment_rows = ((ONE_ROW_SEGMENT_BYTES, ONE_ROW_UNROLL.value, ONE_ROW_BLOCK_N) if m == 1
                                      else (ROWS_SEGMENT_BYTES, ROWS_UNROLL.value, ROWS_BLOCK_N))
-    block_k = min(segment // size, max(MIN_BLOCK_K, triton.next_power_of_2(triton.cdiv(k, unroll))))
+    block_k = min(segment // size, max(MIN_BLOCK_K, next_power_of_2(ceil_div(k, unroll))))
     block_n = min(TILE_ROWS, max(segment_rows, segment * segment_rows // (block_k * size)))
-    return triton.next_power_of_2(m), block_n, block_k
+    return next_power_of_2(m), block_n, block_k
 
 
 @triton.jit
@@ -263,7 +264,7 @@ class Plan:
 
 def whole_block_ranges(k_total: int, splits: int, block_k: int) -> tuple[tuple[int, int], ...]:
     """``splits`` K-ranges of whole ``block_k`` blocks (the last takes any partial block), as even as possible."""
-    blocks = triton.cdiv(k_total, block_k)
+    blocks = ceil_div(k_total, block_k)
     splits = min(splits, blocks)
     bounds = [min(k_total, blocks * s // splits * block_k) for s in range(splits + 1)]
     return tuple((k0, k1 - k0) for k0, k1 in zip(bounds, bounds[1:]))
@@ -286,13 +287,13 @@ def plan(m: int, n: int, k: int, blocks: tuple[int, int, int], w_size: int, para
     """
     block_m, block_n, block_k = blocks
     gemv = block_m < DOT_MIN_M
-    row_blocks, m_tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(m, block_m), triton.cdiv(k, block_k)
+    row_blocks, m_tiles, k_blocks = ceil_div(n, block_n), ceil_div(m, block_m), ceil_div(k, block_k)
     default_rows = max(block_n, TILE_ROWS // block_n * block_n) if gemv else block_n
     if split_k is not None:
         if k_blocks >= split_k:
             k_ranges = whole_block_ranges(k, split_k, block_k)
         else:
-            step = triton.cdiv(k, split_k)
+            step = ceil_div(k, split_k)
             k_ranges = tuple((k0, min(step, k - k0)) for k0 in range(0, k, step))
         candidates = [k_ranges]
     elif parallelism == 1:
@@ -300,7 +301,7 @@ def plan(m: int, n: int, k: int, blocks: tuple[int, int, int], w_size: int, para
     else:
         output_blocks = row_blocks * m_tiles
         max_splits = max(1, min(MAX_SPLIT_K, k_blocks // MIN_SPLIT_BLOCKS))
-        fewest = 1 if output_blocks >= parallelism else min(max_splits, triton.cdiv(parallelism, output_blocks))
+        fewest = 1 if output_blocks >= parallelism else min(max_splits, ceil_div(parallelism, output_blocks))
         last = fewest if output_blocks >= parallelism or not gemv else max_splits
         candidates = [whole_block_ranges(k, s, block_k) for s in range(fewest, last + 1)]
     if parallelism == 1 or not gemv:
@@ -309,11 +310,11 @@ def plan(m: int, n: int, k: int, blocks: tuple[int, int, int], w_size: int, para
     for k_ranges in candidates:
         splits = len(k_ranges) * m_tiles
         range_bytes = max(kk for _, kk in k_ranges) * w_size
-        groups = {1} | {triton.cdiv(row_blocks, waves * parallelism // splits) for waves in range(1, MAX_WAVES + 1)
+        groups = {1} | {ceil_div(row_blocks, waves * parallelism // splits) for waves in range(1, MAX_WAVES + 1)
                         if waves * parallelism >= splits}
         for g in groups:
-            tiles = triton.cdiv(row_blocks, g) * splits
-            cost = (triton.cdiv(tiles, parallelism) * (g * block_n * range_bytes + TASK_OVERHEAD_BYTES)
+            tiles = ceil_div(row_blocks, g) * splits
+            cost = (ceil_div(tiles, parallelism) * (g * block_n * range_bytes + TASK_OVERHEAD_BYTES)
                     + (len(k_ranges) > 1) * TASK_OVERHEAD_BYTES)
             key = (cost, len(k_ranges), tiles)
             if best is None or key < best[0]:
