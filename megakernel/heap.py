@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import GraphError
 from .layout import COMM
 
 SHM_DIR = "/dev/shm"
@@ -78,7 +79,16 @@ class HeapView:
         if typed is None:
             typed = self._typed[comm, dtype] = (self.heap.comm if comm else self.heap.data).view(dtype)
         offset -= COMM if comm else 0
-        assert offset % dtype.itemsize == 0, f"misaligned {dtype} at heap offset {offset}"
+        # the offsets and sizes come from a table, which may come from anyone (an image, a file): a view
+        # past its area would read or write other memory, as_strided checks only part of it
+        area = "comm area" if comm else "heap"
+        if offset % dtype.itemsize or min(offset, rows, cols, row_stride) < 0 or max(rows, cols, row_stride) >= 1 << 62:
+            raise GraphError(f"a {rows} x {cols} {dtype} view at {area} offset {offset} (row stride {row_stride}) "
+                             f"is misaligned, negative or too large")
+        end = offset + ((rows - 1) * row_stride + cols) * dtype.itemsize if rows and cols else offset
+        if end > typed.numel() * dtype.itemsize:
+            raise GraphError(f"a {rows} x {cols} {dtype} view at {area} offset {offset} (row stride {row_stride}) "
+                             f"ends at byte {end:,}, past the {area}'s {typed.numel() * dtype.itemsize:,}")
         # as_strided counts from the storage's start: an area that is a slice of a larger allocation
         # (the comm area, virtual ranks' heaps) begins at its own storage offset
         return torch.as_strided(typed, (rows, cols), (row_stride, 1), typed.storage_offset() + offset // dtype.itemsize)

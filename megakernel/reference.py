@@ -48,7 +48,13 @@ def execute_ranks(tables: list[QueueTables], heaps: list[RankHeap], steps: int =
             task = SimpleNamespace(**dict(zip(spec.arg_names, row[ARG0:])), **dict(spec.constexprs))
             guard = row[GUARD]
             if guard == NO_GUARD or int(views[rank].tensor(guard, torch.int64, 1, 1, 1)) != NO_SEQUENCE.value:
-                task_type.reference(views[rank], task, *([views] if task_type.needs_peers else []))
+                try:
+                    task_type.reference(views[rank], task, *([views] if task_type.needs_peers else []))
+                except (ArithmeticError, LookupError, RuntimeError, TypeError, ValueError) as error:
+                    # a table read from a file may hold words or constants no graph makes (a zero count, an
+                    # unknown OP): the tile fails as Python does, and the task is named
+                    raise GraphError(f"rank {rank} task {tid} ({spec.task_type}, {t.op_names[t.task_op[tid]]}): its "
+                                     f"reference tile failed: {type(error).__name__}: {error}") from error
             start = row[SIGNAL_START]
             for signal in read_signals(t.signals[start:start + row[SIGNAL_COUNT]]):
                 if signal.rank in raised:

@@ -174,6 +174,8 @@ def deserialize(blob: bytes) -> QueueTables:
         raise FormatError(f"task table format version {version}; this megakernel reads version {VERSION}")
     if min(world - 1, rank, world - 1 - rank, workers - 1, events, n, row_words - ARG0, n_signals, meta_len) < 0:
         raise FormatError(f"task table header has impossible counts: {header.tolist()}")
+    if events > 2 * n:  # an event is made for a task's wait, and a task waits on at most two
+        raise FormatError(f"task table header has {events} events for {n} tasks (at most 2 per task)")
     sizes = [n * row_words, n_signals * SIGNAL_WORDS, n, workers + 1, n]
     expected = (HEADER_WORDS + sum(sizes)) * 8 + meta_len
     if len(blob) != expected:
@@ -187,10 +189,69 @@ def deserialize(blob: bytes) -> QueueTables:
         ops = [str(name) for name in meta["ops"]]
     except (ValueError, KeyError, TypeError) as error:
         raise FormatError(f"task table metadata is not readable: {type(error).__name__}: {error}") from None
+    _check_specs(specs, row_words)
+    if not all(len(p) == 5 for ps in remote.values() for p in ps):
+        raise FormatError("task table metadata: a remote producer is not (rank, task, worker, position, op)")
     t = QueueTables(rank, world, workers, events, tasks.reshape(n, row_words), signals.reshape(n_signals, SIGNAL_WORDS),
                     queue, index, task_op, specs, ops, remote)
     _check_references(t)
+    _check_words(t)
     return t
+
+
+def _check_specs(specs: list[Spec], row_words: int) -> None:
+    """Every opcode names a task type of this library with its own argument words and constants, and
+    its words fit a row: the metadata is the only description of a row, and a table may come from anyone."""
+    # imported here: the task library imports the device code, which imports this package
+    from ..tasks import DTYPES, TASK_TYPES
+
+    dtype_names = set(DTYPES.values())
+    for opcode, spec in enumerate(specs):
+        task_type = TASK_TYPES.get(spec.task_type)
+        if task_type is None:
+            raise FormatError(f"task table opcode {opcode}: no task type {spec.task_type!r} in this library")
+        if spec.arg_names != task_type.arg_names:
+            raise FormatError(f"task table opcode {opcode} ({spec.task_type}): argument words {list(spec.arg_names)}, "
+                              f"the task type's are {list(task_type.arg_names)}")
+        if tuple(name for name, _ in spec.constexprs) != task_type.constexpr_names:
+            raise FormatError(f"task table opcode {opcode} ({spec.task_type}): constants "
+                              f"{[name for name, _ in spec.constexprs]}, the task type's are "
+                              f"{list(task_type.constexpr_names)}")
+        for name, value in spec.constexprs:
+            # a dtype is a name; any other constant is one JSON scalar (its meaning is the tile's to check)
+            if name.endswith("DTYPE") and value not in dtype_names or not isinstance(value, (bool, int, float, str)):
+                raise FormatError(f"task table opcode {opcode} ({spec.task_type}): constant {name}={value!r} "
+                                  f"is not {'a dtype name' if name.endswith('DTYPE') else 'a number, flag or name'}")
+        if ARG0 + len(spec.arg_names) > row_words:
+            raise FormatError(f"task table opcode {opcode} ({spec.task_type}): {len(spec.arg_names)} argument words "
+                              f"do not fit a row of {row_words} words")
+
+
+def _check_words(t: QueueTables) -> None:
+    """The words of each row that the table alone can check: argument words are heap offsets, counts and
+    strides (never negative; the heap's size is not the table's to know, ``HeapView`` bounds a view of
+    it), the words past an opcode's arguments are zero, counts and the guard are in range."""
+    rows = t.rows
+    for what, column in (("fan_in", FAN_IN), ("carry_fan_in", CARRY_FAN_IN)):
+        bad = np.flatnonzero(rows[:, column] < 0)
+        if len(bad):
+            raise FormatError(f"task table task {int(bad[0])}: word {what} is {int(rows[bad[0], column])}, a count")
+    guards = rows[:, GUARD]
+    bad = np.flatnonzero((guards != NO_GUARD) & ((guards < 0) | (guards % 8 != 0)))
+    if len(bad):
+        raise FormatError(f"task table task {int(bad[0])}: word guard is {int(guards[bad[0]])}, neither {NO_GUARD} "
+                          "nor the heap offset of an int64")
+    for opcode, spec in enumerate(t.specs):
+        tasks = np.flatnonzero(rows[:, OPCODE] == opcode)
+        words = rows[tasks, ARG0:]
+        used = len(spec.arg_names)
+        bad = np.argwhere(np.concatenate([words[:, :used] < 0, words[:, used:] != 0], axis=1))
+        if len(bad):
+            task, word = int(tasks[bad[0][0]]), int(bad[0][1])
+            name = spec.arg_names[word] if word < used else f"{ARG0 + word} (past {spec.task_type}'s arguments)"
+            raise FormatError(f"task table task {task} ({spec.task_type}): word {name} is {int(words[bad[0][0], word])}; "
+                              + ("an argument word is a heap offset, count or stride, never negative" if word < used
+                                 else "words past an opcode's arguments are 0"))
 
 
 def _check_references(t: QueueTables) -> None:

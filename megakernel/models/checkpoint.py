@@ -1,20 +1,113 @@
 """Checkpoint directories as ``save_pretrained`` writes them (``config.json`` and ``model.safetensors``,
 or shards listed in ``model.safetensors.index.json``), read lazily: a tensor is a ``LazyTensor`` whose
 ``narrow`` only narrows ranges, and bytes are read from the file (safetensors' slices, memory-mapped)
-only for the ranges a rank takes, when it takes them."""
+only for the ranges a rank takes, when it takes them.
+
+A checkpoint directory may come from anyone: its config's sizes are checked against caps and against the
+bytes its files hold before a module is made, its files must be regular files named inside it, and a
+malformed file or field is a ``GraphError`` naming the file and the tensor or field."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import stat
+from pathlib import Path, PurePosixPath
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..errors import GraphError
 from .engine import DecodeModel
 from .hf import SUPPORTED, decode_model
 
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
+SMALLEST_WEIGHT_BYTES = 2  # bf16/f16: the fewest bytes a weight of a checkpoint takes
+# Caps on a config's sizes, well past any released model, far below what would exhaust memory while the
+# model's modules are made (num_hidden_layers=1e6 grew a meta model by gigabytes): field -> (required, cap)
+CONFIG_SIZES = {"num_hidden_layers": (True, 1 << 10), "hidden_size": (True, 1 << 17), "vocab_size": (True, 1 << 23),
+                "num_attention_heads": (True, 1 << 10), "intermediate_size": (False, 1 << 20),
+                "num_key_value_heads": (False, 1 << 10), "head_dim": (False, 1 << 12),
+                "moe_intermediate_size": (False, 1 << 20), "num_experts": (False, 1 << 12),
+                "num_local_experts": (False, 1 << 12)}
+
+
+def read_config(path: Path) -> dict:
+    """``config.json`` as JSON, its sizes checked (``CONFIG_SIZES``) and its weights' least possible bytes
+    checked against the bytes the checkpoint's files hold, before anything is built from it."""
+    file = path / "config.json"
+    try:
+        config = json.loads(_regular(file, "the config").read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise GraphError(f"{file}: not JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise GraphError(f"{file}: not a JSON object")
+    architectures = config.get("architectures")
+    if not (isinstance(architectures, list) and architectures and all(isinstance(a, str) for a in architectures)):
+        raise GraphError(f"{file}: field architectures must be a list of class names, got {architectures!r}")
+    if architectures[0] not in SUPPORTED:  # before the sizes: another family's config names them otherwise
+        raise GraphError(f"{path}: from_pretrained supports {', '.join(SUPPORTED)}, got {architectures[0]}")
+    for field, (required, cap) in CONFIG_SIZES.items():
+        value = config.get(field)
+        if value is None and not required:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= cap:
+            raise GraphError(f"{file}: field {field} must be a positive integer of at most {cap:,}, got {value!r}")
+    hidden, heads, layers = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or hidden // heads
+    if head_dim == 0:
+        raise GraphError(f"{file}: field hidden_size {hidden} is smaller than num_attention_heads {heads}")
+    experts = config.get("num_experts") or config.get("num_local_experts") or 1
+    mlp = config.get("moe_intermediate_size") if experts > 1 else None
+    mlp = (mlp or config.get("intermediate_size") or 0) * experts
+    # the fewest weights the model can have: its embedding, and per layer the query and output
+    # projections and the MLP's three matrices (keys, values, norms and biases only add to it)
+    weights = config["vocab_size"] * hidden + layers * (2 * hidden * heads * head_dim + 3 * hidden * mlp)
+    held = sum(file.stat().st_size for file in shard_files(path).values())
+    if weights * SMALLEST_WEIGHT_BYTES > held:
+        raise GraphError(f"{file}: its sizes make at least {weights:,} weights ({weights * SMALLEST_WEIGHT_BYTES:,} "
+                         f"bytes at 2 bytes each); the checkpoint's safetensors files hold {held:,} bytes")
+    return config
+
+
+def _regular(file: Path, what: str) -> Path:
+    """``file`` if, links followed, it is a regular file: a device (/dev/zero) or a pipe has no size to
+    bound a read by."""
+    try:
+        mode = file.stat().st_mode
+    except OSError as error:
+        raise GraphError(f"{file}: {what} cannot be read: {error.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise GraphError(f"{file}: {what} is not a regular file")
+    return file
+
+
+def shard_files(path: Path) -> dict[str, Path]:
+    """The checkpoint's safetensors files by the name the index (or save_pretrained's one-file layout)
+    gives them; each name is a relative path inside ``path`` and each file a regular file."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(_regular(index, "the index").read_text()).get("weight_map")
+        except (ValueError, UnicodeDecodeError, AttributeError) as error:
+            raise GraphError(f"{index}: not a JSON object: {error}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):
+            raise GraphError(f"{index}: weight_map must map tensor names to file names, got {type(weight_map).__name__}")
+        names = weight_map
+    elif (path / "model.safetensors").exists():
+        names = {"(the one file)": "model.safetensors"}
+    else:
+        raise GraphError(f"{path}: no model.safetensors or model.safetensors.index.json (save_pretrained's layout)")
+    files: dict[str, Path] = {}
+    for tensor, name in names.items():
+        # the name, not its link's target, must stay inside: a hub cache's files are links to its blobs
+        parts = PurePosixPath(name).parts
+        if not parts or PurePosixPath(name).is_absolute() or ".." in parts:
+            raise GraphError(f"{index}: entry {tensor}: {name!r} is not a file inside the checkpoint folder")
+        if name not in files:
+            if not (path / name).exists():
+                raise GraphError(f"{path}: the checkpoint's shard {name} is missing")
+            files[name] = _regular(path / name, f"the checkpoint's shard (entry {tensor})")
+    return files
 
 
 class LazyTensor:
@@ -52,23 +145,14 @@ class Checkpoint:
     def __init__(self, path: Path, shapes: dict[str, tuple[int, ...]]):
         """``shapes``: every tensor the model has, by name, and its shape (the checkpoint must agree)."""
         self.path, self.bytes_read = path, 0
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            files = json.loads(index.read_text())["weight_map"]
-        elif (path / "model.safetensors").is_file():
-            files = None
-        else:
-            raise GraphError(f"{path}: no model.safetensors or model.safetensors.index.json (save_pretrained's layout)")
         self.files: dict[str, object] = {}   # file name -> its safetensors handle
         self.located: dict[str, str] = {}    # tensor name -> its file
-        for file in sorted(set(files.values()) if files else {"model.safetensors"}):
-            if not (path / file).is_file():
-                raise GraphError(f"{path}: the checkpoint's shard {file} is missing")
-            self.files[file] = handle = safe_open(str(path / file), framework="pt")
+        for file, full in sorted(shard_files(path).items()):
+            self.files[file] = handle = self._parsed(file, "its header", lambda: safe_open(str(full), framework="pt"))
             for name in handle.keys():
                 self.located[name] = file
         for name, file in self.located.items():
-            shape = tuple(self.files[file].get_slice(name).get_shape())
+            shape = tuple(self._parsed(file, f"tensor {name}", lambda: self.files[file].get_slice(name).get_shape()))
             if name in shapes and shape != tuple(shapes[name]):
                 raise GraphError(f"{path / file}: tensor {name} has shape {shape}; the model's config makes it "
                                  f"{tuple(shapes[name])}")
@@ -77,7 +161,7 @@ class Checkpoint:
         file = self.located.get(name)
         if file is None:
             return None
-        part = self.files[file].get_slice(name)
+        part = self._parsed(file, f"tensor {name}", lambda: self.files[file].get_slice(name))
         dtype = DTYPES.get(part.get_dtype())
         if dtype is None:
             raise GraphError(f"{self.path / file}: tensor {name} has dtype {part.get_dtype()}, not one of {', '.join(DTYPES)}")
@@ -89,8 +173,17 @@ class Checkpoint:
             raise GraphError(f"{self.path}: the checkpoint has no tensor {name}")
         return tensor
 
+    def _parsed(self, file: str, what: str, parse):
+        """``parse()``, a malformed file's error (safetensors checks a header against the file's size) named."""
+        try:
+            return parse()
+        except (SafetensorError, OSError, ValueError) as error:
+            raise GraphError(f"{self.path / file}: {what} is not readable safetensors: {error}") from None
+
     def read(self, name: str, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        tensor = self.files[self.located[name]].get_slice(name)[tuple(slice(start, stop) for start, stop in ranges)]
+        file = self.located[name]
+        tensor = self._parsed(file, f"tensor {name}", lambda: self.files[file].get_slice(name)[
+            tuple(slice(start, stop) for start, stop in ranges)])
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
@@ -110,10 +203,11 @@ def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: in
     path = Path(path)
     if not (path / "config.json").is_file():
         raise GraphError(f"{path}: no config.json: not a checkpoint directory as save_pretrained writes one")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    name = (getattr(config, "architectures", None) or ["?"])[0]
-    if name not in SUPPORTED:
-        raise GraphError(f"{path}: from_pretrained supports {', '.join(SUPPORTED)}, got {name}")
+    read_config(path)  # its sizes checked before any module is made from it
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, TypeError, OSError) as error:
+        raise GraphError(f"{path / 'config.json'}: transformers cannot read it: {type(error).__name__}: {error}") from None
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     checkpoint = Checkpoint(path, {key: tuple(t.shape) for key, t in skeleton.state_dict().items()})
