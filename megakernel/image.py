@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .scheduler import FormatError, QueueTables, deserialize
+from .scheduler import FormatError, QueueTables, Spec, deserialize
+from .tasks import DTYPES, TASK_TYPES
 from .heap import HeapView, RankHeap
 
 MAX_EXPANSION = 32  # decompressed / stored bytes of one member: generous for data, far below a zip bomb's
@@ -37,9 +38,9 @@ def load(path: str | Path, heap: bool = True) -> Image:
     serialized table."""
     path = Path(path)
     if path.suffix != ".npz":
-        return Image(deserialize(path.read_bytes()), None, {})
+        return Image(_tables(path.read_bytes()), None, {})
     with zipfile.ZipFile(path) as archive:
-        tables = deserialize(_member(archive, "tables", np.uint8).tobytes())
+        tables = _tables(_member(archive, "tables", np.uint8).tobytes())
         outputs = json.loads(_member(archive, "outputs", np.uint8).tobytes().decode())
         memory = None
         if heap:  # the data area, then the comm area (``layout``)
@@ -48,6 +49,35 @@ def load(path: str | Path, heap: bool = True) -> Image:
     if not isinstance(outputs, dict) or not all(isinstance(v, list) and len(v) == 5 for v in outputs.values()):
         raise FormatError(f"{path}: the outputs record is not a kernel image's")
     return Image(tables, memory, {k: tuple(v) for k, v in outputs.items()})
+
+
+def _tables(blob: bytes) -> QueueTables:
+    tables = deserialize(blob)
+    _check_task_types(tables.specs)
+    return tables
+
+
+def _check_task_types(specs: list[Spec]) -> None:
+    """Every opcode names a task type of this library with its own argument words and constants: the
+    metadata is the only description of a row, and a table may come from anyone. (Here, not in
+    ``deserialize``: the scheduler knows no task library.)"""
+    dtype_names = set(DTYPES.values())
+    for opcode, spec in enumerate(specs):
+        task_type = TASK_TYPES.get(spec.task_type)
+        if task_type is None:
+            raise FormatError(f"task table opcode {opcode}: no task type {spec.task_type!r} in this library")
+        if spec.arg_names != task_type.arg_names:
+            raise FormatError(f"task table opcode {opcode} ({spec.task_type}): argument words {list(spec.arg_names)}, "
+                              f"the task type's are {list(task_type.arg_names)}")
+        if tuple(name for name, _ in spec.constexprs) != task_type.constexpr_names:
+            raise FormatError(f"task table opcode {opcode} ({spec.task_type}): constants "
+                              f"{[name for name, _ in spec.constexprs]}, the task type's are "
+                              f"{list(task_type.constexpr_names)}")
+        for name, value in spec.constexprs:
+            # a dtype is a name; any other constant is one JSON scalar (its meaning is the tile's to check)
+            if name.endswith("DTYPE") and value not in dtype_names or not isinstance(value, (bool, int, float, str)):
+                raise FormatError(f"task table opcode {opcode} ({spec.task_type}): constant {name}={value!r} "
+                                  f"is not {'a dtype name' if name.endswith('DTYPE') else 'a number, flag or name'}")
 
 
 def _member(archive: zipfile.ZipFile, name: str, dtype) -> np.ndarray:

@@ -189,7 +189,8 @@ def deserialize(blob: bytes) -> QueueTables:
         ops = [str(name) for name in meta["ops"]]
     except (ValueError, KeyError, TypeError) as error:
         raise FormatError(f"task table metadata is not readable: {type(error).__name__}: {error}") from None
-    _check_specs(specs, row_words)
+    if any(ARG0 + len(spec.arg_names) > row_words for spec in specs):
+        raise FormatError(f"task table metadata: an opcode's argument words do not fit a row of {row_words} words")
     if not all(len(p) == 5 for ps in remote.values() for p in ps):
         raise FormatError("task table metadata: a remote producer is not (rank, task, worker, position, op)")
     t = QueueTables(rank, world, workers, events, tasks.reshape(n, row_words), signals.reshape(n_signals, SIGNAL_WORDS),
@@ -197,34 +198,6 @@ def deserialize(blob: bytes) -> QueueTables:
     _check_references(t)
     _check_words(t)
     return t
-
-
-def _check_specs(specs: list[Spec], row_words: int) -> None:
-    """Every opcode names a task type of this library with its own argument words and constants, and
-    its words fit a row: the metadata is the only description of a row, and a table may come from anyone."""
-    # imported here: the task library imports the device code, which imports this package
-    from ..tasks import DTYPES, TASK_TYPES
-
-    dtype_names = set(DTYPES.values())
-    for opcode, spec in enumerate(specs):
-        task_type = TASK_TYPES.get(spec.task_type)
-        if task_type is None:
-            raise FormatError(f"task table opcode {opcode}: no task type {spec.task_type!r} in this library")
-        if spec.arg_names != task_type.arg_names:
-            raise FormatError(f"task table opcode {opcode} ({spec.task_type}): argument words {list(spec.arg_names)}, "
-                              f"the task type's are {list(task_type.arg_names)}")
-        if tuple(name for name, _ in spec.constexprs) != task_type.constexpr_names:
-            raise FormatError(f"task table opcode {opcode} ({spec.task_type}): constants "
-                              f"{[name for name, _ in spec.constexprs]}, the task type's are "
-                              f"{list(task_type.constexpr_names)}")
-        for name, value in spec.constexprs:
-            # a dtype is a name; any other constant is one JSON scalar (its meaning is the tile's to check)
-            if name.endswith("DTYPE") and value not in dtype_names or not isinstance(value, (bool, int, float, str)):
-                raise FormatError(f"task table opcode {opcode} ({spec.task_type}): constant {name}={value!r} "
-                                  f"is not {'a dtype name' if name.endswith('DTYPE') else 'a number, flag or name'}")
-        if ARG0 + len(spec.arg_names) > row_words:
-            raise FormatError(f"task table opcode {opcode} ({spec.task_type}): {len(spec.arg_names)} argument words "
-                              f"do not fit a row of {row_words} words")
 
 
 def _check_words(t: QueueTables) -> None:
