@@ -353,3 +353,22 @@ def test_generation_stops_after_the_end_of_sequence_token():
         assert m.kernel.launches - launches == 3  # steps 0-1, 2-3, then 4-5: step 4 samples the eos at 5, stop
     finally:
         m.close()
+
+
+def test_mistral_windows_every_layer_whatever_layer_types_says():
+    """Mistral's transformers code ignores layer_types and windows every layer: a full-attention layer
+    type is not honoured, the same greedy tokens as transformers past the window of 4 positions."""
+    torch.manual_seed(0)
+    config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=128, sliding_window=4, layer_types=["full_attention"])
+    model = MistralForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    ids = prompt(1, length=6)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    m = from_hf(model, max_seq_len=16, workers=2)
+    try:
+        assert m.config.windows == (4,)
+        assert torch.equal(m.generate(ids, max_new_tokens=10), expected)
+    finally:
+        m.close()

@@ -1,10 +1,12 @@
 """``from_hf``: a ``transformers`` Llama, Mistral, Qwen2, Qwen3 or Phi-3 causal LM as a megakernel decode model.
 
 The architectures differ in what the decode step builds (``DecoderConfig``: Qwen3's q/k norms, biases
-on q/k/v (Qwen2, Llama's ``attention_bias``), on o (``attention_bias``) and on the MLP (``mlp_bias``),
-sliding windows per layer (Mistral's ``sliding_window``, ``layer_types``), sparse MLPs) and in how the
-weights are stored (Phi-3 fuses q/k/v and gate/up): the weights, wherever stored, are ``schema``'s;
-this module translates a model's config into a ``DecoderConfig``.
+on q/k/v (Qwen2, Llama's ``attention_bias``), on o (``attention_bias``) and on the MLP (Llama's
+``mlp_bias``), sliding windows (Mistral's ``sliding_window`` on every layer, Qwen2's per ``layer_types``),
+sparse MLPs) and in how the weights are stored (Phi-3 fuses q/k/v and gate/up): the weights, wherever
+stored, are ``schema``'s; this module translates a model's config into a ``DecoderConfig``, reading a
+field only where the class's transformers code reads it, and refuses by name a config field that changes
+the math in a way the decode step does not build (``BUILT_ONE_WAY``, ``_check_rope``).
 
 RoPE comes from the model's own rotary module: its inverse frequencies and attention scaling are what
 ``transformers`` computed for the rope type (``default``, ``linear``, ``llama3``, ``yarn``,
@@ -31,6 +33,26 @@ MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")  # frequencies that follow the sequence length
 
+# Config fields that change the math but that the decode step builds one way only: field -> (its value when
+# the config lacks it, the values that mean what is built), per class. Any other value is refused by name
+# rather than decoded as if it were the built one. The activation names are transformers' ACT2FN names of
+# exactly SiLU, or of GELU with the tanh approximation (gelu_fast's truncated constant: within 1e-12).
+SILU = ("silu", "swish")
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_python_tanh", "gelu_accurate")
+CAUSAL = {"is_causal": (True, (True,))}  # transformers' masks read it off any config
+BUILT_ONE_WAY: dict[str, dict[str, tuple[Any, tuple]]] = {
+    **{name: {"hidden_act": ("silu", SILU), **CAUSAL} for name in SUPPORTED},
+    # Gemma's attention drops its causal mask under sdpa when use_bidirectional_attention is set
+    "GemmaForCausalLM": {"hidden_act": ("gelu_pytorch_tanh", GELU_TANH), **CAUSAL,
+                         "use_bidirectional_attention": (None, (None, False))},
+}
+# Which classes' transformers code reads sliding_window (every layer, or the layers layer_types marks:
+# Mistral's, Mixtral's, Phi-3's, Qwen3-MoE's ignore layer_types; Llama's and Gemma's ignore the window)
+# and mlp_bias (Llama's only): a field read where transformers does not read it would decode differently.
+WINDOW_ON_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM")
+WINDOW_BY_LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MLP_BIAS = ("LlamaForCausalLM",)
+
 
 def config_of(model, max_seq_len: int, max_batch: int, page_size: int = 16, kv_pages: int | None = None,
               prefill_chunk: int = 0) -> DecoderConfig:
@@ -38,18 +60,22 @@ def config_of(model, max_seq_len: int, max_batch: int, page_size: int = 16, kv_p
     if name not in SUPPORTED:
         raise GraphError(f"from_hf supports {', '.join(SUPPORTED)}, got {name}")
     cfg = model.config
+    for field, (absent, built) in BUILT_ONE_WAY[name].items():
+        value = getattr(cfg, field, absent)
+        if value not in built:
+            raise GraphError(f"{name}: {field}={value!r} is not supported; supported: "
+                             f"{', '.join(repr(v) for v in built)}")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     attention = model.model.layers[0].self_attn
     qkv_bias = getattr(attention, "q_proj", None) is not None and attention.q_proj.bias is not None
     o_bias = attention.o_proj.bias is not None
-    mlp_bias = bool(getattr(cfg, "mlp_bias", False))
-    window = getattr(cfg, "sliding_window", None)
-    layer_types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
+    mlp_bias = name in MLP_BIAS and bool(getattr(cfg, "mlp_bias", False))
+    window = getattr(cfg, "sliding_window", None) if name in WINDOW_ON_EVERY_LAYER + WINDOW_BY_LAYER_TYPES else None
+    layer_types = (getattr(cfg, "layer_types", None) if name in WINDOW_BY_LAYER_TYPES else None) \
+        or ["sliding_attention"] * cfg.num_hidden_layers
     windows = tuple(window if window and window < max_seq_len and kind == "sliding_attention" else None
                     for kind in layer_types)
-    rope_type = model.model.rotary_emb.rope_type
-    if rope_type not in ROPE_TYPES:
-        raise GraphError(f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    _check_rope(model, name, head_dim, max_seq_len)
     moe = _moe_config(model) if name in MOE else {}
     return DecoderConfig(**moe, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
                          kv_heads=cfg.num_key_value_heads, head_dim=head_dim, intermediate=cfg.intermediate_size,
@@ -60,6 +86,28 @@ def config_of(model, max_seq_len: int, max_batch: int, page_size: int = 16, kv_p
                          qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
                          windows=windows if any(windows) else (), gemma=name == "GemmaForCausalLM",
                          **_serving(max_seq_len, max_batch, page_size, kv_pages, prefill_chunk))
+
+
+def _check_rope(model, name: str, head_dim: int, max_seq_len: int) -> None:
+    """Refuse what the rotary embedding of the decode step does not build: a rope type it does not know,
+    a partial rotary (the whole head is rotated), and a Phi-3 longrope sequence past the original context."""
+    rotary, cfg = model.model.rotary_emb, model.config
+    if rotary.rope_type not in ROPE_TYPES:
+        raise GraphError(f"rope type {rotary.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    # the module's frequencies, not the config, say whether it is partial: most classes' default rope
+    # ignores partial_rotary_factor, Phi-3's honours it
+    if rotary.inv_freq.numel() != head_dim // 2:
+        factor = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor",
+                                                                   getattr(cfg, "partial_rotary_factor", None))
+        raise GraphError(f"{name}: partial_rotary_factor={factor!r} ({2 * rotary.inv_freq.numel()} of {head_dim} "
+                         f"head dims rotated) is not supported; supported: 1.0 (the whole head rotated)")
+    original = getattr(cfg, "original_max_position_embeddings", None)
+    if name == "Phi3ForCausalLM" and rotary.rope_type == "longrope" and original and max_seq_len > original:
+        # Phi-3's generate drops its cache there and prefills the whole sequence again with the long
+        # factors; the decode step keeps the keys it cached, rotated with the short ones
+        raise GraphError(f"{name} with longrope: max_seq_len={max_seq_len} > original_max_position_embeddings="
+                         f"{original} is not supported (transformers re-rotates the cached keys with the long "
+                         f"factors there, the decode step keeps them); supported: max_seq_len <= {original}")
 
 
 def _serving(max_seq_len: int, max_batch: int, page_size, kv_pages, prefill_chunk) -> dict:
