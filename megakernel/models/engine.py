@@ -5,18 +5,34 @@ prompts prefilled in chunks). It knows the decode graph (``decode_step``) and it
 not where they came from (``from_hf``, ``from_pretrained``)."""
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
 from ..backend import KINDS
-from ..errors import GraphError
+from ..errors import GraphError, is_count, is_int
 from ..graph import Graph
 from ..runtime import Megakernel
 from ..tasks.chunk_attention import BLOCK_ROWS
 from .decoder import DecoderConfig, decode_step
 from .pages import KVCacheFull, PagePool
+
+
+Method = TypeVar("Method", bound=Callable)
+
+
+def serialized(method: Method) -> Method:
+    """Run ``method`` under the model's lock: a server calls the engine from several threads, and a step
+    that read the slots must not see them change under it (one call at a time; reentrant, for ``generate``
+    runs ``add`` and ``step``)."""
+    @functools.wraps(method)
+    def locked(self: "DecodeModel", *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return locked  # type: ignore[return-value]
 
 
 @dataclass
@@ -79,19 +95,20 @@ class DecodeModel:
         self.finished: dict[int, torch.Tensor] = {}  # sequence id -> prompt + new tokens, once it ended
         self.logits: torch.Tensor | None = None  # float32 [batch, vocab]: the last step's, by slot (``step``)
         self._next_id = 0
+        self.lock = threading.RLock()  # held by every public method (``serialized``)
 
+    @serialized
     def decode(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         """Logits [B, vocab] (float32) for ``tokens`` [B] at position ``pos``; the KV cache keeps the step.
 
         One launch of one step: the tokens go into the history at ``pos``, and the step writes no token
         (the prompt length is set past the history)."""
         c = self.config
-        tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+        tokens = self._token_ids(tokens, "decode", "tokens").reshape(-1)
         if tokens.numel() != c.batch:
             raise GraphError(f"decode: tokens has {tokens.numel()} entries; the model was built for batch {c.batch}")
-        self._require_in_vocabulary(tokens, "decode")
-        if not 0 <= pos < c.max_seq_len:
-            raise GraphError(f"decode: position {pos} is outside [0, {c.max_seq_len}) (max_seq_len)")
+        if not (is_int(pos) and 0 <= pos < c.max_seq_len):
+            raise GraphError(f"decode: pos must be an int in [0, {c.max_seq_len}) (max_seq_len), got {pos!r}")
         self._require_no_sequences("decode")
         with self.pool.transaction():  # each row keeps its pages from one decode() to the next
             for row in range(c.batch):
@@ -103,6 +120,7 @@ class DecodeModel:
         self.kernel.bind({"pos": torch.full((c.batch,), -1)})  # every row free again
         return logits
 
+    @serialized
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, tokens_per_launch: int | None = None,
                  eos_token_id: int | None = None) -> torch.Tensor:
         """Greedy decoding on the device: the prompt and ``max_new_tokens`` argmax tokens in
@@ -117,26 +135,25 @@ class DecodeModel:
         (``add``/``step``: each in a slot at a position of its own, a waiting one joining as a slot frees)
         and returns one tensor per prompt, prompt + new tokens, what each would get alone.
         """
+        if not (is_int(max_new_tokens) and max_new_tokens >= 0):
+            raise GraphError(f"generate: max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         if isinstance(prompt_ids, (list, tuple)) and prompt_ids and not isinstance(prompt_ids[0], int):
             if tokens_per_launch is not None:
                 raise GraphError("generate: a list of prompts runs by continuous batching: its launches end where a "
                                  "sequence does (no tokens_per_launch)")
             return self._generate_each(prompt_ids, max_new_tokens, eos_token_id)
         c = self.config
-        ids = torch.as_tensor(prompt_ids, dtype=torch.int64)
+        ids = self._token_ids(prompt_ids, "generate", "prompt_ids")
         ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
         prompt = ids.shape[1]
         if ids.ndim != 2 or ids.shape[0] != c.batch or prompt < 1:
             raise GraphError(f"generate: prompt_ids must be [{c.batch}, T >= 1] (the model's batch), got "
                              f"{tuple(ids.shape)}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise GraphError(f"generate: max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        if tokens_per_launch is not None and not (isinstance(tokens_per_launch, int) and tokens_per_launch >= 1):
+        if tokens_per_launch is not None and not is_count(tokens_per_launch):
             raise GraphError(f"generate: tokens_per_launch must be a positive int, got {tokens_per_launch!r}")
         if prompt + max_new_tokens > c.max_seq_len:
             raise GraphError(f"generate: {prompt} prompt + {max_new_tokens} new tokens exceed max_seq_len "
                              f"{c.max_seq_len}")
-        self._require_in_vocabulary(ids, "generate")
         if max_new_tokens == 0:
             return ids.clone()
         self._require_no_sequences("generate")
@@ -176,22 +193,15 @@ class DecodeModel:
         return tokens
 
     # -- continuous batching -------------------------------------------------------------------------
+    @serialized
     def add(self, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None) -> int:
         """Start a sequence in a free batch row (slot): its prompt goes into the row's history; the next
         ``step`` prefills it (``prefill_chunk`` tokens per launch; without prefill rows its batch row reads
         the prompt a token per step) and then advances it with the others. Returns its id."""
         c = self.config
-        ids = torch.as_tensor(prompt_ids, dtype=torch.int64).reshape(-1)
-        if ids.numel() == 0:
-            raise GraphError("add: the prompt is empty")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not is_count(max_new_tokens):
             raise GraphError(f"add: max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        if ids.numel() + max_new_tokens > c.max_seq_len:
-            raise GraphError(f"add: {ids.numel()} prompt + {max_new_tokens} new tokens exceed max_seq_len {c.max_seq_len}")
-        self._require_in_vocabulary(ids, "add")
-        if self.rope_at is not None:
-            raise GraphError("add: rope types whose frequencies follow the position (dynamic, longrope) need one "
-                             "position for the whole batch: use generate")
+        ids = self._admissible(prompt_ids, max_new_tokens, "add")
         slot = next((row for row, sequence in enumerate(self.slots) if sequence is None), None)
         if slot is None:
             raise GraphError(f"add: all {c.batch} slots (max_batch) hold sequences; step until one finishes")
@@ -209,21 +219,25 @@ class DecodeModel:
         self.kernel.tensor(self.graph.inputs["pos"])[slot] = -1 if sequence.prefilling else sequence.pos
         return sequence.id
 
+    @serialized
     def step(self, steps: int = 1) -> dict[int, list[int]]:
-        """One launch of ``steps`` steps. Its first step prefills up to ``prefill_chunk`` prompt tokens of the
-        sequences still in their prompts (in the order they were added); every other sequence advances
-        ``steps`` positions (one still in its prompt without prefill rows reads the next prompt token;
-        the others sample one token each). Returns the new tokens of each sequence that made some. A
-        sequence that has all its tokens, or ends with its eos token, frees its slot and its KV pages
-        (tokens it sampled past its end in the same launch are dropped). Out of KV pages: ``KVCacheFull``,
-        nothing run or changed."""
-        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+        """One launch of ``steps`` steps, or fewer: it ends when every sequence in it has all its tokens. Its
+        first step prefills up to ``prefill_chunk`` prompt tokens of the sequences still in their prompts (in
+        the order they were added); every other sequence advances a position a step (one still in its
+        prompt without prefill rows reads the next prompt token; the others sample one token each).
+        Returns the new tokens of each sequence that made some. A sequence that has all its tokens, or
+        ends with its eos token, frees its slot and its KV pages (tokens it sampled past its end in the
+        same launch are dropped). Out of KV pages: ``KVCacheFull``, nothing run or changed."""
+        if not is_count(steps):
             raise GraphError(f"step: steps must be a positive int, got {steps!r}")
         active = [s for s in self.slots if s is not None]
         if not active:
             return {}
         chunk = self._plan_prefill(active)
         running = [s for s in active if not s.prefilling or s.id in chunk.finishing]
+        # steps past the longest remaining sequence would only run rows that sample nothing anyone keeps
+        # (one step when the launch only prefills: its prefill rows are off after the first)
+        steps = min(steps, max((s.last_position + 1 - s.pos for s in running), default=1))
         with self.pool.transaction():
             for s, first, count, _ in chunk.parts:
                 self.pool.grow(s.slot, first + count, f"sequence {s.id}")
@@ -252,11 +266,16 @@ class DecodeModel:
                 self.finished[s.id] = torch.cat([s.prompt, torch.tensor(s.tokens, dtype=torch.int64)])
         return new
 
+    @serialized
     def cancel(self, sequence_id: int) -> torch.Tensor:
-        """Stop a sequence of ``add`` now: its slot and pages are free for others. Returns its prompt and the
-        tokens it made."""
+        """Stop a sequence of ``add``: its slot and pages are free for others. Returns its prompt and the
+        tokens it made. Called while a step runs (from another thread), it waits for the step's end: the
+        tokens are those the step made too."""
         sequence = next((s for s in self.slots if s is not None and s.id == sequence_id), None)
         if sequence is None:
+            if sequence_id in self.finished:  # e.g. in the step this cancel waited for
+                raise GraphError(f"cancel: sequence {sequence_id} already finished: its tokens are in "
+                                 f"finished[{sequence_id}]")
             running = [s.id for s in self.slots if s is not None]
             raise GraphError(f"cancel: no running sequence has id {sequence_id!r} (running: {running})")
         self._free(sequence)
@@ -303,14 +322,17 @@ class DecodeModel:
         """Greedy continuous batching: every prompt (1-D ids, of any lengths) gets a slot as one frees and
         the pool has the pages it will need, and each launch runs until the next sequence ends (so that a
         waiting prompt joins then; one launch while a prompt is being prefilled). Returns one tensor
-        per prompt, prompt + new tokens: what it would get alone."""
+        per prompt, prompt + new tokens: what it would get alone. Every prompt is checked before anything
+        runs: a bad one anywhere in the list runs nothing and leaves nothing behind."""
+        prompts = [self._admissible(prompt, max_new_tokens, f"generate: prompt {index}")
+                   for index, prompt in enumerate(prompts)]
         if max_new_tokens == 0:
-            return [torch.as_tensor(p, dtype=torch.int64).reshape(-1).clone() for p in prompts]
+            return [prompt.clone() for prompt in prompts]
         waiting = list(enumerate(prompts))
         ids: dict[int, int] = {}  # sequence id -> prompt index
         out: list[torch.Tensor | None] = [None] * len(waiting)
         pages = lambda s: self.pool.pages_for(s.last_position + 1)  # noqa: E731 (all a sequence will take)
-        needs = [self.pool.pages_for(torch.as_tensor(prompt).numel() + max_new_tokens - 1) for prompt in prompts]
+        needs = [self.pool.pages_for(prompt.numel() + max_new_tokens - 1) for prompt in prompts]
         for index, need in enumerate(needs):  # before anything runs or any page is given back
             if need > self.pool.pages:
                 raise KVCacheFull(f"KV cache full: generate: prompt {index} and {max_new_tokens} new tokens need {need} "
@@ -337,11 +359,37 @@ class DecodeModel:
         for row in range(self.config.rows):
             self.pool.release(row)
 
-    def _require_in_vocabulary(self, ids: torch.Tensor, what: str) -> None:
-        """Refuse token ids outside the vocabulary: the embedding would read past its rows."""
+    def _admissible(self, prompt_ids, max_new_tokens: int, what: str) -> torch.Tensor:
+        """``prompt_ids`` as the 1-D prompt of a sequence (``add``) that will make ``max_new_tokens``, or a
+        ``GraphError`` saying why it cannot be one."""
+        ids = self._token_ids(prompt_ids, what, "prompt_ids").reshape(-1)
+        if ids.numel() == 0:
+            raise GraphError(f"{what}: the prompt is empty")
+        if ids.numel() + max_new_tokens > self.config.max_seq_len:
+            raise GraphError(f"{what}: {ids.numel()} prompt + {max_new_tokens} new tokens exceed max_seq_len "
+                             f"{self.config.max_seq_len}")
+        if self.rope_at is not None:
+            raise GraphError(f"{what}: rope types whose frequencies follow the position (dynamic, longrope) need "
+                             "one position for the whole batch: generate a [batch, T] tensor of prompts")
+        return ids
+
+    def _token_ids(self, value, what: str, argument: str) -> torch.Tensor:
+        """``value`` (a tensor or nested lists) as int64 token ids, or a ``GraphError`` naming ``argument``:
+        floats and bools are refused, not truncated, and so are ids outside the vocabulary (the embedding
+        would read past its rows)."""
+        refused = f"{what}: {argument} must be integer token ids, got"
+        try:
+            ids = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise GraphError(f"{refused} {type(value).__name__} ({error})") from error
+        # an empty list is a float tensor: it holds nothing to truncate (the caller says what is wrong with it)
+        if ids.numel() and (ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex()):
+            raise GraphError(f"{refused} {ids.dtype}")
+        ids = ids.to(torch.int64)
         outside = ids[(ids < 0) | (ids >= self.config.vocab)]
         if outside.numel():
             raise GraphError(f"{what}: token id {int(outside[0])} is outside the vocabulary [0, {self.config.vocab})")
+        return ids
 
     def _require_no_sequences(self, what: str) -> None:
         busy = [s.id for s in self.slots if s is not None]
@@ -358,6 +406,7 @@ class DecodeModel:
         self.inv_freq = inv_freq
         return {"inv_freq": inv_freq}
 
+    @serialized
     def close(self) -> None:
         self.kernel.close()
 
