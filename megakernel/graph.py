@@ -105,6 +105,9 @@ class Tensor:
         return f"Tensor({self.buffer.name}, shape={self.shape}, dtype={self.dtype})"
 
 
+MAX_TASKS = 1 << 23  # tile tasks of one graph: ~8x the host path's 1M-task benchmark
+
+
 def _span(index, size: int, shape) -> tuple[int, int, bool]:
     if isinstance(index, int):
         if not -size <= index < size:
@@ -197,6 +200,9 @@ class Graph:
             self.op_names.append(self._scope + name)
             try:
                 result = build(self, *args, **kwargs)
+                if len(self.tasks) > MAX_TASKS:
+                    raise GraphError(f"{name}: the graph would have {len(self.tasks):,} tasks; at most {MAX_TASKS:,} "
+                                     f"(tables of that many take minutes to schedule)")
                 self.op_calls.append(f"{name}({', '.join(_describe(a) for a in (*args, *kwargs.values()))})")
                 return result
             except BaseException:

@@ -1,5 +1,7 @@
 """Config fields that change the math: ``config_of`` honours them as transformers does, or refuses them by
 name; never a model that decodes other tokens than transformers' (no kernel is compiled here)."""
+import time
+
 import pytest
 import torch
 import transformers
@@ -7,7 +9,7 @@ from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCa
                           MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 from megakernel.errors import GraphError
-from megakernel.models import from_pretrained
+from megakernel.models import from_hf, from_pretrained
 from megakernel.models.hf import config_of
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -80,3 +82,18 @@ def test_a_checkpoint_is_refused_by_name_too(tmp_path):
     tiny(LlamaConfig, LlamaForCausalLM, hidden_act="relu").save_pretrained(tmp_path)
     with pytest.raises(GraphError, match="hidden_act='relu'"):
         from_pretrained(tmp_path, max_seq_len=32)
+
+
+@pytest.mark.parametrize("sizes,message", [
+    (dict(max_seq_len=10**9), r"layers.0.k_cache \(1000000016, 32\) .* the largest heap this machine can hold"),
+    (dict(max_seq_len=64, page_size=10**9), r"layers.0.k_cache .* the largest heap this machine can hold"),
+    (dict(max_seq_len=64, prefill_chunk=10**6), "prefill_chunk=1,000,000 is more than a decode step holds"),
+    (dict(max_seq_len=64, max_batch=10**6), "max_batch=1,000,000 is more than a decode step holds"),
+])
+def test_sizes_past_what_a_step_can_hold_are_refused_before_anything_is_built(sizes, message):
+    """Each of these built for minutes, or without end, before a check (issue 25, finding 3)."""
+    model = tiny(LlamaConfig, LlamaForCausalLM)
+    start = time.monotonic()
+    with pytest.raises(GraphError, match=message):
+        from_hf(model, **sizes)
+    assert time.monotonic() - start < 5

@@ -372,6 +372,16 @@ def test_a_graph_larger_than_memory_is_refused_as_it_is_built(monkeypatch):
         infer_dependencies(g.tasks, g.buffer_shapes())
 
 
+def test_an_op_past_the_task_cap_is_refused_and_leaves_nothing(monkeypatch):
+    monkeypatch.setattr(graph_module, "MAX_TASKS", 10)
+    g = mk.Graph()
+    x = g.input("x", (1, 8), torch.float32)
+    y = g.add(x, x)
+    with pytest.raises(mk.GraphError, match=r"linear: the graph would have \d+ tasks; at most 10"):
+        g.linear(y, g.input("w", (4096, 8), torch.float32))
+    assert len(g.tasks) == 1 and len(g.op_calls) == 1 and g.op_calls[0].startswith("add(")  # the add alone
+
+
 def test_more_cpu_workers_than_cores_is_a_warning(tmp_path):
     with pytest.warns(UserWarning, match=rf"64 cpu workers on {os.cpu_count()} cores"):
         CpuBackend(Group(1, 0), tmp_path / "mk_unused.py", 64, WorkerPool())  # starts no process

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..bootstrap import current_world
-from ..errors import GraphError, is_count
+from ..errors import GraphError, is_count, is_int
 from .decoder import DecoderConfig, Shard
 from .engine import DecodeModel
 from .schema import shard_weights
@@ -32,6 +32,7 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
 MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")  # frequencies that follow the sequence length
+MAX_BATCH, MAX_PREFILL_CHUNK = 4096, 65536  # rows of a decode step: each has tiles in every layer
 
 # Config fields that change the math but that the decode step builds one way only: field -> (its value when
 # the config lacks it, the values that mean what is built), per class. Any other value is refused by name
@@ -111,14 +112,18 @@ def _check_rope(model, name: str, head_dim: int, max_seq_len: int) -> None:
 
 
 def _serving(max_seq_len: int, max_batch: int, page_size, kv_pages, prefill_chunk) -> dict:
-    """The KV cache's and the prefill chunk's fields of a ``DecoderConfig``, checked."""
+    """The KV cache's and the prefill chunk's fields of a ``DecoderConfig``, checked (before anything is
+    built: the graph's tiles grow with max_batch and prefill_chunk, its buffers with the rest)."""
     for name, value in (("max_seq_len", max_seq_len), ("max_batch", max_batch), ("page_size", page_size)):
         if not is_count(value):
             raise GraphError(f"{name} must be a positive int, got {value!r}")
     if kv_pages is not None and not is_count(kv_pages):
         raise GraphError(f"kv_pages must be a positive int or None (every row at max_seq_len), got {kv_pages!r}")
-    if not (isinstance(prefill_chunk, int) and not isinstance(prefill_chunk, bool) and prefill_chunk >= 0):
+    if not (is_int(prefill_chunk) and prefill_chunk >= 0):
         raise GraphError(f"prefill_chunk must be a non-negative int, got {prefill_chunk!r}")
+    for name, value, most in (("max_batch", max_batch, MAX_BATCH), ("prefill_chunk", prefill_chunk, MAX_PREFILL_CHUNK)):
+        if value > most:
+            raise GraphError(f"{name}={value:,} is more than a decode step holds; at most {most:,}")
     return dict(page_size=page_size, kv_pages=kv_pages or 0, prefill_chunk=prefill_chunk)
 
 
