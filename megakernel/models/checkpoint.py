@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import GraphError
 from .engine import DecodeModel
-from .hf import SUPPORTED, decode_model
+from .hf import SUPPORTED, config_of, decode_model
 
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
 SMALLEST_WEIGHT_BYTES = 2  # bf16/f16: the fewest bytes a weight of a checkpoint takes
@@ -198,8 +198,6 @@ def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: in
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    serving = dict(max_seq_len=max_seq_len, max_batch=max_batch, page_size=page_size, kv_pages=kv_pages,
-                   prefill_chunk=prefill_chunk)
     path = Path(path)
     if not (path / "config.json").is_file():
         raise GraphError(f"{path}: no config.json: not a checkpoint directory as save_pretrained writes one")
@@ -212,7 +210,8 @@ def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: in
         skeleton = AutoModelForCausalLM.from_config(config)
     checkpoint = Checkpoint(path, {key: tuple(t.shape) for key, t in skeleton.state_dict().items()})
     skeleton.to(checkpoint["model.embed_tokens.weight"].dtype)  # the dtype the weights are stored in
+    decoder = config_of(skeleton, max_seq_len, max_batch, page_size, kv_pages, prefill_chunk)
     rotary = type(skeleton.model.rotary_emb)(config)  # on the host: the frequencies for real
-    model = decode_model(skeleton, checkpoint, rotary, serving, parallelism, **kernel_options)
+    model = decode_model(decoder, checkpoint, rotary, bool(config.tie_word_embeddings), parallelism, **kernel_options)
     model.bytes_read = checkpoint.bytes_read
     return model

@@ -150,23 +150,21 @@ def from_hf(model, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16,
     (0: a prompt goes through its batch row a token per step). ``parallelism``: the number of workers
     the step's tiles are sized for; "auto" (see ``DecodeModel``).
     """
-    serving = dict(max_seq_len=max_seq_len, max_batch=max_batch, page_size=page_size, kv_pages=kv_pages,
-                   prefill_chunk=prefill_chunk)
+    config = config_of(model, max_seq_len, max_batch, page_size, kv_pages, prefill_chunk)
     # a copy: following the sequence length updates the rotary module's frequencies, not the model's
     rotary = copy.deepcopy(model.model.rotary_emb)
-    return decode_model(model, model.state_dict(), rotary, serving, parallelism, **kernel_options)
+    return decode_model(config, model.state_dict(), rotary, bool(model.config.tie_word_embeddings), parallelism,
+                        **kernel_options)
 
 
-def decode_model(model, tensors: Mapping[str, Any], rotary, serving: dict[str, Any], parallelism: int | str,
+def decode_model(config: DecoderConfig, tensors: Mapping[str, Any], rotary, tied: bool, parallelism: int | str,
                  **kernel_options) -> DecodeModel:
-    """This rank's ``DecodeModel`` of the transformers causal LM ``model`` (its modules may be on the meta
-    device: only its config and module structure are read), its weights taken from ``tensors`` (by
-    state-dict name, see ``shard_weights``), its RoPE frequencies from ``rotary`` (a rotary module of its
-    own, which ``rope_frequencies`` may update). ``serving``: ``config_of``'s serving arguments."""
+    """This rank's ``DecodeModel`` of a model of ``config`` (``config_of``), its weights taken from
+    ``tensors`` (by state-dict name, see ``shard_weights``; ``tied``: the LM head is the embedding), its
+    RoPE frequencies from ``rotary`` (a transformers rotary module of its own, which
+    ``rope_frequencies`` may update)."""
     world, rank = current_world()
-    config = config_of(model, **serving)
-    weights = shard_weights(tensors, config, Shard.of(config, rank, world), rotary.inv_freq,
-                            tied=bool(model.config.tie_word_embeddings))
+    weights = shard_weights(tensors, config, Shard.of(config, rank, world), rotary.inv_freq, tied)
     rope_at = rope_frequencies(rotary) if rotary.rope_type in LENGTH_DEPENDENT_ROPE else None
     return DecodeModel(config, weights, parallelism, rope_at, **kernel_options)
 
