@@ -140,7 +140,7 @@ def test_a_bad_prompt_list_is_refused_whole_before_anything_runs(model, prompts,
     (lambda m: m.generate(torch.tensor([[1.5], [2.0]]), 1), "generate: prompt_ids must be integer token ids"),
     (lambda m: m.generate(torch.tensor([[1], [2]]), 1, tokens_per_launch=True), "tokens_per_launch must be a pos"),
     (lambda m: m.decode(torch.tensor([1.5, 2.0]), 0), "decode: tokens must be integer token ids, got torch.float32"),
-    (lambda m: m.decode(torch.tensor([1, 2]), True), "decode: pos must be an int in \\[0, 8\\)"),
+    (lambda m: m.decode(torch.tensor([1, 2]), True), "decode: position True is outside \\[0, 8\\) \\(max_seq_len\\): pos must be an int"),
 ])
 def test_arguments_of_the_wrong_type_are_refused_naming_them(model, call, message):
     launches = model.kernel.launches

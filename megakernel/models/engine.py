@@ -108,7 +108,8 @@ class DecodeModel:
         if tokens.numel() != c.batch:
             raise GraphError(f"decode: tokens has {tokens.numel()} entries; the model was built for batch {c.batch}")
         if not (is_int(pos) and 0 <= pos < c.max_seq_len):
-            raise GraphError(f"decode: pos must be an int in [0, {c.max_seq_len}) (max_seq_len), got {pos!r}")
+            raise GraphError(f"decode: position {pos!r} is outside [0, {c.max_seq_len}) (max_seq_len): pos must be an int "
+                             "there")
         self._require_no_sequences("decode")
         with self.pool.transaction():  # each row keeps its pages from one decode() to the next
             for row in range(c.batch):
