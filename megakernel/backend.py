@@ -7,6 +7,7 @@ owns the memory and the processors:
 | backend | heap | workers |
 | --- | --- | --- |
 | ``cpu`` | POSIX shared memory | interpreter processes (``cpu_backend``) |
+| ``torch`` | the same | the same processes, each tile its task type's torch reference (``torch_backend``) |
 | ``cuda`` | device memory, shared by IPC | programs of one persistent launch (``gpu_backend``) |
 | ``hip`` | the same; the comm area fine-grained (``finegrained``) | the same |
 
@@ -32,6 +33,7 @@ from .heap import SHM_DIR, RankHeap
 
 if TYPE_CHECKING:
     from .cpu_backend import WorkerPool
+    from .scheduler import Spec
 
 
 @dataclass
@@ -90,6 +92,7 @@ class BackendRequest:
     workers: int | None         # persistent programs of this rank; None: as many as the backend likes
     timeout: float              # seconds any single wait may take
     pool: WorkerPool | None     # the worker processes of a host backend; None: the shared pool
+    specs: list[Spec]           # what each opcode runs (the torch backend runs the task types' references)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,9 @@ class BackendKind:
     target: str                                 # what ``codegen`` generates its kernel for
     gpu: bool                                   # runs on a GPU of its name's flavour (``gpu_flavour``)
     make: Callable[[BackendRequest], Backend]
+    # The workers a model's tiles are best sized for (``Graph.parallelism``), given the workers asked for
+    # (None: the backend's default); None: the kernel's own, known once it is built (a GPU's resident programs)
+    tile_parallelism: Callable[[int | None], int | None]
 
 
 # The backend modules import this one: each is imported when a kernel first asks for it.
@@ -107,16 +113,25 @@ def _make_cpu(request: BackendRequest) -> Backend:
     return CpuBackend(request.group, request.kernel_path, request.workers, request.pool)
 
 
+def _make_torch(request: BackendRequest) -> Backend:
+    from .torch_backend import TorchBackend
+    return TorchBackend(request.group, request.kernel_path, request.workers, request.pool, request.specs)
+
+
 def _make_gpu(request: BackendRequest) -> Backend:
     from .gpu_backend import GpuBackend
     return GpuBackend(request.name, request.group, request.kernel_path, request.row_words, request.trace,
                       request.workers, request.timeout)
 
 
+# The interpreter runs a few tiles of each op best (parallelism 1: 32-row GEMV tiles); torch pays ~30 us a
+# task, so its tiles are the large ones of parallelism 2 or more (the plan that fills 2 workers).
 KINDS: dict[str, BackendKind] = {
-    "cpu": BackendKind(target="interpreter", gpu=False, make=_make_cpu),
-    "cuda": BackendKind(target="cuda", gpu=True, make=_make_gpu),
-    "hip": BackendKind(target="hip", gpu=True, make=_make_gpu),
+    "cpu": BackendKind(target="interpreter", gpu=False, make=_make_cpu, tile_parallelism=lambda workers: 1),
+    "torch": BackendKind(target="interpreter", gpu=False, make=_make_torch,
+                         tile_parallelism=lambda workers: max(2, workers or 2)),
+    "cuda": BackendKind(target="cuda", gpu=True, make=_make_gpu, tile_parallelism=lambda workers: workers),
+    "hip": BackendKind(target="hip", gpu=True, make=_make_gpu, tile_parallelism=lambda workers: workers),
 }
 BACKENDS = ("auto", *KINDS)
 

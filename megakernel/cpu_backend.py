@@ -26,7 +26,7 @@ import time
 import traceback
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable
@@ -49,6 +49,8 @@ class Launch:
     worker: int
     rank: int
     args: dict[str, int]       # the kernel's integer arguments, ROW and TRACE included
+    engine: str = "interpreter"  # what runs the worker: the kernel under the interpreter, or "torch" (torch_backend)
+    extras: dict = field(default_factory=dict)  # what the engine takes besides (torch: specs, threads)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Part:
     name: str
     segment_size: int
     offset: int
+    size: int
 
     @property
     def key(self) -> str:
@@ -83,6 +86,8 @@ def _worker_main(fd: int) -> None:
     conn = Connection(fd)
     heaps: dict[str, list[SharedHeap]] = {}   # by the kernel's own heap key: the segments it maps
     bases: dict[str, torch.Tensor] = {}       # by the same key: every rank's heap address here, in rank order
+    wholes: dict[str, list[torch.Tensor]] = {}  # by the same key: every rank's whole heap, in rank order
+    programs: dict[str, dict] = {}  # by the same key: what the torch engine made of the kernel's tables
     conn.send((0, "ok", os.getpid()))
     while True:
         try:
@@ -98,19 +103,27 @@ def _worker_main(fd: int) -> None:
                 # (``heap.kernel_bases``: every comm area less delta = data_size) are the heaps' starts
                 bases[parts[rank].key] = torch.tensor([mapped[p.name].address + p.offset for p in parts],
                                                       dtype=torch.int64)
+                wholes[parts[rank].key] = [mapped[p.name].tensor[p.offset:p.offset + p.size] for p in parts]
                 conn.send((number, "ok", None))
             elif command == "unmap":
                 bases.pop(payload, None)
+                wholes.pop(payload, None)
+                programs.pop(payload, None)
                 for heap in heaps.pop(payload, []):
                     heap.close()
                 conn.send((number, "ok", None))
             elif command == "run":
                 launch: Launch = payload
-                kernel = load_kernel(launch.kernel)
-                args = dict(launch.args)
-                constexprs = {name: args.pop(name) for name in ("ROW", "TRACE")}
                 start = time.perf_counter()
-                kernel[(1,)](bases[launch.heap].data_ptr(), launch.rank, launch.worker, **args, **constexprs)
+                if launch.engine == "torch":
+                    from .torch_backend import run_worker
+                    run_worker(wholes[launch.heap], launch.rank, launch.worker, launch.args,
+                               programs.setdefault(launch.heap, {}), **launch.extras)
+                else:
+                    kernel = load_kernel(launch.kernel)
+                    args = dict(launch.args)
+                    constexprs = {name: args.pop(name) for name in ("ROW", "TRACE")}
+                    kernel[(1,)](bases[launch.heap].data_ptr(), launch.rank, launch.worker, **args, **constexprs)
                 conn.send((number, "ok", time.perf_counter() - start))
             else:
                 conn.send((number, "error", f"unknown command {command!r}"))
@@ -241,6 +254,7 @@ class CpuBackend:
     """Workers are processes of a pool; the heap is shared memory that every worker maps."""
 
     name = "cpu"
+    engine = "interpreter"  # what runs each worker (``Launch.engine``)
     DEFAULT_WORKERS = 2
     MAX_WORKERS = 256
     STOP_SECONDS = 10.0  # how long an interrupted run's workers get to stop at their next wait
@@ -262,6 +276,9 @@ class CpuBackend:
         self.key = ""
         self.lost_workers = False  # an interrupted run had to kill some: the heap is mapped in no others
 
+    def _launch_extras(self) -> dict:
+        return {}
+
     def free_memory(self) -> int:
         shm = os.statvfs(SHM_DIR)
         return shm.f_bavail * shm.f_frsize
@@ -273,13 +290,13 @@ class CpuBackend:
             created = SharedHeap.create(group.world_size * size) if rank == 0 else None
             segment = group.all_gather(created)[0]
             self.segments = [segment]
-            parts = [Part(segment.name, segment.size, r * size) for r in range(group.world_size)]
+            parts = [Part(segment.name, segment.size, r * size, size) for r in range(group.world_size)]
             tensors = {r: segment.tensor[r * size:(r + 1) * size] for r in range(group.world_size)}
         else:
             created = SharedHeap.create(size)
             names = group.all_gather(created.name)
             self.segments = [created if r == rank else SharedHeap(name, size) for r, name in enumerate(names)]
-            parts = [Part(name, size, 0) for name in names]
+            parts = [Part(name, size, 0, size) for name in names]
             tensors = {r: heap.tensor for r, heap in enumerate(self.segments)}
         self.key = parts[rank].key
         try:
@@ -305,7 +322,8 @@ class CpuBackend:
                 for w, worker in enumerate(self.processes):
                     running[w] = worker.sent + 1  # before the send: an interrupt after it still waits for it
                     try:
-                        worker.send("run", Launch(self.key, str(self.kernel_path), w, self.group.rank, args))
+                        worker.send("run", Launch(self.key, str(self.kernel_path), w, self.group.rank, args,
+                                                  self.engine, self._launch_extras()))
                     except BackendError as error:
                         failure = failure or BackendError(f"worker {w}: {error}")
                         del running[w]

@@ -93,6 +93,14 @@ class HeapView:
         # (the comm area, virtual ranks' heaps) begins at its own storage offset
         return torch.as_strided(typed, (rows, cols), (row_stride, 1), typed.storage_offset() + offset // dtype.itemsize)
 
+    def checked_index(self, value: int, bound: int, where: str) -> int:
+        """A data-dependent index of a reference tile (a token id, a position, a page), read at ``where``:
+        the kernel clamps one out of [0, bound) and reports it after the run (``device.checked_index``);
+        the reference executor, an oracle, refuses it here. (The torch backend's heaps clamp and report.)"""
+        if not 0 <= value < bound:
+            raise GraphError(f"index {value} read at {where} is outside [0, {bound})")
+        return value
+
 
 class SharedHeap:
     """A mapping of one shared-memory segment; ``tensor`` is a flat uint8 view of it."""

@@ -49,7 +49,7 @@ class Megakernel:
         self.kernel_path = codegen.kernel_path(self.graph.specs, KINDS[name].target)
         self.backend: Backend = KINDS[name].make(BackendRequest(
             name, self.group, self.kernel_path, row_words=ARG0 + max(map(len, self.graph.tasks.args)),
-            trace=self.tracing, workers=workers, timeout=self.timeout, pool=pool))
+            trace=self.tracing, workers=workers, timeout=self.timeout, pool=pool, specs=self.graph.specs))
         self.workers = self.backend.workers
         self.tables = _schedule(self.graph, self.group, self.backend, policy)
         self.layout = _lay_out_heap(self.graph, self.group, self.tables, self.tracing)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
-from ..errors import GraphError, is_count
+from ..errors import is_count
 from .common import (TaskType, ceil_div, copy_row, heap_index, next_power_of_2, require_float, rounded, row_offsets,
                      row_positions, vector_aligned)
 
@@ -76,24 +76,42 @@ def kv_append_tile(base, status,
 def _append_reference(heap, task) -> None:
     if _no_sequence(heap, task.pos):
         return
-    row = reference_cache_rows(heap, task, heap_index(heap, task.pos, task.seq_len))
+    position = heap_index(heap, task.pos, task.seq_len)
+    row = position
+    if task.PAGE != 0:
+        at = task.table + 8 * (position // task.PAGE)
+        page = int(heap.tensor(at, torch.int64, 1, 1, 1))
+        row = heap.checked_index(page, task.pages, f"heap offset {at} (a block table)") * task.PAGE + position % task.PAGE
+        if row // task.PAGE != page:
+            return  # a page clamped (the torch backend): no copy, as the tile
+    if position != int(heap.tensor(task.pos, torch.int64, 1, 1, 1)):
+        return  # a position clamped: no copy, the cache keeps every row it had, as the tile
     x = heap.tensor(task.x, task.DTYPE, 1, task.cols, task.cols)
     stride = task.cache_stride
-    heap.tensor(task.cache + int(row) * stride * x.element_size(), task.DTYPE, 1, task.cols, stride).copy_(x)
+    heap.tensor(task.cache + row * stride * x.element_size(), task.DTYPE, 1, task.cols, stride).copy_(x)
 
 
-def reference_cache_rows(heap, task, positions):
-    """``cache_row`` of each of ``positions``, for a reference tile (a page outside the pool refused)."""
-    if task.PAGE == 0:
-        return torch.as_tensor(positions)
-    positions = torch.as_tensor(positions)
-    pages = int(positions.max()) // task.PAGE + 1
-    table = heap.tensor(task.table, torch.int64, 1, pages, pages)[0]
-    for page in table.tolist():
-        if not 0 <= page < task.pages:
-            raise GraphError(f"page {page} of a block table at heap offset {task.table} is outside the pool's "
-                             f"{task.pages} pages")
-    return table[positions // task.PAGE] * task.PAGE + positions % task.PAGE
+def reference_cache(heap, task, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of positions [start, end) of a batch row, float32 [end - start, HEAD_DIM] each,
+    for a reference tile: a contiguous cache's rows, or a paged one's through the block table, page by
+    page (a page outside the pool bounded by ``heap.checked_index``)."""
+    page = task.PAGE
+    if page == 0:
+        runs, rows = [(start, end - start)], task.seq_len
+    else:
+        last = (end - 1) // page
+        table = heap.tensor(task.table, torch.int64, 1, last + 1, last + 1)[0].tolist()
+        runs, rows = [], task.pages * page
+        for p in range(start // page, last + 1):
+            frame = heap.checked_index(table[p], task.pages, f"heap offset {task.table + 8 * p} (a block table)")
+            lo, hi = max(start, p * page), min(end, (p + 1) * page)
+            runs.append((frame * page + lo - p * page, hi - lo))
+
+    def gather(cache: int) -> torch.Tensor:
+        pool = heap.tensor(cache, task.DTYPE, rows, task.HEAD_DIM, task.cache_stride)
+        parts = [pool[r0:r0 + n] for r0, n in runs]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).float()
+    return gather(task.k), gather(task.v)
 
 
 @triton.jit
@@ -161,7 +179,7 @@ def attention_partial_tile(base, status,
 
 
 def _partial_reference(heap, task) -> None:
-    group, hd, dtype, stride = task.GROUP, task.HEAD_DIM, task.DTYPE, task.cache_stride
+    group, hd, dtype = task.GROUP, task.HEAD_DIM, task.DTYPE
     position = -1 if _no_sequence(heap, task.pos) else heap_index(heap, task.pos, task.seq_len)
     start, end = max(task.start, position + 1 - task.window), min(task.start + task.length, position + 1)
     q = heap.tensor(task.q, dtype, group, hd, hd).float() * task.SCALE
@@ -172,10 +190,7 @@ def _partial_reference(heap, task) -> None:
         ml[0].fill_(float("-inf"))
         ml[1].zero_()
         return
-    cache_rows = reference_cache_rows(heap, task, torch.arange(start, end))
-    pool = int(cache_rows.max()) + 1
-    k = heap.tensor(task.k, dtype, pool, hd, stride)[cache_rows].float()
-    v = heap.tensor(task.v, dtype, pool, hd, stride)[cache_rows].float()
+    k, v = reference_cache(heap, task, start, end)
     scores = q @ k.T
     m = scores.max(-1).values
     p = (scores - m[:, None]).exp()
@@ -236,8 +251,12 @@ def _combine_reference(heap, task) -> None:
     o = heap.tensor(task.o, torch.float32, splits, hd, group * hd)                   # [splits, hd]
     m = heap.tensor(task.ml, torch.float32, splits, 1, 2 * group)[:, 0]             # [splits]
     l = heap.tensor(task.ml + group * 4, torch.float32, splits, 1, 2 * group)[:, 0]
-    weight = (m - m.max()).exp()
-    heap.tensor(task.out, task.DTYPE, 1, hd, hd).copy_((weight[:, None] * o).sum(0) / (weight * l).sum())
+    out = heap.tensor(task.out, task.DTYPE, 1, hd, hd)
+    if splits == 1:  # the weight is exp(0) = 1
+        out.copy_(o / l)
+    else:
+        weight = (m - m.max()).exp()
+        out.copy_((weight[:, None] * o).sum(0) / (weight * l).sum())
 
 
 def _no_sequence(heap, offset: int) -> bool:

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..device import heap_ptr
 from ..errors import is_count
-from .attention import Paging, cache_row, reference_cache_rows, same_caches
+from .attention import Paging, cache_row, reference_cache, same_caches
 from .common import TaskType, dot, rounded, row_offsets, row_positions, vector_aligned
 
 BLOCK_ROWS = 16   # chunk rows per tile (a sequence's part of a chunk starts at a multiple of it)
@@ -104,10 +104,7 @@ def _reference(heap, task) -> None:
     if last < 0:
         out.zero_()
         return
-    cache_rows = reference_cache_rows(heap, task, torch.arange(last + 1))
-    pool = int(cache_rows.max()) + 1
-    k = heap.tensor(task.k, dtype, pool, hd, task.cache_stride)[cache_rows].float()
-    v = heap.tensor(task.v, dtype, pool, hd, task.cache_stride)[cache_rows].float()
+    k, v = reference_cache(heap, task, 0, last + 1)
     keys = torch.arange(last + 1)
     seen = (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - task.window)  # [rows, keys]
     scores = torch.einsum("rgd,kd->rgk", q * task.SCALE, k).masked_fill(~seen[:, None, :], float("-inf"))

@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from ..errors import GraphError
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int64: "int64"}
 CONTEXT_PARAMS = ("base", "bases", "status")                    # what a tile may take before its words
@@ -97,12 +96,10 @@ def row_positions(g, op: str, pos, rows: int) -> list[tuple[int, tuple]]:
 
 
 def heap_index(heap, offset: int, bound: int) -> int:
-    """The int64 index at heap ``offset``, for a reference tile: where the kernel clamps an index out of
-    [0, bound) and reports it (``device.checked_index``), the reference refuses it."""
-    value = int(heap.tensor(offset, torch.int64, 1, 1, 1))
-    if not 0 <= value < bound:
-        raise GraphError(f"index {value} read at heap offset {offset} is outside [0, {bound})")
-    return value
+    """The int64 index at heap ``offset``, for a reference tile, as ``heap`` bounds it
+    (``HeapView.checked_index``: the oracle refuses an index out of [0, bound), the torch backend clamps
+    and reports it as the kernel does)."""
+    return heap.checked_index(int(heap.tensor(offset, torch.int64, 1, 1, 1)), bound, f"heap offset {offset}")
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -1,6 +1,6 @@
 import pytest
 
-from megakernel import cpu_backend
+from megakernel import bootstrap, cpu_backend
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -8,3 +8,20 @@ def _shared_worker_pool():
     """Worker processes cost seconds to start: every test shares the default pool, stopped at the end."""
     yield
     cpu_backend.shutdown()
+
+
+@pytest.fixture(params=["cpu", "torch"])
+def backend(request, monkeypatch):
+    """A protocol test runs once per host backend: the Triton interpreter's persistent loop, and torch's
+    (the same queues, events and epochs; tiles as torch code). Kernels built with backend "auto", and
+    the ranks ``launch`` starts, use it."""
+    monkeypatch.setattr(bootstrap, "_process_backend", request.param)
+    return request.param
+
+
+@pytest.fixture
+def torch_backend(monkeypatch):
+    """Kernels built with backend "auto", and the ranks ``launch`` starts, run on the torch backend: for
+    tests of models and of the engine around the tiles (the tiles are proven under the interpreter)."""
+    monkeypatch.setattr(bootstrap, "_process_backend", "torch")
+    return "torch"

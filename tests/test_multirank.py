@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import megakernel as mk
-from megakernel import cpu_backend
+from megakernel import bootstrap, cpu_backend
 from megakernel import RankError
 from megakernel.launcher import FAILED_GRACE
 
@@ -65,9 +65,12 @@ def collectives(workers: int):
     return outputs
 
 
-@pytest.mark.parametrize("world,workers,virtual", [(2, 1, False), (2, 2, False), (3, 1, False), (3, 2, False),
-                                                   (4, 1, False), (4, 2, False), (2, 2, True), (3, 1, True)])
-def test_collectives_against_torch_and_bitwise_equal_across_ranks(world, workers, virtual):
+@pytest.mark.parametrize("world,workers,virtual,host", [
+    (2, 1, False, "cpu"), (2, 2, False, "cpu"), (3, 1, False, "cpu"), (3, 2, False, "cpu"), (4, 1, False, "cpu"),
+    (4, 2, False, "cpu"), (2, 2, True, "cpu"), (3, 1, True, "cpu"),
+    (2, 2, False, "torch"), (3, 2, False, "torch"), (4, 1, False, "torch"), (3, 1, True, "torch")])
+def test_collectives_against_torch_and_bitwise_equal_across_ranks(world, workers, virtual, host, monkeypatch):
+    monkeypatch.setattr(bootstrap, "_process_backend", host)
     results = mk.launch(functools.partial(collectives, workers), world_size=world, timeout=300, virtual=virtual)
     for run in range(2):
         xs = [_value(r, run, (ROWS, COLS)).double() for r in range(world)]
@@ -102,7 +105,7 @@ def oracle_job(workers: int):
         return serialize(kernel.tables), before, out, where
 
 
-def test_kernel_equals_multi_rank_reference_executor():
+def test_kernel_equals_multi_rank_reference_executor(backend):
     world = 3
     results = mk.launch(functools.partial(oracle_job, 2), world_size=world, timeout=300)
     tables = [deserialize(r[0]) for r in results]
@@ -184,7 +187,7 @@ def silent_rank():
         return "no error"
 
 
-def test_silent_rank_is_named_by_the_watchdog():
+def test_silent_rank_is_named_by_the_watchdog(backend):
     results = mk.launch(silent_rank, world_size=2, timeout=120)
     elapsed, report = results[0]
     assert elapsed < 2 + 5
@@ -245,7 +248,7 @@ def _megakernel_processes() -> set[int]:
     return found
 
 
-def test_killed_rank_gives_clear_error_and_leaves_nothing_behind(monkeypatch):
+def test_killed_rank_gives_clear_error_and_leaves_nothing_behind(backend, monkeypatch):
     monkeypatch.setenv(*_TAG.decode().split("=", 1))  # other test runs on the machine are not ours
     before = _shm_segments()
     start = time.monotonic()
@@ -334,7 +337,7 @@ def _replayed_all_reduce() -> list[torch.Tensor]:
     return outputs
 
 
-def test_captured_launches_replay_across_ranks():
+def test_captured_launches_replay_across_ranks(backend):
     results = mk.launch(_replayed_all_reduce, world_size=2, virtual=True, timeout=300)
     for replay in range(2):
         expected = sum(_value(r, replay, (2, 24)).double() ** 2 for r in range(2))
@@ -355,7 +358,7 @@ def _fault_on_rank_1() -> str:
     return "no error"
 
 
-def test_a_fault_on_one_rank_is_raised_on_every_rank_its_results_reach():
+def test_a_fault_on_one_rank_is_raised_on_every_rank_its_results_reach(backend):
     """Rank 0's output sums rank 1's clamped rows: rank 0 raises too (rank 1's header word is raised before
     the faulting task's signals, so rank 0 finds it however the ranks' launches end)."""
     for message in mk.launch(_fault_on_rank_1, world_size=2, virtual=True, timeout=300):

@@ -48,7 +48,7 @@ def expected(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 
 # -- 1. interrupts ------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_an_interrupted_run_leaves_the_kernel_and_the_pool_correct():
+def test_an_interrupted_run_leaves_the_kernel_and_the_pool_correct(backend):
     """Ctrl-C in the middle of a run (about 1 s here): the workers are stopped before the interrupt goes
     on, so no late reply is taken for a later run's, of this kernel or of a new one."""
     g = linear_graph()
@@ -74,7 +74,7 @@ def test_an_interrupted_run_leaves_the_kernel_and_the_pool_correct():
 
 
 # -- 2. threads ---------------------------------------------------------------------------------------
-def test_kernels_of_several_threads_take_turns_on_the_pool():
+def test_kernels_of_several_threads_take_turns_on_the_pool(backend):
     results, errors = {}, []
 
     def work(name: str, n: int) -> None:
@@ -155,7 +155,7 @@ def test_a_closed_kernel_refuses_to_run_and_its_views_stay_valid():
 
 
 # -- 4. data-dependent indices ------------------------------------------------------------------------
-def test_a_token_id_past_the_table_is_clamped_and_reported():
+def test_a_token_id_past_the_table_is_clamped_and_reported(backend):
     g = mk.Graph()
     tokens = g.input("tokens", (2,), torch.int64)
     table = g.input("table", (4, 32), torch.float32)
@@ -180,7 +180,7 @@ def test_a_token_id_past_the_table_is_clamped_and_reported():
         assert torch.equal(kernel.tensor(g.outputs["rows"]), values["table"][[2, 1]])
 
 
-def test_a_position_past_the_cache_writes_nothing_outside_it():
+def test_a_position_past_the_cache_writes_nothing_outside_it(backend):
     g = mk.Graph()
     x, pos = g.input("x", (1, 16), torch.float32), g.input("pos", (1,), torch.int64)
     cache = g.input("cache", (4, 16), torch.float32)

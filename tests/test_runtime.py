@@ -21,7 +21,7 @@ def _mlp_reference(i):
     return d["x"] + (torch.nn.functional.silu(h @ d["gate"].T) * (h @ d["up"].T)) @ d["down"].T
 
 
-def test_three_runs_in_a_row_with_fresh_inputs_and_no_reset():
+def test_three_runs_in_a_row_with_fresh_inputs_and_no_reset(backend):
     g = mlp_block(hidden=96, intermediate=200, batch=2)
     with mk.Megakernel(g, workers=3) as kernel:
         for step in range(3):
@@ -43,7 +43,7 @@ def test_inputs_stay_bound_between_runs():
         assert not torch.equal(first, second)
 
 
-def test_a_captured_launch_replays_with_fresh_inputs_and_the_epoch_kept_on_the_device():
+def test_a_captured_launch_replays_with_fresh_inputs_and_the_epoch_kept_on_the_device(backend):
     g = mlp_block(hidden=64, intermediate=96, batch=2)
     with mk.Megakernel(g, workers=2, timeout=10) as kernel:
         with pytest.raises(mk.GraphError, match="'x' was never bound"):
@@ -137,7 +137,7 @@ def _injected_deadlock_kernel(pool, timeout=1.5):
     return g, kernel, consumer, producer, event, saved
 
 
-def test_missing_signal_gives_deadlock_error_within_the_timeout_and_no_orphans(tmp_path, monkeypatch):
+def test_missing_signal_gives_deadlock_error_within_the_timeout_and_no_orphans(backend, tmp_path, monkeypatch):
     pool = WorkerPool()
     try:
         g, kernel, consumer, producer, event, saved = _injected_deadlock_kernel(pool)
@@ -172,7 +172,7 @@ def test_missing_signal_gives_deadlock_error_within_the_timeout_and_no_orphans(t
     assert all(p.poll() is not None for p in processes), "a worker process outlived its pool"
 
 
-def test_dead_worker_gives_backend_error():
+def test_dead_worker_gives_backend_error(backend):
     pool = WorkerPool()
     try:
         g = mlp_block(hidden=64, intermediate=96)

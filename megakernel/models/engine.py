@@ -12,7 +12,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from ..backend import KINDS
+from ..backend import KINDS, resolve
 from ..errors import GraphError, is_count, is_int
 from ..graph import Graph
 from ..runtime import Megakernel
@@ -65,21 +65,24 @@ class DecodeModel:
 
     def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor], parallelism: int | str = "auto",
                  rope_at: Callable[[int], torch.Tensor] | None = None, **kernel_options):
-        """``parallelism``: the workers the step's tiles are sized for (``Graph.parallelism``); "auto": on a
-        GPU, every worker the kernel holds (found by building once), on the cpu backend 1 (the
-        interpreter runs few large tiles best). ``rope_at(pos)``: the inverse frequencies for the step
-        at ``pos``, for rope types whose frequencies follow the sequence length (rebound when they
-        change)."""
+        """``parallelism``: the workers the step's tiles are sized for (``Graph.parallelism``); "auto": what
+        suits the backend (``BackendKind.tile_parallelism``: on a GPU every worker the kernel holds, found
+        by building once; on the cpu backend 1, few large tiles for the interpreter; on torch the workers,
+        at least 2). ``rope_at(pos)``: the inverse frequencies for the step at ``pos``, for rope types whose
+        frequencies follow the sequence length (rebound when they change)."""
         self.config = config
         self.rope_at = rope_at
         self.bytes_read = 0  # of a checkpoint, by this rank (from_pretrained)
         self.inv_freq = weights["inv_freq"].clone()  # the frequencies bound now (the model may update its own)
-        auto = parallelism == "auto"
-        if auto:
-            parallelism = 1
+        learn = False  # size the tiles for the workers the kernel turns out to hold
+        if parallelism == "auto":
+            kind = KINDS[resolve(kernel_options.get("backend", "auto"))]
+            workers = kernel_options.get("workers")  # a bad value is Megakernel's to refuse
+            parallelism = kind.tile_parallelism(workers if is_count(workers) else None)
+            learn, parallelism = parallelism is None, parallelism or 1
         self.graph = decode_step(config, Graph(parallelism=parallelism))
         self.kernel = Megakernel(self.graph, **kernel_options)
-        if auto and KINDS[self.kernel.backend.name].gpu and self.kernel.workers > 1:
+        if learn and self.kernel.workers > 1:
             self.kernel.close()
             self.graph = decode_step(config, Graph(parallelism=self.kernel.workers))
             self.kernel = Megakernel(self.graph, **kernel_options)

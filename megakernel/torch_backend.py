@@ -1,0 +1,232 @@
+"""The torch backend: the cpu backend's worker processes, heap, queues, events and epochs, with every
+tile run as its task type's torch reference instead of the Triton interpreter.
+
+A worker here is ``device.persistent_loop`` written in Python (``run_worker``): it reads the same
+tables from the same heap, waits on the same event counters with real atomics (``atomics``), skips
+guarded tasks, runs the tile, raises FAULTED after a tile that met an index out of range, stamps the
+trace and signals its consumers, local or on a peer's heap. Only the tile differs: the task type's
+``reference(heap, task[, peers])``, which reads the task's words from views of the heap and computes
+what the Triton tile computes (float32 accumulation, rounding to the stored type); a data-dependent
+index it reads is clamped and reported through the worker's status record (``WorkerHeap``), as the
+kernel's ``checked_index`` does. So models run at the speed of torch on the machine, while the
+interpreter stays the proof of the Triton tiles.
+
+A wait polls with plain loads for a few microseconds, then yields, then sleeps (up to MAX_NAP_S):
+a waiting worker leaves the cores to the working ones.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import atomics
+from .cpu_backend import CpuBackend, WorkerPool
+from .errors import BackendError
+from .heap import HeapView, RankHeap
+from .layout import (ABORT, DONE, EPOCH, EVENT, EXPECTED, FAULT, FAULT_AT, FAULT_BOUND, FAULT_VALUE,
+                     FAULTED, OBSERVED, STATE, STATUS_WORDS, STOPPED, TASK, TIMED_OUT, TRACE_WORDS)
+from .scheduler import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_GUARD, OPCODE, SIGNAL_COUNT,
+                        SIGNAL_START, WAIT_EVENT, Spec, read_signals)
+
+SPIN_S = 50e-6      # a wait polls this long before it first yields the core
+MAX_NAP_S = 1e-3    # the longest sleep between two polls
+NO_SEQUENCE = -1    # a guard word that makes its task skip its tile (``device.NO_SEQUENCE``)
+
+
+class TorchBackend(CpuBackend):
+    """Workers are processes of a pool, as on the cpu backend, each running ``run_worker``."""
+
+    name = "torch"
+    engine = "torch"
+
+    def __init__(self, group, kernel_path, workers: int | None, pool: WorkerPool | None, specs: list[Spec]):
+        from .tasks import TASK_TYPES
+        missing = sorted({s.task_type for s in specs if not callable(TASK_TYPES[s.task_type].reference)})
+        if missing:  # before any process or memory is taken
+            raise BackendError(f"the torch backend runs each tile as its task type's torch reference; task type "
+                               f"{missing[0]!r} has none (reference={TASK_TYPES[missing[0]].reference!r})")
+        super().__init__(group, kernel_path, workers, pool)
+        self.specs = specs
+
+    def _launch_extras(self) -> dict:
+        # torch's own threads: the cores shared among this rank's workers
+        return dict(specs=self.specs, threads=max(1, (os.cpu_count() or 1) // self.workers))
+
+
+class WorkerHeap(HeapView):
+    """A rank's heap as one worker's tiles see it: one flat area (offsets as the kernel reads them,
+    ``layout.device_words``), and a data-dependent index out of range clamped and noted in the
+    worker's status record, as ``device.checked_index`` does."""
+
+    def __init__(self, whole: torch.Tensor, status: np.ndarray | None = None):
+        super().__init__(RankHeap(whole, whole[:0]))
+        self.status = status  # this worker's record, on this rank's heap; None for a peer's heap
+        self._views: dict[tuple, torch.Tensor] = {}
+
+    def tensor(self, offset: int, dtype: torch.dtype | str, rows: int, cols: int, row_stride: int) -> torch.Tensor:
+        """``HeapView.tensor``, made once: a tile asks for the same views every step (~5 us each to make)."""
+        key = (offset, dtype, rows, cols, row_stride)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = super().tensor(offset, dtype, rows, cols, row_stride)
+        return view
+
+    def checked_index(self, value: int, bound: int, where: str) -> int:
+        if 0 <= value < bound:
+            return value
+        status = self.status
+        if status[FAULT] < status[EPOCH]:  # the first fault of the step
+            status[FAULT_VALUE], status[FAULT_BOUND], status[FAULT_AT] = value, bound, status[DONE]
+            status[FAULT] = status[EPOCH]
+        return min(max(value, 0), bound - 1)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A queue entry as the loop runs it: the task, its two waits (event, or -1; fan-in), its guard's word
+    on the rank's heap (-1: none), its tile as a call, its signals as addresses and increments."""
+
+    task: int
+    wait: int
+    fan_in: int
+    carry: int
+    carry_fan_in: int
+    guard: int
+    tile: Callable[[], None]
+    label: str
+    signal_at: np.ndarray
+    increments: np.ndarray
+
+
+def _program(words: np.ndarray, args: dict[str, int], rank: int, worker: int, specs: list[Spec],
+             heaps: dict[int, WorkerHeap]) -> list[Entry]:
+    """Worker ``worker``'s queue, read from the tables on rank ``rank``'s heap (``words``, int64)."""
+    from .tasks import TASK_TYPES
+    index = words[args["index_off"] // 8 + worker:][:2].tolist()
+    queue = words[args["queue_off"] // 8 + index[0]:][:index[1] - index[0]].tolist()
+    rank_heap, row_words = heaps[rank], args["ROW"]
+    events = args["events_off"]
+    entries = []
+    for task in queue:
+        row = words[args["tasks_off"] // 8 + task * row_words:][:row_words].tolist()
+        spec = specs[row[OPCODE]]
+        task_type = TASK_TYPES[spec.task_type]
+        namespace = SimpleNamespace(**dict(zip(spec.arg_names, row[ARG0:])), **dict(spec.constexprs))
+        tile_args = (rank_heap, namespace, heaps) if task_type.needs_peers else (rank_heap, namespace)
+        start = args["signals_off"] // 8 + row[SIGNAL_START] * 3
+        signals = read_signals(words[start:start + 3 * row[SIGNAL_COUNT]].reshape(-1, 3))
+        entries.append(Entry(
+            task, row[WAIT_EVENT], row[FAN_IN], row[CARRY_EVENT], row[CARRY_FAN_IN],
+            -1 if row[GUARD] == NO_GUARD else row[GUARD] // 8,
+            lambda reference=task_type.reference, tile_args=tile_args: reference(*tile_args), spec.label,
+            atomics.addresses(*(heaps[s.rank].heap.data.data_ptr() + events + 8 * s.event for s in signals)),
+            np.array([s.increment for s in signals], dtype=np.int64)))
+    return entries
+
+
+def run_worker(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str, int], programs: dict,
+               specs: list[Spec], threads: int) -> None:
+    """One worker's launch: ``args["steps"]`` steps of its queue on rank ``rank``'s heap (``heaps[r]``: rank r's
+    whole heap as mapped here), as ``device.persistent_loop`` runs them. ``programs``: what earlier
+    launches on this heap made of its tables (by worker: the tables read, the program), kept while they
+    stay the same."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    words = heaps[rank].view(torch.int64).numpy()
+    base = heaps[rank].data_ptr()
+    status_at = args["status_off"] // 8
+    status = words[status_at + STATUS_WORDS * (worker + 1):][:STATUS_WORDS]
+    abort = status_at + ABORT
+    tables = _tables_bytes(words, args, specs)
+    cached = programs.get(worker)
+    if cached is None or cached[0] != tables:
+        views = {r: WorkerHeap(h, status if r == rank else None) for r, h in enumerate(heaps)}
+        cached = programs[worker] = (tables, _program(words, args, rank, worker, specs, views))
+    program = cached[1]
+    trace = args["trace_off"] // 8 if args["TRACE"] else -1
+    wait = Waits(words, base, args["events_off"] // 8, abort, status, args["timeout_ns"]).wait
+    epoch = int(status[EPOCH]) + 1
+    running = words[abort] == 0  # a stall the host has not read yet: keep its records
+    for step in range(args["steps"]):
+        if not running:
+            break
+        now = epoch + step
+        status[DONE] = 0
+        status[EPOCH] = now
+        for done, entry in enumerate(program):
+            if trace >= 0:
+                stamp = trace + entry.task * TRACE_WORDS
+                words[stamp] = time.monotonic_ns()
+            running = (wait(entry.wait, now * entry.fan_in, entry.task)
+                       and wait(entry.carry, (now - 1) * entry.carry_fan_in, entry.task))
+            if not running:
+                break
+            if trace >= 0:
+                words[stamp + 1] = time.monotonic_ns()
+            if entry.guard < 0 or words[entry.guard] != NO_SEQUENCE:
+                try:
+                    entry.tile()
+                except Exception as error:
+                    atomics.exchange(atomics.addresses(base + 8 * abort), 1)  # the other workers stop
+                    raise BackendError(f"rank {rank} worker {worker}: task {entry.task} ({entry.label}) failed: "
+                                       f"{type(error).__name__}: {error}") from error
+            if status[FAULT] == now:  # a tile clamped an index: tell the host, before the signals
+                atomics.maximum(atomics.addresses(base + 8 * (status_at + FAULTED)), now)
+            if trace >= 0:
+                words[stamp + 2] = time.monotonic_ns()
+            if entry.increments.size:
+                atomics.add(entry.signal_at, entry.increments)
+            status[DONE] = done + 1
+
+
+def _tables_bytes(words: np.ndarray, args: dict[str, int], specs: list[Spec]) -> bytes:
+    """Everything a worker's program is made of (tables, signals, queues, index, specs): rebuilt when it
+    changes (``Megakernel.upload_tables``)."""
+    regions = [("tasks_off", "signals_off"), ("signals_off", "queue_off"), ("queue_off", "index_off"),
+               ("index_off", "trace_off")]
+    return b"".join(words[args[a] // 8:args[b] // 8].tobytes() for a, b in regions) + repr(specs).encode()
+
+
+@dataclass(frozen=True)
+class Waits:
+    """How a worker waits on its rank's event counters (``words``, at word ``events``)."""
+
+    words: np.ndarray
+    base: int            # the heap's address here
+    events: int
+    abort: int           # the rank's ABORT word
+    status: np.ndarray   # this worker's record
+    timeout_ns: int
+
+    def wait(self, event: int, target: int, task: int) -> bool:
+        """Wait until ``event`` counts ``target`` (no wait for event -1 or a target of 0), the rank is
+        stopped, or the timeout passes; whether it counted. A wait that times out writes this worker's
+        status record and stops every worker of the rank (``device.report_stall``)."""
+        if event < 0 or target <= 0:
+            return True
+        words, at = self.words, self.events + event
+        if words[at] < target:
+            start = time.monotonic_ns()
+            spin_until, nap = time.perf_counter() + SPIN_S, 0.0
+            while words[at] < target:
+                if time.perf_counter() < spin_until:
+                    continue
+                if words[self.abort] != 0 or time.monotonic_ns() - start > self.timeout_ns:
+                    self._report_stall(task, event, target)
+                    return False
+                time.sleep(nap)  # 0: a yield
+                nap = min(MAX_NAP_S, max(nap * 2, 20e-6)) if nap else 1e-6
+        atomics.load_acquire(atomics.addresses(self.base + 8 * at))  # the producers' stores are visible from here
+        return True
+
+    def _report_stall(self, task: int, event: int, target: int) -> None:
+        words, status = self.words, self.status
+        status[TASK], status[EVENT], status[OBSERVED], status[EXPECTED] = task, event, words[self.events + event], target
+        status[STATE] = STOPPED if words[self.abort] != 0 else TIMED_OUT
+        atomics.exchange(atomics.addresses(self.base + 8 * self.abort), 1)
