@@ -20,8 +20,9 @@ def backend(request, monkeypatch):
 
 
 @pytest.fixture
-def torch_backend(monkeypatch):
+def torch_backend(request, monkeypatch):
     """Kernels built with backend "auto", and the ranks ``launch`` starts, run on the torch backend: for
-    tests of models and of the engine around the tiles (the tiles are proven under the interpreter)."""
-    monkeypatch.setattr(bootstrap, "_process_backend", "torch")
-    return "torch"
+    tests of models and of the engine around the tiles, which are proven under the interpreter (a test
+    marked ``interpreter`` stays there)."""
+    if request.node.get_closest_marker("interpreter") is None:
+        monkeypatch.setattr(bootstrap, "_process_backend", "torch")

@@ -9,7 +9,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 import megakernel as mk
 from megakernel.models import from_hf, from_pretrained
 
-pytestmark = pytest.mark.slow  # checkpoint loading end to end, one and several ranks
+# checkpoint loading end to end, one and several ranks: on the torch backend (the tiles are proven under the interpreter: test_ops, test_task_types),
+# but for the tests marked interpreter
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_backend")]
 
 SHAPES = dict(hidden_size=96, head_dim=48, intermediate_size=200, num_hidden_layers=2, vocab_size=301,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

@@ -16,9 +16,10 @@ def megakernel(*args, timeout=300):
     return result.stdout
 
 
-@pytest.mark.slow
-def test_demo_generates_what_transformers_generates(tmp_path):
-    out = megakernel("demo", "--tokens", "4", "--out", str(tmp_path))
+@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=pytest.mark.slow), "torch"])
+def test_demo_generates_what_transformers_generates(tmp_path, backend):
+    out = megakernel("demo", "--tokens", "4", "--out", str(tmp_path), "--backend", backend)
+    assert f"({backend} backend)" in out
     assert "tokens identical to transformers on every rank" in out and "9 steps" in out and "in 1 launch per rank" in out
     from megakernel.trace import Trace
     trace = Trace.load(tmp_path / "trace.json")

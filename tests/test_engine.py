@@ -13,7 +13,7 @@ from megakernel.models import from_hf
 from test_decode import hf_model
 from test_serving import _alone
 
-JOIN_TIMEOUT = 300  # seconds: a step of this model under the interpreter takes a few
+JOIN_TIMEOUT = 300  # seconds
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def hf():
 
 @pytest.fixture(scope="module")
 def engine(hf):
-    m = from_hf(hf, max_seq_len=8, max_batch=2, page_size=4, workers=1)
+    m = from_hf(hf, max_seq_len=8, max_batch=2, page_size=4, workers=1, backend="torch")  # the engine, not the tiles
     yield m
     m.close()
 

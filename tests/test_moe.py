@@ -10,7 +10,9 @@ from megakernel.models import from_hf, from_pretrained
 
 from helpers import assert_close, run_checked
 
-pytestmark = pytest.mark.slow  # mixture-of-experts models end to end against transformers
+# mixture-of-experts models end to end against transformers: on the torch backend (the tiles are proven under the interpreter: test_ops, test_task_types),
+# but for the tests marked interpreter
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_backend")]
 
 
 def moe_graph(tokens: int, hidden: int, experts: int, inter: int, k: int, normalize: bool):
@@ -49,6 +51,7 @@ def _inputs(tokens, hidden, experts, inter, seed=0):
             "down": torch.randn(experts * hidden, inter, generator=gen) * inter ** -0.5}
 
 
+@pytest.mark.interpreter  # the tiles' semantics
 @pytest.mark.parametrize("tokens,k,normalize", [(1, 2, True), (3, 3, False)])
 def test_sparse_mlp_matches_float64_and_the_reference_executor(tokens, k, normalize):
     hidden, experts, inter = 48, 8, 41  # an odd expert width
@@ -59,6 +62,7 @@ def test_sparse_mlp_matches_float64_and_the_reference_executor(tokens, k, normal
     assert_close(out["y"], y, 1e-5, "sparse MLP vs float64")
 
 
+@pytest.mark.interpreter  # the tiles' semantics
 def test_a_router_can_pick_one_expert_for_every_token_or_each_expert_once():
     hidden, experts, inter = 8, 8, 16
     gen = torch.Generator().manual_seed(3)

@@ -14,7 +14,9 @@ from megakernel.reference import execute
 from helpers import assert_close, tolerance
 from test_decode import hf_model
 
-pytestmark = pytest.mark.slow  # continuous batching and prefill end to end
+# continuous batching and prefill end to end: on the torch backend (the tiles are proven under the interpreter: test_ops, test_task_types),
+# but for the tests marked interpreter
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_backend")]
 
 
 def _prompt(length: int) -> torch.Tensor:
@@ -188,6 +190,7 @@ def test_bad_requests_are_refused_with_clear_errors():
             from_hf(model, max_seq_len=8, **options)
 
 
+@pytest.mark.interpreter  # a tile's semantics
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_paged_attention_follows_the_block_table(page_size):
     """Rows whose pages are scattered over a pool (in no order, shared by no one): the append lands in
@@ -223,6 +226,7 @@ def test_paged_attention_follows_the_block_table(page_size):
             assert_close(out[b, head * 16:(head + 1) * 16], scores @ keys, 1e-5, f"row {b} head {head}")
 
 
+@pytest.mark.interpreter  # a tile's semantics
 def test_a_guarded_part_runs_only_in_steps_whose_flag_is_not_minus_one():
     """Guarded tasks do their work while the flag holds a position and are skipped (outputs untouched)
     while it holds -1; the flag's reset at the end of a step (``advance`` to its limit) turns them off
@@ -271,6 +275,7 @@ def test_chunk_attention_loads_vectors_only_where_every_row_is_16_byte_aligned(h
     assert [dict(s.constexprs)["ALIGNED"] for s in g.specs] == [aligned]
 
 
+@pytest.mark.interpreter  # a tile's semantics
 @pytest.mark.parametrize("page_size, window, dtype", [(4, None, torch.float32), (16, 6, torch.float32),
                                                       (4, None, torch.bfloat16)], ids=["pages", "window", "bfloat16"])
 def test_chunk_attention_is_causal_over_the_chunk_and_the_cached_pages(page_size, window, dtype):

@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=_count, default=2)
     p.add_argument("--workers", type=_count, default=1, help="workers per rank")
     p.add_argument("--tokens", type=_count, default=12, help="tokens to generate")
+    p.add_argument("--backend", choices=["cpu", "torch"], default="cpu",
+                   help="cpu: the Triton tiles under the interpreter; torch: each tile as torch code (fast)")
     p.add_argument("--out", default="megakernel-demo", help="folder for the trace and the kernel image")
     p.set_defaults(run=_demo)
     _add_trace_commands(sub)

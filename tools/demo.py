@@ -1,6 +1,7 @@
-"""The main job: a small random Llama, greedy generation tensor-parallel over 2 ranks on the cpu backend,
-the prompt and every new token in one megakernel launch per rank (the tokens sampled on the device),
-checked against ``transformers``' own ``generate``; the trace of the last step is written for Perfetto."""
+"""The main job: a small random Llama, greedy generation tensor-parallel over 2 ranks on the cpu backend (the
+Triton tiles under the interpreter; ``--backend torch``: the tiles as torch code), the prompt and every new
+token in one megakernel launch per rank (the tokens sampled on the device), checked against
+``transformers``' own ``generate``; the trace of the last step is written for Perfetto."""
 from __future__ import annotations
 
 import functools
@@ -24,6 +25,7 @@ def random_llama(seed: int = 0):
 
 
 def _rank_job(prompt: torch.Tensor, new_tokens: int, workers: int, out: str):
+    """One rank's share, on the backend ``launch`` chose."""
     import torch.distributed as dist
     from ..models import from_hf
 
@@ -48,10 +50,10 @@ def main(args) -> int:
         expected = random_llama().generate(prompt, max_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
     print(f"random Llama: {CONFIG['num_hidden_layers']} layers, hidden {CONFIG['hidden_size']}, "
           f"{CONFIG['num_attention_heads']} heads / {CONFIG['num_key_value_heads']} KV heads; "
-          f"tensor parallel over {args.ranks} ranks x {args.workers} workers (cpu backend)")
+          f"tensor parallel over {args.ranks} ranks x {args.workers} workers ({args.backend} backend)")
     start = time.perf_counter()
     results = launch(functools.partial(_rank_job, prompt, args.tokens, args.workers, str(out)),
-                     world_size=args.ranks, backend="cpu", timeout=1800)
+                     world_size=args.ranks, backend=args.backend, timeout=1800)
     ids, seconds, launches, tasks, summary = results[0]
     steps = prompt.shape[1] + args.tokens - 1
     print(f"launched and generated in {time.perf_counter() - start:.1f} s: {steps} steps of {tasks} tasks on rank 0 "
