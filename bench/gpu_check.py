@@ -26,7 +26,8 @@ kernel), ask for it with ``--only``.
 
     python bench/gpu_check.py                       # on a machine with an NVIDIA or AMD GPU
     python bench/gpu_check.py --only layer,virtual  # some sections
-    python bench/gpu_check.py --smoke               # small shapes on the cpu backend (the tests run this)
+    python bench/gpu_check.py --smoke               # small shapes on the cpu backend (the interpreter)
+    python bench/gpu_check.py --smoke --backend torch  # the same on the torch backend (the tests run this)
 
 Each section runs in a process of its own under a time limit (a GPU fault poisons its process; a
 hang must not use up the machine's time), all within BUDGET seconds.
@@ -49,7 +50,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +78,7 @@ SMOKE_LAYER = DecoderConfig(hidden=128, heads=4, kv_heads=2, head_dim=32, interm
 
 @dataclass(frozen=True)
 class Setup:
-    """What a run checks with: the GPU, or (``--smoke``) small shapes on the cpu backend."""
+    """What a run checks with: the GPU, or (``--smoke``) small shapes on a host backend (cpu or torch)."""
 
     backend: str
     device: str
@@ -88,6 +89,11 @@ class Setup:
     per_worker: int          # dispatch: empty tasks per worker (and 4x that)
     sizes: tuple[int, ...]   # all-reduce bytes
     timeout: float           # seconds any wait may take: a hang shows fast
+
+    @property
+    def engine(self) -> str:
+        """What runs the tiles, for the rows' labels."""
+        return {"cpu": "cpu interpreter", "torch": "cpu torch"}.get(self.backend, "device")
 
 
 GPU = Setup("auto", "cuda", LLAMA3_8B, QWEN3_30B_A3B, 1023, 20, 16, (4096, 65536), timeout=10.0)
@@ -224,7 +230,7 @@ def check_moe(s: Setup) -> list[Row]:
     rows = [Row(f"MoE layer {c.experts} experts top-{c.top_k} x {c.moe_intermediate} bf16 ({tasks} tasks, {workers} "
                 f"workers) vs reference", f"max rel. error {error:.1e}", "<= 1e-2 (bf16)", error <= 1e-2)]
     if s.device == "cpu":
-        return rows + [Row("MoE layer: megakernel (cpu interpreter, wall)", f"{mk_wall * 1e3:.1f} ms")]
+        return rows + [Row(f"MoE layer: megakernel ({s.engine}, wall)", f"{mk_wall * 1e3:.1f} ms")]
     floor = moe_floor_bytes(c, pos) / copy_bandwidth(s.device, 2048)
     return rows + [Row(f"MoE layer floor ({moe_floor_bytes(c, pos) / 2**20:.0f} MiB at copy bandwidth)",
                        f"{floor * 1e6:.1f} us"),
@@ -281,7 +287,7 @@ def check_steps(s: Setup) -> list[Row]:
     finally:
         kernel.close()
     same = torch.equal(together, apart)
-    where = "cpu interpreter, " if device == "cpu" else ""
+    where = f"{s.engine}, " if device == "cpu" else ""
     return [Row(f"steps: {layers} layers, {steps} steps in one launch vs one per launch ({tasks} tasks a step)",
                 "bitwise equal" if same else "DIFFER", "equal", same),
             Row(f"steps: {steps} steps in one launch ({where}wall)", f"{steps / one_launch:.1f} tokens/s"),
@@ -335,7 +341,7 @@ def check_serving(s: Setup) -> list[Row]:
             seconds = statistics.median(times[1:])
         finally:
             kernel.close()
-        where = "cpu interpreter" if smoke else "device"
+        where = s.engine
         rows.append(Row(f"serving: {layers} layers, batch {batch} at positions {int(start[0])}-{int(start[-1])}, "
                         f"{steps} steps a launch ({where})", f"{batch * steps / seconds:,.1f} tokens/s"))
     chunk = 4 if smoke else 512
@@ -461,7 +467,7 @@ def check_layer(s: Setup) -> list[Row]:
             Row("layer: captured launch replayed (Megakernel.capture)", f"{mk_replay * 1e6:.1f} us per replay, "
                 f"{'bitwise equal to run()' if replayed else 'DIFFERS from run()'}", "equal", replayed)]
     if device == "cpu":
-        rows.append(Row("layer: megakernel / eager (cpu interpreter, wall)", f"{mk_wall * 1e3:.1f} / {eager * 1e3:.1f} ms"))
+        rows.append(Row(f"layer: megakernel / eager ({s.engine}, wall)", f"{mk_wall * 1e3:.1f} / {eager * 1e3:.1f} ms"))
         return rows
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -578,10 +584,11 @@ LIMITS = {"types": 90, "decode": 90, "layer": 240, "moe": 150, "steps": 150, "di
 BUDGET = 470
 
 
-def run_child(name: str, smoke: bool, limit: float) -> list[Row]:
-    """Run section ``name`` in a process of its own; its rows, or one FAILED row."""
+def run_child(name: str, smoke: str | None, limit: float) -> list[Row]:
+    """Run section ``name`` in a process of its own (``smoke``: small, on that host backend); its rows, or one
+    FAILED row."""
     base, spin = name.removesuffix(SPIN), name.endswith(SPIN)
-    command = [sys.executable, __file__, "--child", "--only", base, *(["--smoke"] if smoke else [])]
+    command = [sys.executable, __file__, "--child", "--only", base, *(["--smoke", "--backend", smoke] if smoke else [])]
     env = dict(os.environ, **({"MEGAKERNEL_PROTOCOL": "spin"} if spin else {}))
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=limit, env=env)
@@ -611,7 +618,9 @@ def run_here(name: str, setup: Setup) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="small shapes on the cpu backend")
+    parser.add_argument("--smoke", action="store_true", help="small shapes on a host backend")
+    parser.add_argument("--backend", choices=["cpu", "torch"], default="cpu",
+                        help="with --smoke: the Triton interpreter (cpu) or each tile as torch code (torch)")
     parser.add_argument("--only", help=f"comma-separated sections to run (default: {','.join(DEFAULT)}); any "
                                        f"of {', '.join(SECTIONS)}, each also as NAME{SPIN}")
     parser.add_argument("--child", action="store_true", help="run the sections in this process, print their rows")
@@ -620,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = {name.removesuffix(SPIN) for name in chosen} - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; known: {', '.join(SECTIONS)}")
-    setup = SMOKE if args.smoke else GPU
+    setup = replace(SMOKE, backend=args.backend) if args.smoke else GPU
     if args.child:
         rows = [row for name in chosen for row in run_here(name, setup)]
         print("ROWS " + json.dumps([asdict(row) for row in rows]))
@@ -640,9 +649,10 @@ def main(argv: list[str] | None = None) -> int:
         if left < 10:
             rows.append(Row(name, "FAILED: not run, the time budget is spent", "", False))
             continue
-        rows += run_child(name, args.smoke, min(LIMITS[name.removesuffix(SPIN)] * (3 if args.smoke else 1), left))
+        limit = min(LIMITS[name.removesuffix(SPIN)] * (3 if args.smoke else 1), left)
+        rows += run_child(name, args.backend if args.smoke else None, limit)
         print(f"# {name}: {time.perf_counter() - start:.1f} s", flush=True)
-    if args.smoke:  # the interpreter is no GPU: time targets do not apply
+    if args.smoke:  # the CPU is no GPU: time targets do not apply
         for row in rows:
             if row.timing:
                 row.target, row.ok = f"{row.target} (GPU)", None

@@ -27,16 +27,17 @@ import torch
 
 from . import atomics
 from .cpu_backend import CpuBackend, WorkerPool
+from .device import NO_SEQUENCE
 from .errors import BackendError
 from .heap import HeapView, RankHeap
 from .layout import (ABORT, DONE, EPOCH, EVENT, EXPECTED, FAULT, FAULT_AT, FAULT_BOUND, FAULT_VALUE,
                      FAULTED, OBSERVED, STATE, STATUS_WORDS, STOPPED, TASK, TIMED_OUT, TRACE_WORDS)
 from .scheduler import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_GUARD, OPCODE, SIGNAL_COUNT,
                         SIGNAL_START, WAIT_EVENT, Spec, read_signals)
+from .scheduler.tables import SIGNAL_WORDS
 
 SPIN_S = 50e-6      # a wait polls this long before it first yields the core
 MAX_NAP_S = 1e-3    # the longest sleep between two polls
-NO_SEQUENCE = -1    # a guard word that makes its task skip its tile (``device.NO_SEQUENCE``)
 
 
 class TorchBackend(CpuBackend):
@@ -119,8 +120,8 @@ def _program(words: np.ndarray, args: dict[str, int], rank: int, worker: int, sp
         task_type = TASK_TYPES[spec.task_type]
         namespace = SimpleNamespace(**dict(zip(spec.arg_names, row[ARG0:])), **dict(spec.constexprs))
         tile_args = (rank_heap, namespace, heaps) if task_type.needs_peers else (rank_heap, namespace)
-        start = args["signals_off"] // 8 + row[SIGNAL_START] * 3
-        signals = read_signals(words[start:start + 3 * row[SIGNAL_COUNT]].reshape(-1, 3))
+        start = args["signals_off"] // 8 + row[SIGNAL_START] * SIGNAL_WORDS
+        signals = read_signals(words[start:start + SIGNAL_WORDS * row[SIGNAL_COUNT]].reshape(-1, SIGNAL_WORDS))
         entries.append(Entry(
             task, row[WAIT_EVENT], row[FAN_IN], row[CARRY_EVENT], row[CARRY_FAN_IN],
             -1 if row[GUARD] == NO_GUARD else row[GUARD] // 8,
@@ -169,7 +170,7 @@ def run_worker(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str
                 break
             if trace >= 0:
                 words[stamp + 1] = time.monotonic_ns()
-            if entry.guard < 0 or words[entry.guard] != NO_SEQUENCE:
+            if entry.guard < 0 or words[entry.guard] != NO_SEQUENCE.value:
                 try:
                     entry.tile()
                 except Exception as error:
@@ -186,11 +187,10 @@ def run_worker(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str
 
 
 def _tables_bytes(words: np.ndarray, args: dict[str, int], specs: list[Spec]) -> bytes:
-    """Everything a worker's program is made of (tables, signals, queues, index, specs): rebuilt when it
-    changes (``Megakernel.upload_tables``)."""
-    regions = [("tasks_off", "signals_off"), ("signals_off", "queue_off"), ("queue_off", "index_off"),
-               ("index_off", "trace_off")]
-    return b"".join(words[args[a] // 8:args[b] // 8].tobytes() for a, b in regions) + repr(specs).encode()
+    """Everything a worker's program is made of: the task rows, signals, queues and index (laid out one
+    after another from tasks_off up to trace_off, ``HeapLayout.of``) and the specs; a program is made
+    again when they change (``Megakernel.upload_tables``)."""
+    return words[args["tasks_off"] // 8:args["trace_off"] // 8].tobytes() + repr(specs).encode()
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from megakernel.models import DecoderConfig, decode_step, from_hf
 
 from helpers import assert_close
 
-# decoder models end to end against transformers: on the torch backend (the tiles are proven under the interpreter: test_ops, test_task_types),
-# but for the tests marked interpreter
+# decoder models end to end against transformers: on the torch backend (the Triton tiles are proven under the
+# interpreter by test_ops and test_task_types, and composed into a tensor-parallel Llama by the demo, test_cli)
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_backend")]
 
 # Not powers of two on purpose: head dim 48, intermediate 200, one KV head (Llama) or two (Qwen3).
@@ -71,7 +71,6 @@ def test_logits_over_consecutive_positions_match_transformers(family, dtype, bat
         m.close()
 
 
-@pytest.mark.interpreter  # the Triton tiles composed into whole models
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_greedy_generation_matches_transformers(family):
     model = hf_model(family, kv_heads=1 if family == "llama" else 2)

@@ -66,9 +66,9 @@ def collectives(workers: int):
 
 
 @pytest.mark.parametrize("world,workers,virtual,host", [
-    (2, 1, False, "cpu"), (2, 2, False, "cpu"), (3, 1, False, "cpu"), (3, 2, False, "cpu"), (4, 1, False, "cpu"),
-    (4, 2, False, "cpu"), (2, 2, True, "cpu"), (3, 1, True, "cpu"),
-    (2, 2, False, "torch"), (3, 2, False, "torch"), (4, 1, False, "torch"), (3, 1, True, "torch")])
+    (2, 1, False, "cpu"), (2, 2, False, "cpu"), (3, 1, False, "cpu"), (2, 2, True, "cpu"),
+    (2, 2, False, "torch"), (3, 2, False, "torch"), (4, 1, False, "torch"), (4, 2, False, "torch"),
+    (3, 1, True, "torch")])
 def test_collectives_against_torch_and_bitwise_equal_across_ranks(world, workers, virtual, host, monkeypatch):
     monkeypatch.setattr(bootstrap, "_process_backend", host)
     results = mk.launch(functools.partial(collectives, workers), world_size=world, timeout=300, virtual=virtual)
@@ -137,7 +137,7 @@ def tensor_parallel_mlp(hidden: int, inter: int):
                 for run in range(3)]
 
 
-def test_tensor_parallel_mlp_equals_single_rank():
+def test_tensor_parallel_mlp_equals_single_rank(torch_backend):
     hidden, inter = 64, 96
     single = tensor_parallel_mlp(hidden, inter)  # no process group: world size 1, here
     for world in (2, 3):

@@ -86,11 +86,13 @@ def periodic_job(ops, shift: int, steps: int, split: list[int], workers: int, po
 
 
 @pytest.mark.timeout(900)
-@settings(max_examples=16, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # one backend a test
 @given(program=programs(), world=st.integers(1, 3), workers=st.integers(1, 3),
        policy=st.sampled_from(["round_robin", "critical_path"]), steps=st.sampled_from([1, 2, 5]), data=st.data())
 @pytest.mark.slow
-def test_steps_in_one_launch_equal_steps_over_launches_and_the_reference(program, world, workers, policy, steps, data):
+def test_steps_in_one_launch_equal_steps_over_launches_and_the_reference(backend, program, world, workers, policy, steps,
+                                                                         data):
     ops, shift = program
     split = data.draw(st.sampled_from([c for c in _compositions(steps)]))
     job = functools.partial(periodic_job, ops, shift, steps, split, workers, policy)
@@ -244,8 +246,8 @@ def test_the_checks_catch_a_lapped_counter():
 
 
 # -- a rank that stops in the middle of a multi-step launch -----------------------------------------------
-def stalled_in_a_long_launch():
-    """Rank 1's worker is stopped (SIGSTOP) for 6 s, 0.5 s into a launch of many steps: rank 0's watchdog
+def stalled_in_a_long_launch(steps: int):
+    """Rank 1's worker is stopped (SIGSTOP) for 6 s, 0.5 s into a launch of ``steps`` steps: rank 0's watchdog
     names it, with the step each side was in."""
     g = mk.Graph()
     g.output("y", g.all_reduce(g.input("x", (2, 32), torch.float32)))
@@ -256,18 +258,19 @@ def stalled_in_a_long_launch():
             threading.Timer(0.5, os.kill, (worker, signal.SIGSTOP)).start()
             threading.Timer(6.5, os.kill, (worker, signal.SIGCONT)).start()
         try:
-            kernel.run(steps=1000)
+            kernel.run(steps=steps)
         except mk.DeadlockError as error:
             return error.report
         return "no error"
 
 
 @pytest.mark.slow
-def test_a_rank_stalled_in_a_multi_step_launch_is_named_with_its_step(monkeypatch):
+def test_a_rank_stalled_in_a_multi_step_launch_is_named_with_its_step(backend, monkeypatch):
     from test_multirank import _TAG, _megakernel_processes, _shm_segments
     monkeypatch.setenv(*_TAG.decode().split("=", 1))
     before = _shm_segments()
-    report, _ = mk.launch(stalled_in_a_long_launch, world_size=2, timeout=120)
+    steps = {"cpu": 1000, "torch": 10**6}[backend]  # more than half a second's worth
+    report, _ = mk.launch(functools.partial(stalled_in_a_long_launch, steps), world_size=2, timeout=120)
     waiting = re.search(r"rank 0 worker 0: step (\d+): timed out at task \d+", report)
     assert waiting and int(waiting.group(1)) > 2, report  # in the middle of the launch (step 1 was the first run)
     peer = re.search(r"producer task \d+ \([^)]*\) on rank 1 worker 0 queue position \d+: did not run "
