@@ -15,7 +15,7 @@ from megakernel.errors import GraphError
 from megakernel.image import load
 from megakernel.models import from_pretrained
 from megakernel.reference import execute
-from megakernel.scheduler import ARG0, FormatError, deserialize, disassemble, schedule, serialize
+from megakernel.scheduler import ARG0, FormatError, deserialize, disassemble, serialize
 
 SHAPES = dict(hidden_size=32, head_dim=16, intermediate_size=64, num_hidden_layers=1, vocab_size=64,
               num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
