@@ -84,6 +84,7 @@ def task_overhead(tasks: int = 200, steps: int = 100) -> None:
         t = g.input("t", (1, 8), torch.float32)
         for _ in range(tasks):
             g.touch(t)
+        g.output("t", t)
         with mk.Megakernel(g, workers=workers, policy=policy, backend="torch") as kernel:
             kernel.run({"t": torch.zeros(1, 8)})
             start = time.perf_counter()

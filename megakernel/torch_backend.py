@@ -11,8 +11,9 @@ index it reads is clamped and reported through the worker's status record (``Wor
 kernel's ``checked_index`` does. So models run at the speed of torch on the machine, while the
 interpreter stays the proof of the Triton tiles.
 
-A wait polls with plain loads for a few microseconds, then yields, then sleeps (up to MAX_NAP_S):
-a waiting worker leaves the cores to the working ones.
+A wait polls with plain loads for a while, then yields, then sleeps (up to MAX_NAP_S): a waiting worker
+leaves the cores to the working ones. It polls long (SPIN_S) when the job's workers have a core each,
+briefly (SHORT_SPIN_S) when they share cores: there a spinning worker takes the core of the one it waits for.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from .scheduler import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_GUARD
                         SIGNAL_START, WAIT_EVENT, Spec, read_signals)
 from .scheduler.tables import SIGNAL_WORDS
 
-SPIN_S = 50e-6      # a wait polls this long before it first yields the core
+SPIN_S = 1e-3       # a wait polls this long before it first yields its core, when every worker has a core
+SHORT_SPIN_S = 20e-6  # ... when workers share cores
 MAX_NAP_S = 1e-3    # the longest sleep between two polls
 
 
@@ -56,8 +58,10 @@ class TorchBackend(CpuBackend):
         self.specs = specs
 
     def _launch_extras(self) -> dict:
-        # torch's own threads: the cores shared among this rank's workers
-        return dict(specs=self.specs, threads=max(1, (os.cpu_count() or 1) // self.workers))
+        # the job's worker processes on this machine (its ranks', virtual or not): a core each, or sharing
+        processes, cores = self.workers * self.group.world_size, os.cpu_count() or 1
+        return dict(specs=self.specs, threads=max(1, cores // processes),  # torch's own threads
+                    spin_s=SPIN_S if processes <= cores else SHORT_SPIN_S)
 
 
 class WorkerHeap(HeapView):
@@ -132,13 +136,20 @@ def _program(words: np.ndarray, args: dict[str, int], rank: int, worker: int, sp
 
 
 def run_worker(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str, int], programs: dict,
-               specs: list[Spec], threads: int) -> None:
+               specs: list[Spec], threads: int, spin_s: float) -> None:
     """One worker's launch: ``args["steps"]`` steps of its queue on rank ``rank``'s heap (``heaps[r]``: rank r's
     whole heap as mapped here), as ``device.persistent_loop`` runs them. ``programs``: what earlier
     launches on this heap made of its tables (by worker: the tables read, the program), kept while they
-    stay the same."""
+    stay the same. ``threads``: torch's threads in this process; ``spin_s``: how long a wait polls before
+    it yields."""
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+    with torch.inference_mode():  # no autograd bookkeeping: a small tile's torch calls cost ~40% less
+        _run(heaps, rank, worker, args, programs, specs, spin_s)
+
+
+def _run(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str, int], programs: dict,
+         specs: list[Spec], spin_s: float) -> None:
     words = heaps[rank].view(torch.int64).numpy()
     base = heaps[rank].data_ptr()
     status_at = args["status_off"] // 8
@@ -151,7 +162,7 @@ def run_worker(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str
         cached = programs[worker] = (tables, _program(words, args, rank, worker, specs, views))
     program = cached[1]
     trace = args["trace_off"] // 8 if args["TRACE"] else -1
-    wait = Waits(words, base, args["events_off"] // 8, abort, status, args["timeout_ns"]).wait
+    wait = Waits(words, base, args["events_off"] // 8, abort, status, args["timeout_ns"], spin_s).wait
     epoch = int(status[EPOCH]) + 1
     running = words[abort] == 0  # a stall the host has not read yet: keep its records
     for step in range(args["steps"]):
@@ -203,6 +214,7 @@ class Waits:
     abort: int           # the rank's ABORT word
     status: np.ndarray   # this worker's record
     timeout_ns: int
+    spin_s: float        # how long a wait polls before it first yields
 
     def wait(self, event: int, target: int, task: int) -> bool:
         """Wait until ``event`` counts ``target`` (no wait for event -1 or a target of 0), the rank is
@@ -213,7 +225,7 @@ class Waits:
         words, at = self.words, self.events + event
         if words[at] < target:
             start = time.monotonic_ns()
-            spin_until, nap = time.perf_counter() + SPIN_S, 0.0
+            spin_until, nap = time.perf_counter() + self.spin_s, 0.0
             while words[at] < target:
                 if time.perf_counter() < spin_until:
                     continue

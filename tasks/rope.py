@@ -44,15 +44,16 @@ def rope_tile(base,
 
 
 def _reference(heap, task) -> None:
-    hd, heads = task.HEAD_DIM, task.heads
-    x = heap.tensor(task.x, task.DTYPE, heads, hd, hd).float()
-    inv_freq = heap.tensor(task.inv_freq, torch.float32, 1, hd // 2, hd // 2)
-    position = heap.tensor(task.pos, torch.int64, 1, 1, 1).float()
-    angle = position * inv_freq
-    cos, sin = torch.cat([angle.cos(), angle.cos()], -1), torch.cat([angle.sin(), angle.sin()], -1)
-    cos, sin = cos * task.SCALING, sin * task.SCALING
-    rotated = torch.cat([-x[:, hd // 2:], x[:, : hd // 2]], -1)
-    heap.tensor(task.out, task.DTYPE, heads, hd, hd).copy_(x * cos + rotated * sin)
+    half, heads = task.HEAD_DIM // 2, task.heads
+    x = heap.tensor(task.x, task.DTYPE, heads, 2 * half, 2 * half).float()
+    angle = heap.tensor(task.pos, torch.int64, 1, 1, 1).float() * heap.tensor(task.inv_freq, torch.float32, 1, half, half)
+    cos, sin = angle.cos(), angle.sin()
+    if task.SCALING != 1.0:
+        cos, sin = cos * task.SCALING, sin * task.SCALING
+    x1, x2 = x[:, :half], x[:, half:]
+    out = heap.tensor(task.out, task.DTYPE, heads, 2 * half, 2 * half)
+    out[:, :half] = x1 * cos - x2 * sin
+    out[:, half:] = x2 * cos + x1 * sin
 
 
 def rope(g, x, inv_freq, pos, head_dim: int, scaling: float = 1.0):
