@@ -93,6 +93,10 @@ class HeapView:
         # (the comm area, virtual ranks' heaps) begins at its own storage offset
         return torch.as_strided(typed, (rows, cols), (row_stride, 1), typed.storage_offset() + offset // dtype.itemsize)
 
+    def word(self, offset: int) -> int:
+        """The int64 at heap ``offset`` (a position, a token id, a page number), for a reference tile."""
+        return int(self.tensor(offset, torch.int64, 1, 1, 1))
+
     def checked_index(self, value: int, bound: int, where: str) -> int:
         """A data-dependent index of a reference tile (a token id, a position, a page), read at ``where``:
         the kernel clamps one out of [0, bound) and reports it after the run (``device.checked_index``);

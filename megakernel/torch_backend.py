@@ -73,6 +73,13 @@ class WorkerHeap(HeapView):
         super().__init__(RankHeap(whole, whole[:0]))
         self.status = status  # this worker's record, on this rank's heap; None for a peer's heap
         self._views: dict[tuple, torch.Tensor] = {}
+        self._words = whole[:whole.numel() // 8 * 8].view(torch.int64).numpy()
+
+    def word(self, offset: int) -> int:
+        """``HeapView.word`` read through numpy: a tile reads a few every step (~0.3 us, not ~5)."""
+        if offset % 8 or not 0 <= offset < 8 * self._words.size:
+            return super().word(offset)  # its error
+        return int(self._words[offset // 8])
 
     def tensor(self, offset: int, dtype: torch.dtype | str, rows: int, cols: int, row_stride: int) -> torch.Tensor:
         """``HeapView.tensor``, made once: a tile asks for the same views every step (~5 us each to make)."""

@@ -80,11 +80,11 @@ def _append_reference(heap, task) -> None:
     row = position
     if task.PAGE != 0:
         at = task.table + 8 * (position // task.PAGE)
-        page = int(heap.tensor(at, torch.int64, 1, 1, 1))
+        page = heap.word(at)
         row = heap.checked_index(page, task.pages, f"heap offset {at} (a block table)") * task.PAGE + position % task.PAGE
         if row // task.PAGE != page:
             return  # a page clamped (the torch backend): no copy, as the tile
-    if position != int(heap.tensor(task.pos, torch.int64, 1, 1, 1)):
+    if position != heap.word(task.pos):
         return  # a position clamped: no copy, the cache keeps every row it had, as the tile
     x = heap.tensor(task.x, task.DTYPE, 1, task.cols, task.cols)
     stride = task.cache_stride
@@ -260,7 +260,7 @@ def _combine_reference(heap, task) -> None:
 
 
 def _no_sequence(heap, offset: int) -> bool:
-    return int(heap.tensor(offset, torch.int64, 1, 1, 1)) == NO_SEQUENCE.value
+    return heap.word(offset) == NO_SEQUENCE.value
 
 
 def kv_append(g, cache, x, pos, batch: int, table=None, page_size: int | None = None):

@@ -99,7 +99,7 @@ def heap_index(heap, offset: int, bound: int) -> int:
     """The int64 index at heap ``offset``, for a reference tile, as ``heap`` bounds it
     (``HeapView.checked_index``: the oracle refuses an index out of [0, bound), the torch backend clamps
     and reports it as the kernel does)."""
-    return heap.checked_index(int(heap.tensor(offset, torch.int64, 1, 1, 1)), bound, f"heap offset {offset}")
+    return heap.checked_index(heap.word(offset), bound, f"heap offset {offset}")
 
 
 def ceil_div(a: int, b: int) -> int:

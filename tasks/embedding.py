@@ -46,7 +46,7 @@ def _reference(heap, task) -> None:
 
 
 def _at_reference(heap, task) -> None:
-    if int(heap.tensor(task.pos, torch.int64, 1, 1, 1)) == NO_SEQUENCE.value:
+    if heap.word(task.pos) == NO_SEQUENCE.value:
         return _copy_row(heap, task, 0)
     at = heap_index(heap, task.pos, task.history_cols)
     _copy_row(heap, task, heap_index(heap, task.history + 8 * at, task.rows))

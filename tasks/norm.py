@@ -55,10 +55,12 @@ def _reference(heap, task) -> None:
     rows, cols, segments = task.rows, task.cols, task.segments
     x = heap.tensor(task.x, task.X_DTYPE, rows // segments, cols * segments, task.x_stride)
     w = heap.tensor(task.w, task.W_DTYPE, 1, cols, cols).float()
-    v = x.float().reshape(rows, cols)
-    normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + task.EPS)
+    normed = torch.rms_norm(x.float().reshape(rows, cols), (cols,), eps=task.EPS)  # v * rsqrt(mean(v^2) + eps)
     out = heap.tensor(task.out, task.X_DTYPE, rows // segments, cols * segments, task.out_stride)
-    out.copy_(((1 + w) * normed if task.UNIT_OFFSET else w * normed.to(x.dtype).float()).reshape(out.shape))
+    if task.UNIT_OFFSET:
+        out.copy_(((1 + w) * normed).reshape(out.shape))
+    else:  # normed in x's dtype first, as the tile (and transformers) round it
+        out.copy_((w * (normed if x.dtype == torch.float32 else normed.to(x.dtype).float())).reshape(out.shape))
 
 
 def rms_norm(g, x, weight, eps: float = 1e-6, head_dim: int | None = None, unit_offset: bool = False):

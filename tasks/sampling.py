@@ -44,8 +44,8 @@ def argmax_tile(base,
 
 
 def _argmax_reference(heap, task) -> None:
-    target = int(heap.tensor(task.pos, torch.int64, 1, 1, 1)) + 1
-    if int(heap.tensor(task.prompt_len, torch.int64, 1, 1, 1)) <= target < task.history_cols and target >= 1:
+    target = heap.word(task.pos) + 1
+    if heap.word(task.prompt_len) <= target < task.history_cols and target >= 1:
         logits = heap.tensor(task.logits, task.DTYPE, 1, task.cols, task.cols).float()
         heap.tensor(task.history, torch.int64, 1, task.history_cols, task.history_cols)[0, target] = logits.argmax()
 
