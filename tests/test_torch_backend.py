@@ -14,9 +14,11 @@ import megakernel as mk
 from megakernel import atomics
 from megakernel.heap import HeapView, SharedHeap
 from megakernel.reference import execute
-from megakernel.scheduler import deserialize, serialize
+from megakernel.scheduler import deserialize, infer_dependencies, serialize
 from megakernel.tasks import TASK_TYPES
-from megakernel.tools.examples import every_task_type, example_inputs
+from megakernel.tools.examples import every_task_type, example_inputs, mlp_block
+
+from helpers import random_inputs
 
 ADDS = 20_000
 
@@ -114,6 +116,18 @@ def test_every_task_type_gives_what_the_reference_executor_gives():
             assert not (t.dtype.is_floating_point and torch.isnan(out[name]).any()), f"{name}: poison left"
             assert torch.equal(out[name], want), f"{name}: the torch backend and the reference executor differ"
         assert len(g.specs) and {s.task_type for s in g.specs} == set(TASK_TYPES)
+
+
+def test_a_traced_run_stamps_every_task_once_in_dependency_order():
+    from test_trace import _check_order, _check_spans
+    g = mlp_block()
+    with mk.Megakernel(g, workers=2, trace=True, backend="torch") as kernel:
+        kernel.run(random_inputs(g, seed=3, scale=0.2))
+        trace = kernel.trace
+    _check_spans(trace, {0: len(g.tasks)})
+    dag = infer_dependencies(g.tasks, g.buffer_shapes())  # same-worker edges included
+    _check_order(trace, [((0, p), (0, c)) for c, producers in enumerate(dag) for p in producers])
+    assert {s.worker for s in trace.spans} == {0, 1} and "linear" in trace.summary()
 
 
 def test_a_task_type_without_a_torch_implementation_is_named(monkeypatch):
