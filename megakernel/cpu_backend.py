@@ -263,11 +263,11 @@ class CpuBackend:
         self.group, self.kernel_path = group, kernel_path
         self.workers = self.DEFAULT_WORKERS if workers is None else workers
         if self.workers > self.MAX_WORKERS:  # before the scheduler sizes anything by it
-            raise GraphError(f"workers={self.workers:,}: the cpu backend runs at most {self.MAX_WORKERS} (each a "
+            raise GraphError(f"workers={self.workers:,}: the {self.name} backend runs at most {self.MAX_WORKERS} (each a "
                              f"process of ~300 MB)")
         cores = os.cpu_count() or 1
         if self.workers > 2 * cores:
-            warnings.warn(f"{self.workers} cpu workers on {cores} cores: each is a process that spins while it waits, "
+            warnings.warn(f"{self.workers} {self.name} workers on {cores} cores: each is a process that spins while it waits, "
                           f"so they take turns and a run slows down; each also takes ~2 s and ~300 MB to start",
                           stacklevel=4)  # the caller of Megakernel
         self.pool = pool or default_pool(group.slot)

@@ -246,6 +246,7 @@ class Waits:
 
     def _report_stall(self, task: int, event: int, target: int) -> None:
         words, status = self.words, self.status
-        status[TASK], status[EVENT], status[OBSERVED], status[EXPECTED] = task, event, words[self.events + event], target
+        status[TASK], status[EVENT], status[EXPECTED] = task, event, target
+        status[OBSERVED] = words[self.events + event]
         status[STATE] = STOPPED if words[self.abort] != 0 else TIMED_OUT
         atomics.exchange(atomics.addresses(self.base + 8 * self.abort), 1)

@@ -81,8 +81,9 @@ def _append_reference(heap, task) -> None:
     if task.PAGE != 0:
         at = task.table + 8 * (position // task.PAGE)
         page = heap.word(at)
-        row = heap.checked_index(page, task.pages, f"heap offset {at} (a block table)") * task.PAGE + position % task.PAGE
-        if row // task.PAGE != page:
+        frame = heap.checked_index(page, task.pages, f"heap offset {at} (a block table)")
+        row = frame * task.PAGE + position % task.PAGE
+        if frame != page:
             return  # a page clamped (the torch backend): no copy, as the tile
     if position != heap.word(task.pos):
         return  # a position clamped: no copy, the cache keeps every row it had, as the tile

@@ -46,7 +46,8 @@ def rope_tile(base,
 def _reference(heap, task) -> None:
     half, heads = task.HEAD_DIM // 2, task.heads
     x = heap.tensor(task.x, task.DTYPE, heads, 2 * half, 2 * half).float()
-    angle = heap.tensor(task.pos, torch.int64, 1, 1, 1).float() * heap.tensor(task.inv_freq, torch.float32, 1, half, half)
+    position = heap.tensor(task.pos, torch.int64, 1, 1, 1).float()
+    angle = position * heap.tensor(task.inv_freq, torch.float32, 1, half, half)
     cos, sin = angle.cos(), angle.sin()
     if task.SCALING != 1.0:
         cos, sin = cos * task.SCALING, sin * task.SCALING

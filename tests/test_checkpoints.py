@@ -9,8 +9,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 import megakernel as mk
 from megakernel.models import from_hf, from_pretrained
 
-# checkpoint loading end to end, one and several ranks: on the torch backend (the tiles are proven under the interpreter: test_ops, test_task_types),
-# but for the tests marked interpreter
+# checkpoint loading end to end, one and several ranks: on the torch backend (the tiles are proven
+# under the interpreter: test_ops, test_task_types), but for the tests marked interpreter
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_backend")]
 
 SHAPES = dict(hidden_size=96, head_dim=48, intermediate_size=200, num_hidden_layers=2, vocab_size=301,

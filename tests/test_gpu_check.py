@@ -14,8 +14,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 
 @pytest.mark.timeout(900)
 def test_gpu_check_smoke_runs_every_section_and_passes_its_checks():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--backend", "torch"], capture_output=True, text=True,
-                          timeout=840)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--backend", "torch"], capture_output=True,
+                          text=True, timeout=840)
     table = done.stdout[done.stdout.index("| check |"):]
     assert done.returncode == 0, f"gpu_check failed:\n{table}\n{done.stderr[-4000:]}"
     for row in ("task types", "decode, random Llama", "layer 128x256 bf16", "dispatch: empty tasks",

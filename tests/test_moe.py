@@ -10,8 +10,8 @@ from megakernel.models import from_hf, from_pretrained
 
 from helpers import assert_close, run_checked
 
-# mixture-of-experts models end to end against transformers: on the torch backend (the tiles are proven under the interpreter: test_ops, test_task_types),
-# but for the tests marked interpreter
+# mixture-of-experts models end to end against transformers: on the torch backend (the tiles are proven
+# under the interpreter: test_ops, test_task_types), but for the tests marked interpreter
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_backend")]
 
 

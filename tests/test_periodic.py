@@ -91,8 +91,8 @@ def periodic_job(ops, shift: int, steps: int, split: list[int], workers: int, po
 @given(program=programs(), world=st.integers(1, 3), workers=st.integers(1, 3),
        policy=st.sampled_from(["round_robin", "critical_path"]), steps=st.sampled_from([1, 2, 5]), data=st.data())
 @pytest.mark.slow
-def test_steps_in_one_launch_equal_steps_over_launches_and_the_reference(backend, program, world, workers, policy, steps,
-                                                                         data):
+def test_steps_in_one_launch_equal_steps_over_launches_and_the_reference(backend, program, world, workers, policy,
+                                                                         steps, data):
     ops, shift = program
     split = data.draw(st.sampled_from([c for c in _compositions(steps)]))
     job = functools.partial(periodic_job, ops, shift, steps, split, workers, policy)

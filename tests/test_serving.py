@@ -14,8 +14,8 @@ from megakernel.reference import execute
 from helpers import assert_close, tolerance
 from test_decode import hf_model
 
-# continuous batching and prefill end to end: on the torch backend (the tiles are proven under the interpreter: test_ops, test_task_types),
-# but for the tests marked interpreter
+# continuous batching and prefill end to end: on the torch backend (the tiles are proven
+# under the interpreter: test_ops, test_task_types), but for the tests marked interpreter
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_backend")]
 
 
