@@ -26,9 +26,10 @@ def random_inputs(graph: mk.Graph, seed: int = 0, scale: float = 1.0) -> dict[st
 
 
 def run_checked(graph: mk.Graph, inputs: dict, workers: int = 2, policy: str = "critical_path",
-                kernel: mk.Megakernel | None = None) -> dict[str, torch.Tensor]:
+                kernel: mk.Megakernel | None = None, exact: bool = False) -> dict[str, torch.Tensor]:
     """Run on the kernel with poisoned outputs, run the reference executor on the same heap, and check
-    that the two agree; returns the kernel's outputs."""
+    that the two agree (``exact``: bit for bit, as when the kernel runs the references itself on the torch
+    backend); returns the kernel's outputs."""
     own = kernel is None
     kernel = kernel or mk.Megakernel(graph, workers=workers, policy=policy)
     try:
@@ -40,7 +41,8 @@ def run_checked(graph: mk.Graph, inputs: dict, workers: int = 2, policy: str = "
         view = HeapView(heap)
         for name, t in graph.outputs.items():
             ref = view.tensor(t.addr(0, 0), t.dtype, t.rows, t.cols, t.row_stride).reshape(t.shape)
-            if not t.dtype.is_floating_point:  # indices: the same, bit for bit
+            if exact or not t.dtype.is_floating_point:  # indices: the same, bit for bit
+                assert not (t.dtype.is_floating_point and torch.isnan(out[name]).any()), f"{name}: poison left"
                 assert torch.equal(out[name], ref), f"kernel vs reference executor, output {name}"
                 continue
             assert_close(out[name], ref, tolerance(t.dtype) / 10 if t.dtype == torch.float32 else tolerance(t.dtype),

@@ -2,6 +2,7 @@
 a real checkpoint (SmolLM2-135M) decoding exactly as transformers does, at TP 1 and 2."""
 import dataclasses
 import importlib.util
+from contextlib import contextmanager
 import multiprocessing as mp
 import os
 import time
@@ -12,13 +13,12 @@ import torch
 
 import megakernel as mk
 from megakernel import atomics
-from megakernel.heap import HeapView, SharedHeap
-from megakernel.reference import execute
-from megakernel.scheduler import deserialize, infer_dependencies, serialize
+from megakernel.heap import SharedHeap
+from megakernel.scheduler import infer_dependencies
 from megakernel.tasks import TASK_TYPES
 from megakernel.tools.examples import every_task_type, example_inputs, mlp_block
 
-from helpers import random_inputs
+from helpers import random_inputs, run_checked
 
 ADDS = 20_000
 
@@ -61,15 +61,15 @@ def _finish(processes: list[mp.Process], timeout: float) -> None:
     assert all(p.exitcode == 0 for p in processes), [p.exitcode for p in processes]
 
 
-def test_adds_from_four_processes_on_one_word_lose_no_update():
-    heap = SharedHeap.create(4096)
-    processes = []
+@contextmanager
+def _shared_words():
+    """A zeroed shared-memory segment as int64 words, and a list for the processes that use it: they are
+    killed and the segment unlinked however the test ends."""
+    heap, processes = SharedHeap.create(4096), []
     try:
         words = heap.tensor.view(torch.int64).numpy()
         words[:] = 0
-        processes = [_forked(_adder, heap.name, heap.size, 3, ADDS) for _ in range(4)]
-        _finish(processes, timeout=120)
-        assert words[3] == 4 * ADDS and not words[:3].any() and not words[4:].any()
+        yield heap, words, processes
     finally:
         for p in processes:
             if p.is_alive():
@@ -77,13 +77,17 @@ def test_adds_from_four_processes_on_one_word_lose_no_update():
         heap.unlink()
 
 
+def test_adds_from_four_processes_on_one_word_lose_no_update():
+    with _shared_words() as (heap, words, processes):
+        processes += [_forked(_adder, heap.name, heap.size, 3, ADDS) for _ in range(4)]
+        _finish(processes, timeout=120)
+        assert words[3] == 4 * ADDS and not words[:3].any() and not words[4:].any()
+
+
 def test_what_a_release_add_follows_is_seen_after_an_acquire():
-    heap, rounds = SharedHeap.create(4096), 2000
-    processes = []
-    try:
-        words = heap.tensor.view(torch.int64).numpy()
-        words[:] = 0
-        processes = [_forked(_messenger, heap.name, heap.size, rounds)]
+    rounds = 2000
+    with _shared_words() as (heap, words, processes):
+        processes.append(_forked(_messenger, heap.name, heap.size, rounds))
         flag = atomics.addresses(heap.address)
         deadline = time.monotonic() + 120
         for r in range(1, rounds + 1):
@@ -93,29 +97,15 @@ def test_what_a_release_add_follows_is_seen_after_an_acquire():
             assert (words[1:9] == r).all(), f"round {r}: the payload {words[1:9]} is not the released one"
             atomics.add(flag, np.ones(1, dtype=np.int64))
         _finish(processes, timeout=60)
-    finally:
-        for p in processes:
-            if p.is_alive():
-                p.kill()
-        heap.unlink()
 
 
 def test_every_task_type_gives_what_the_reference_executor_gives():
     """The loop runs each task type's reference: with the tables and heap the kernel ran, the executor's
     outputs are the kernel's, bit for bit."""
     g = every_task_type()
+    assert {s.task_type for s in g.specs} == set(TASK_TYPES)
     with mk.Megakernel(g, workers=3, backend="torch") as kernel:
-        kernel.bind(example_inputs(g, seed=3))
-        kernel.poison()
-        heap = kernel.heap.cpu().clone()
-        out = kernel.run()
-        execute(deserialize(serialize(kernel.tables)), heap)
-        view = HeapView(heap)
-        for name, t in g.outputs.items():
-            want = view.tensor(t.addr(0, 0), t.dtype, t.rows, t.cols, t.row_stride).reshape(t.shape)
-            assert not (t.dtype.is_floating_point and torch.isnan(out[name]).any()), f"{name}: poison left"
-            assert torch.equal(out[name], want), f"{name}: the torch backend and the reference executor differ"
-        assert len(g.specs) and {s.task_type for s in g.specs} == set(TASK_TYPES)
+        run_checked(g, example_inputs(g, seed=3), kernel=kernel, exact=True)
 
 
 def test_a_traced_run_stamps_every_task_once_in_dependency_order():
