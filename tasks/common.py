@@ -33,7 +33,8 @@ import triton.language as tl
 
 from ..device import heap_ptr
 
-DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int64: "int64"}
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int64: "int64",
+          torch.uint8: "uint8"}  # uint8: the packed bytes of quantized weights (tasks.quantized)
 CONTEXT_PARAMS = ("base", "bases", "status")                    # what a tile may take before its words
 BUILDER_KEYWORDS = ("reads", "writes", "bytes", "flops", "remote")  # Graph.add_task's own keywords
 VECTOR_BYTES = 16  # the widest load of a thread: one ld.global.v4 (CUDA) / global_load_dwordx4 (AMD)

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ..device import heap_ptr
 from ..errors import is_count
+from . import quantized
 from .common import (TaskType, ceil_div, dot, next_power_of_2, require_float, rounded, row_offsets, store_block,
                      vector_aligned)
 from .reduction import sum_slices
@@ -326,8 +327,11 @@ def linear(g, x, w, split_k: int | None = None):
     """``x [M, K] @ w [N, K].T -> [M, N]`` in x's dtype; ``split_k`` cuts K into that many ranges.
 
     ``split_k=None`` (the default) chooses the tiling for ``g.parallelism`` workers (``plan``): at 1,
-    no split; above, K is split when the output alone has fewer blocks than workers.
+    no split; above, K is split when the output alone has fewer blocks than workers. A ``Quantized`` w
+    is dequantized in the tiles (``tasks.quantized.linear``).
     """
+    if isinstance(w, quantized.Quantized):
+        return quantized.linear(g, x, w, split_k)
     g.require(x.ndim == 2 and w.ndim == 2, f"linear: x {x.shape} and w {w.shape} must both be 2-D")
     require_float(g, "linear", x=x, w=w)
     g.require(x.cols == w.cols, f"linear: x has shape {x.shape} but w has shape {w.shape}; "

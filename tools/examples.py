@@ -6,6 +6,8 @@ import torch
 from .. import Graph
 from ..tasks import TASK_TYPES
 
+# packed bytes of quantized weights (uint8 inputs) are random below it: any float16 or fp8 they make is finite
+PACKED_BYTE_BOUND = 0x3C
 INDEX_BOUND = 40  # the examples' integer inputs are indices (tokens, positions): any value below it is valid
 
 
@@ -25,11 +27,13 @@ def every_task_type() -> Graph:
 
 
 def example_inputs(g: Graph, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Values for every input of ``every_task_type()``: random normal floats; integers INDEX_BOUND - 1,
-    the largest valid index (an attention over it takes more than one step of its partial tile)."""
+    """Values for every input of ``every_task_type()``: random normal floats; packed bytes (uint8) random
+    below PACKED_BYTE_BOUND; other integers INDEX_BOUND - 1, the largest valid index (an attention over it
+    takes more than one step of its partial tile)."""
     gen = torch.Generator().manual_seed(seed)
     return {name: (torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype) if t.dtype.is_floating_point
-                   else torch.full(t.shape, INDEX_BOUND - 1, dtype=t.dtype))
+                   else torch.randint(0, PACKED_BYTE_BOUND, t.shape, generator=gen, dtype=t.dtype)
+                   if t.dtype == torch.uint8 else torch.full(t.shape, INDEX_BOUND - 1, dtype=t.dtype))
             for name, t in g.inputs.items()}
 
 

@@ -1,0 +1,457 @@
+"""Weights kept in a quantized format on the heap, dequantized in registers by the tiles that read them.
+
+A quantized weight [rows, cols] is its packed bytes, uint8 [rows, row bytes] as the file stores them,
+and for FP8 its float32 scales (``Quantized``). Every format cuts a row into blocks along K (the
+columns) of ``block`` elements in ``block_bytes`` bytes each:
+
+- GGUF (llama.cpp's blocks, read from the file as they are): Q8_0 (32 int8 and a float16 scale),
+  Q4_0 (32 nibbles, a scale; the value is scale * (q - 8)), Q4_1 (32 nibbles, a scale and a minimum),
+  Q4_K (256-element super-blocks of eight 32-element sub-blocks with 6-bit scales and minimums), Q6_K
+  (256 elements of 6 bits in sixteen 16-element sub-blocks with int8 scales).
+- FP8 e4m3 (float8_e4m3fn bytes) times a float32 scale per output row (``fp8_channel``) or per 128 x 128
+  block of the weight (``fp8_block``: FP8 checkpoints' ``weight_scale_inv``).
+
+Each element is rebuilt as its format defines it, in float32, by integer operations on the loaded bytes
+and IEEE multiplications (the FP8 byte is decoded from its bits, not by a hardware conversion): the same
+value on every target, the interpreter included, and the value gguf's (and so transformers') own
+dequantization gives. ``dequantize`` is the torch version, the references' and the tests'.
+
+A split across ranks or across K cuts at whole blocks: a tile's K-range starts on a block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
+from .common import TaskType, ceil_div, heap_index, next_power_of_2, require_float, rounded, row_positions
+from .reduction import sum_slices
+
+FP8_SCALE_BLOCK = 128  # the rows and columns of w one fp8_block scale covers
+
+
+@dataclass(frozen=True)
+class Format:
+    """A storage format: ``code`` (the tiles' FORMAT constant), ``block`` elements of a row in
+    ``block_bytes`` bytes, and the scales it keeps beside its bytes (None, "channel" or "block")."""
+
+    name: str
+    code: int
+    block: int
+    block_bytes: int
+    scales: str | None = None
+
+    def row_bytes(self, cols: int) -> int:
+        """Bytes of a packed row of ``cols`` elements (a whole number of blocks)."""
+        return cols // self.block * self.block_bytes
+
+    def scales_shape(self, rows: int, cols: int) -> tuple[int, ...] | None:
+        if self.scales == "channel":
+            return (rows,)
+        if self.scales == "block":
+            return (ceil_div(rows, FP8_SCALE_BLOCK), ceil_div(cols, FP8_SCALE_BLOCK))
+        return None
+
+
+Q8_0 = Format("q8_0", 1, 32, 34)
+Q4_0 = Format("q4_0", 2, 32, 18)
+Q4_1 = Format("q4_1", 3, 32, 20)
+Q4_K = Format("q4_k", 4, 256, 144)
+Q6_K = Format("q6_k", 5, 256, 210)
+FP8_CHANNEL = Format("fp8_channel", 6, 1, 1, "channel")
+FP8_BLOCK = Format("fp8_block", 7, 1, 1, "block")
+FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, FP8_CHANNEL, FP8_BLOCK)}
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A weight [rows, cols] in ``format``: ``data`` its packed rows (a uint8 graph tensor [rows, row
+    bytes]), ``scales`` its float32 scales (FP8), ``dtype`` the dtype its values are used in."""
+
+    data: object          # graph Tensor
+    format: Format
+    cols: int
+    dtype: torch.dtype
+    scales: object = None  # graph Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.data.rows
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+
+def quantized_input(g, name: str, shape: tuple[int, int], format: Format, dtype: torch.dtype) -> Quantized:
+    """The graph inputs of a weight ``shape`` kept in ``format``: its bytes, named ``name``, and its scales,
+    named ``name + ".scales"`` (FP8); its values are used in ``dtype``."""
+    rows, cols = shape
+    g.require(cols % format.block == 0, f"{name}: {cols} columns are not whole {format.name} blocks of {format.block}")
+    data = g.input(name, (rows, format.row_bytes(cols)), torch.uint8)
+    scales_shape = format.scales_shape(rows, cols)
+    scales = g.input(name + ".scales", scales_shape, torch.float32) if scales_shape else None
+    return Quantized(data, format, cols, dtype, scales)
+
+
+# -- the torch side: one function per format, on packed rows uint8 [n, bytes] ---------------------------------
+
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte ``at`` of every block, as float32 [..., 1]."""
+    return blocks[..., at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes -> 32 values: the low nibbles (elements 0-15), then the high ones (16-31)."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def _q8_0(b):
+    return _f16(b, 0) * b[..., 2:].view(torch.int8).float()
+
+
+def _q4_0(b):
+    return _f16(b, 0) * (_nibbles(b[..., 2:]).float() - 8)
+
+
+def _q4_1(b):
+    return _f16(b, 0) * _nibbles(b[..., 4:]).float() + _f16(b, 2)
+
+
+def _q4_k(b):
+    d, dmin, s, qs = _f16(b, 0), _f16(b, 2), b[..., 4:16].long(), b[..., 16:].long()
+    low, mid, high = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    scale = torch.cat([low & 63, (high & 15) | ((low >> 2) & 48)], dim=-1)      # [..., 8] sub-blocks
+    minimum = torch.cat([mid & 63, (high >> 4) | ((mid >> 2) & 48)], dim=-1)
+    q = torch.stack([qs.unflatten(-1, (4, 32)) & 15, qs.unflatten(-1, (4, 32)) >> 4], dim=-2)  # [..., 4, 2, 32]
+    q = q.flatten(-3, -2).float()                                               # [..., 8, 32]
+    return ((d * scale.float()).unsqueeze(-1) * q - (dmin * minimum.float()).unsqueeze(-1)).flatten(-2)
+
+
+def _q6_k(b):
+    ql, qh, scale, d = b[..., :128].long(), b[..., 128:192].long(), b[..., 192:208].view(torch.int8), _f16(b, 208)
+    low = torch.stack([ql.unflatten(-1, (2, 64)) & 15, ql.unflatten(-1, (2, 64)) >> 4], dim=-2).flatten(-2)
+    high = torch.stack([(qh.unflatten(-1, (2, 32)) >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-2).flatten(-2)
+    q = ((low | (high << 4)) - 32).flatten(-2).float().unflatten(-1, (16, 16))   # [..., 16 sub-blocks, 16]
+    return ((d * scale.float()).unsqueeze(-1) * q).flatten(-2)
+
+
+GGUF_DEQUANTIZE = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q4_K: _q4_k, Q6_K: _q6_k}
+
+
+def dequantize(format: Format, data: torch.Tensor, cols: int, scales: torch.Tensor | None = None,
+               row0: int = 0, col0: int = 0) -> torch.Tensor:
+    """float32 [n, cols]: packed rows ``data`` (uint8 [n, format.row_bytes(cols)]), which are rows
+    ``row0 ..`` and columns ``col0 ..`` of the weight ``scales`` (FP8: the whole weight's) belong to."""
+    if format.scales is None:
+        blocks = data.reshape(data.shape[0], cols // format.block, format.block_bytes)
+        return GGUF_DEQUANTIZE[format](blocks).reshape(data.shape[0], cols)
+    values = data.view(torch.float8_e4m3fn).float()
+    rows = torch.arange(row0, row0 + data.shape[0])
+    if format.scales == "channel":
+        return values * scales[rows].float().unsqueeze(1)
+    columns = torch.arange(col0, col0 + cols)
+    return values * scales[rows // FP8_SCALE_BLOCK][:, columns // FP8_SCALE_BLOCK].float()
+
+
+# -- the device side -----------------------------------------------------------------------------------------
+
+@triton.jit
+def _f16_at(p):
+    """The float16 at byte pointer ``p`` (2-byte aligned: every block starts on an even byte), as float32."""
+    return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _byte(p):
+    return tl.load(p).to(tl.int32)
+
+
+@triton.jit
+def _e4m3(byte):
+    """float8_e4m3fn bits (int32 0..255) as float32, from the bits: sign, 4 exponent bits (bias 7), 3 of
+    mantissa; exponent 0 subnormal, 0x7F / 0xFF NaN, no infinities."""
+    sign = (byte & 0x80) << 24
+    exponent = (byte >> 3) & 15
+    mantissa = byte & 7
+    normal = (sign | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    subnormal = mantissa.to(tl.float32) * 0.001953125  # mantissa * 2**-9
+    subnormal = tl.where(sign != 0, -subnormal, subnormal)
+    value = tl.where(exponent == 0, subnormal, normal)
+    return tl.where((byte & 0x7F) == 0x7F, float("nan"), value)
+
+
+@triton.jit
+def dequantized(base, w, scales, rows, cols, w_stride, scales_stride, FORMAT: tl.constexpr):
+    """Elements (``rows``, ``cols``) of the weight at heap offset ``w`` (packed rows of ``w_stride`` bytes;
+    ``scales``: its float32 scales, FP8 only), as float32. ``rows`` and ``cols`` broadcast to the block
+    wanted ([BLOCK_N, 1] and [1, BLOCK_K]) and must be inside the weight."""
+    row = heap_ptr(base, w, tl.uint8) + rows.to(tl.int64) * w_stride
+    if FORMAT == 1:    # q8_0: d, 32 int8
+        block = row + cols // 32 * 34
+        value = _f16_at(block) * tl.load((block + 2 + cols % 32).to(tl.pointer_type(tl.int8))).to(tl.float32)
+    elif FORMAT == 2:  # q4_0: d, 16 bytes of two nibbles (element i low, i + 16 high)
+        block = row + cols // 32 * 18
+        i = cols % 32
+        q = (_byte(block + 2 + i % 16) >> (i // 16 * 4)) & 15
+        value = _f16_at(block) * (q - 8).to(tl.float32)
+    elif FORMAT == 3:  # q4_1: d, m, 16 bytes of nibbles
+        block = row + cols // 32 * 20
+        i = cols % 32
+        q = (_byte(block + 4 + i % 16) >> (i // 16 * 4)) & 15
+        value = _f16_at(block) * q.to(tl.float32) + _f16_at(block + 2)
+    elif FORMAT == 4:  # q4_k: d, dmin, 12 bytes of 6-bit scales and minimums, 128 bytes of nibbles
+        block = row + cols // 256 * 144
+        i = cols % 256
+        j = i // 32  # sub-block
+        low, mid, high = _byte(block + 4 + j % 4), _byte(block + 8 + j % 4), _byte(block + 12 + j % 4)
+        scale = tl.where(j < 4, low & 63, (high & 15) | ((low >> 2) & 48))
+        minimum = tl.where(j < 4, mid & 63, (high >> 4) | ((mid >> 2) & 48))
+        q = (_byte(block + 16 + j // 2 * 32 + i % 32) >> (j % 2 * 4)) & 15
+        value = (_f16_at(block) * scale.to(tl.float32)) * q.to(tl.float32) \
+            - _f16_at(block + 2) * minimum.to(tl.float32)
+    elif FORMAT == 5:  # q6_k: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
+        block = row + cols // 256 * 210
+        i = cols % 256
+        half, r = i // 128, i % 128
+        low = (_byte(block + half * 64 + r % 64) >> (r // 64 * 4)) & 15
+        high = (_byte(block + 128 + half * 32 + r % 32) >> (r // 32 * 2)) & 3
+        scale = tl.load((block + 192 + i // 16).to(tl.pointer_type(tl.int8))).to(tl.float32)
+        value = (_f16_at(block + 208) * scale) * ((low | (high << 4)) - 32).to(tl.float32)
+    else:              # fp8 e4m3 and a float32 scale per row (6) or per 128 x 128 block (7)
+        scale_ptr = heap_ptr(base, scales, tl.float32)
+        if FORMAT == 6:
+            scale = tl.load(scale_ptr + rows)
+        else:
+            scale = tl.load(scale_ptr + rows // 128 * scales_stride + cols // 128)
+        value = _e4m3(_byte(row + cols)) * scale
+    return value
+
+
+@triton.jit
+def quantized_linear_tile(base,
+                          y, x, w, scales,      # heap offsets: y's and x's first elements, w's and its scales' whole
+                          row0, k0,             # w's first row and column this tile reads
+                          m, n, k,              # y is m x n, x m x k; w rows row0.., columns k0..
+                          y_stride, x_stride,   # row strides, in elements
+                          w_stride,             # bytes from one packed row of w to the next
+                          scales_stride,        # fp8_block: scales per row of scales
+                          X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, FORMAT: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``y[:m, :n] = x[:m, :k] @ W[row0:row0 + n, k0:k0 + k].T``, W dequantized (``dequantized``) in
+    registers, float32 accumulation; m <= BLOCK_M, any n (BLOCK_N rows of W at a time), k0 a whole
+    number of the format's blocks. Rows past n re-read row n - 1, columns past k are masked."""
+    m, n, k = m.to(tl.int32), n.to(tl.int32), k.to(tl.int32)
+    rn = tl.arange(0, BLOCK_N)[:, None]
+    rk = tl.arange(0, BLOCK_K)[None, :]
+    rm = tl.arange(0, BLOCK_M)[None, :]
+    x_ptr = heap_ptr(base, x, X_DTYPE)
+    for r0 in range(0, n, BLOCK_N):
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # transposed: y[i, r0 + j] is acc[j, i]
+        rows = row0 + tl.minimum(r0 + rn, n - 1)
+        for c0 in range(0, k, BLOCK_K):
+            cols = c0 + rk
+            b = dequantized(base, w, scales, rows, k0 + tl.minimum(cols, k - 1), w_stride, scales_stride, FORMAT)
+            b = tl.where(cols < k, b, 0.0)
+            for i in range(0, m):
+                a = tl.load(x_ptr + i * x_stride + cols, mask=cols < k, other=0.0).to(tl.float32)
+                acc = tl.where(rm == i, acc + tl.sum(b * a, axis=1)[:, None], acc)
+        rows_out = r0 + rn
+        tl.store(heap_ptr(base, y, Y_DTYPE) + rm * y_stride + rows_out, rounded(acc, Y_DTYPE),
+                 mask=(rows_out < n) & (rm < m))
+
+
+def _weight(heap, format: Format, w: int, w_stride: int, scales: int, scales_stride: int, rows: int, cols: int,
+            row0: int, col0: int) -> torch.Tensor:
+    """float32 [rows, cols]: the weight at heap offset ``w`` from row ``row0``, column ``col0`` (a block's)."""
+    data = heap.tensor(w + row0 * w_stride + format.row_bytes(col0), torch.uint8, rows, format.row_bytes(cols),
+                       w_stride)
+    if format.scales == "channel":
+        scales = heap.tensor(scales, torch.float32, 1, row0 + rows, row0 + rows)[0]
+    elif format.scales == "block":
+        scales = heap.tensor(scales, torch.float32, ceil_div(row0 + rows, FP8_SCALE_BLOCK),
+                             ceil_div(col0 + cols, FP8_SCALE_BLOCK), scales_stride)
+    return dequantize(format, data, cols, scales, row0, col0)
+
+
+def _linear_reference(heap, task) -> None:
+    x = heap.tensor(task.x, task.X_DTYPE, task.m, task.k, task.x_stride).float()
+    w = _weight(heap, FORMATS_BY_CODE[task.FORMAT], task.w, task.w_stride, task.scales, task.scales_stride, task.n,
+                task.k, task.row0, task.k0)
+    heap.tensor(task.y, task.Y_DTYPE, task.m, task.n, task.y_stride).copy_(x @ w.T)
+
+
+FORMATS_BY_CODE = {f.code: f for f in FORMATS.values()}
+SPLIT_COLUMNS = 256  # K-ranges (split_k) start on multiples of it: a whole number of every format's blocks
+BLOCK_N, BLOCK_K = 16, 64  # the block of w a tile dequantizes at a time: 8 elements per thread
+TILE_ROWS = 64       # rows of w per tile
+MAX_BLOCK_M = 16     # rows of x per tile
+EMBEDDING_BLOCK_N = 256
+
+
+def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
+    """``x [M, K] @ w.T -> [M, N]`` for a quantized ``w`` [N, K] (see ``tasks.linear.linear``), into ``out``
+    (an [M, N] view) when given; K-ranges (``split_k``) start on multiples of SPLIT_COLUMNS columns."""
+    require_float(g, "linear", x=x)
+    g.require(w.data.graph is g, "linear: the quantized weight belongs to another graph")
+    g.require(x.ndim == 2 and x.cols == w.cols, f"linear: x has shape {x.shape} but w has shape {w.shape}; "
+                                                f"expected w of shape (N, {x.cols})")
+    m_total, n_total, k_total = x.rows, w.rows, w.cols
+    blocks = ceil_div(k_total, SPLIT_COLUMNS)
+    splits = 1 if split_k is None else split_k
+    g.require(isinstance(splits, int) and 1 <= splits <= blocks,
+              f"linear: split_k of a quantized weight must be None or an integer in [1, {blocks}] (whole blocks "
+              f"of {SPLIT_COLUMNS} columns), got {split_k!r}")
+    bounds = [min(k_total, blocks * s // splits * SPLIT_COLUMNS) for s in range(splits + 1)]
+    k_ranges = [(k0, k1 - k0) for k0, k1 in zip(bounds, bounds[1:])]
+    y = out if out is not None else g.new_tensor((m_total, n_total), x.dtype)
+    g.require(y.shape == (m_total, n_total), f"linear: out has shape {y.shape}, expected {(m_total, n_total)}")
+    target = y if splits == 1 else g.new_tensor((splits * m_total, n_total), torch.float32)
+    block_m = min(next_power_of_2(m_total), MAX_BLOCK_M)
+    opcode = g.opcode(QUANTIZED_LINEAR, X_DTYPE=x.dtype, Y_DTYPE=target.dtype, FORMAT=w.format.code,
+                      BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    f, data, scales = w.format, w.data, w.scales
+    scale_words = dict(scales=scales.addr(0, 0), scales_stride=scales.row_stride) if scales is not None else \
+        dict(scales=0, scales_stride=0)
+    for s, (k0, k) in enumerate(k_ranges):
+        byte0, nbytes = f.row_bytes(k0), f.row_bytes(k)
+        for r0 in range(0, m_total, block_m):
+            m = min(block_m, m_total - r0)
+            row = s * m_total + r0
+            for c0 in range(0, n_total, TILE_ROWS):
+                n = min(TILE_ROWS, n_total - c0)
+                reads = (x.region(r0, m, k0, k), data.region(c0, n, byte0, nbytes))
+                if scales is not None:
+                    reads += (scales.region(0, scales.rows, 0, scales.cols),)
+                g.add_task(opcode, y=target.addr(row, c0), x=x.addr(r0, k0), w=data.addr(0, 0), row0=c0, k0=k0,
+                           m=m, n=n, k=k, y_stride=target.row_stride, x_stride=x.row_stride,
+                           w_stride=data.row_stride, **scale_words, reads=reads,
+                           writes=(target.region(row, m, c0, n),),
+                           bytes=m * k * x.element_size + n * nbytes + m * n * target.element_size,
+                           flops=2 * m * n * k)
+    if splits > 1:
+        sum_slices(g, y, target, splits, m_total)
+    return y
+
+
+# -- the embedding lookup of a quantized table ----------------------------------------------------------------
+
+@triton.jit
+def _dequantized_row(base, out, table, scales, row, cols, table_stride, scales_stride, OUT_DTYPE: tl.constexpr,
+                     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[:cols] = row ``row`` of the quantized table, BLOCK_N elements at a time."""
+    c = tl.arange(0, BLOCK_N)
+    for c0 in range(0, cols, BLOCK_N):
+        at = c0 + c
+        value = dequantized(base, table, scales, row, tl.minimum(at, cols - 1), table_stride, scales_stride, FORMAT)
+        tl.store(heap_ptr(base, out, OUT_DTYPE) + at, rounded(value, OUT_DTYPE), mask=at < cols)
+
+
+@triton.jit
+def quantized_embedding_tile(base, status,
+                             out, table, scales,   # heap offsets: the output row, the packed table, its scales
+                             token,                # heap offset of the int64 token id
+                             rows, cols,           # the table's shape, in elements
+                             table_stride,         # bytes between packed rows
+                             scales_stride,
+                             OUT_DTYPE: tl.constexpr, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row ``*token`` of the quantized table, dequantized, to the output row (out of range: row 0, reported)."""
+    row = checked_index(status, tl.load(heap_ptr(base, token, tl.int64)), rows)
+    _dequantized_row(base, out, table, scales, row, cols, table_stride, scales_stride, OUT_DTYPE, FORMAT, BLOCK_N)
+
+
+@triton.jit
+def quantized_embedding_at_tile(base, status,
+                                out, table, scales,   # heap offsets: the output row, the packed table, its scales
+                                history,              # heap offset of the batch row's int64 token history
+                                pos,                  # heap offset of the int64 position
+                                history_cols,         # positions of the history
+                                rows, cols,           # the table's shape, in elements
+                                table_stride,         # bytes between packed rows
+                                scales_stride,
+                                OUT_DTYPE: tl.constexpr, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row ``history[*pos]`` of the quantized table, dequantized, to the output row (as ``embedding_at``)."""
+    at = row_position(status, heap_ptr(base, pos, tl.int64), history_cols)
+    token = tl.load(heap_ptr(base, history, tl.int64) + tl.maximum(at, 0))
+    row = checked_index(status, tl.where(at < 0, 0, token), rows)
+    _dequantized_row(base, out, table, scales, row, cols, table_stride, scales_stride, OUT_DTYPE, FORMAT, BLOCK_N)
+
+
+def _copy_row(heap, task, row: int) -> None:
+    value = _weight(heap, FORMATS_BY_CODE[task.FORMAT], task.table, task.table_stride, task.scales,
+                    task.scales_stride, 1, task.cols, row, 0)
+    heap.tensor(task.out, task.OUT_DTYPE, 1, task.cols, task.cols).copy_(value)
+
+
+def _embedding_reference(heap, task) -> None:
+    _copy_row(heap, task, heap_index(heap, task.token, task.rows))
+
+
+def _embedding_at_reference(heap, task) -> None:
+    if heap.word(task.pos) == NO_SEQUENCE.value:
+        return _copy_row(heap, task, 0)
+    at = heap_index(heap, task.pos, task.history_cols)
+    _copy_row(heap, task, heap_index(heap, task.history + 8 * at, task.rows))
+
+
+def embedding(g, tokens, table: Quantized, pos=None):
+    """``tasks.embedding.embedding`` of a quantized table: rows dequantized into ``table.dtype``."""
+    g.require(table.data.graph is g, "embedding: the quantized table belongs to another graph")
+    block_n = min(next_power_of_2(table.cols), EMBEDDING_BLOCK_N)
+    scales = table.scales
+    words = dict(table=table.data.addr(0, 0), rows=table.rows, cols=table.cols, table_stride=table.data.row_stride,
+                 scales=scales.addr(0, 0) if scales is not None else 0,
+                 scales_stride=scales.row_stride if scales is not None else 0)
+    table_reads = (table.data.region(0, table.rows, 0, table.data.cols),)
+    if scales is not None:
+        table_reads += (scales.region(0, scales.rows, 0, scales.cols),)
+    cost = dict(bytes=table.data.cols + table.cols * 4, flops=table.cols)
+    consts = dict(OUT_DTYPE=table.dtype, FORMAT=table.format.code, BLOCK_N=block_n)
+    if pos is None:
+        g.require(tokens.ndim == 1 and tokens.dtype == torch.int64,
+                  f"embedding: tokens must be 1-D int64, got {tokens.shape} {tokens.dtype}")
+        out = g.new_tensor((tokens.cols, table.cols), table.dtype)
+        opcode = g.opcode(QUANTIZED_EMBEDDING, **consts)
+        for b in range(tokens.cols):
+            g.add_task(opcode, out=out.addr(b, 0), token=tokens.addr(0, b), **words,
+                       reads=(tokens.region(0, 1, b, 1), *table_reads), writes=(out.region(b, 1, 0, table.cols),),
+                       **cost)
+        return out
+    g.require(tokens.ndim == 2 and tokens.dtype == torch.int64,
+              f"embedding: a history must be 2-D int64 [batch, positions], got {tokens.shape} {tokens.dtype}")
+    out = g.new_tensor((tokens.rows, table.cols), table.dtype)
+    opcode = g.opcode(QUANTIZED_EMBEDDING_AT, **consts)
+    for b, (position, position_region) in enumerate(row_positions(g, "embedding", pos, tokens.rows)):
+        g.add_task(opcode, out=out.addr(b, 0), history=tokens.addr(b, 0), pos=position, history_cols=tokens.cols,
+                   **words, reads=(tokens.region(b, 1, 0, tokens.cols), position_region, *table_reads),
+                   writes=(out.region(b, 1, 0, table.cols),), **cost)
+    return out
+
+
+def _example(g):
+    """Every format in a one-row linear (each its own dequantization in the kernel); the three-row and
+    split-K linear and both embedding lookups in one format (the same helper: ``tests/test_quantized.py``
+    runs every format through them)."""
+    results = []
+    for format in FORMATS.values():
+        cols = 512 if format.block == 256 else 544  # 544: a last step of 32 of BLOCK_K's columns
+        w = quantized_input(g, f"quantized.{format.name}", (136, cols), format, torch.float32)
+        results.append(g.linear(g.input(f"quantized.{format.name}.x", (1, cols), torch.float32), w))
+    x3 = g.input("quantized.x3", (3, 512), torch.bfloat16)
+    results.append(g.linear(x3, quantized_input(g, "quantized.q4_k.3", (40, 512), Q4_K, torch.bfloat16), split_k=2))
+    table = quantized_input(g, "quantized.table", (50, 544), Q4_1, torch.bfloat16)
+    results += [g.embedding(g.input("quantized.tokens", (2,), torch.int64), table),
+                g.embedding(g.input("quantized.history", (2, 45), torch.int64), table,
+                            pos=g.input("quantized.pos", (1,), torch.int64))]
+    return tuple(results)
+
+
+QUANTIZED_LINEAR = TaskType("quantized_linear", quantized_linear_tile, _linear_reference, _example)
+QUANTIZED_EMBEDDING = TaskType("quantized_embedding", quantized_embedding_tile, _embedding_reference, _example)
+QUANTIZED_EMBEDDING_AT = TaskType("quantized_embedding_at", quantized_embedding_at_tile, _embedding_at_reference,
+                                  _example)
+TASK_TYPES = (QUANTIZED_LINEAR, QUANTIZED_EMBEDDING, QUANTIZED_EMBEDDING_AT)
+OPS = {}

@@ -1,0 +1,121 @@
+"""Quantized weights: every format's dequantization against gguf's own (and torch's float8 conversion), in
+torch and in the tiles, and quantized linears against float64."""
+import numpy as np
+import pytest
+import torch
+
+import megakernel as mk
+from megakernel.tasks.quantized import FORMATS, FP8_SCALE_BLOCK, Q8_0, dequantize, quantized_input
+from helpers import run_checked
+
+gguf = pytest.importorskip("gguf")
+
+GGUF_FORMATS = [f for f in FORMATS.values() if f.scales is None]
+FP8_FORMATS = [f for f in FORMATS.values() if f.scales is not None]
+# float16 scales at the edges of the type: the largest, the smallest normal and subnormal, negative, zero
+EXTREME_F16 = np.array([65504.0, -65504.0, 6.104e-05, 5.96e-08, -5.96e-08, 0.0, 1.0, -0.0078125], dtype=np.float16)
+F16_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q6_k": (208,)}
+
+
+def random_blocks(format, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Packed rows of random bytes, every float16 field a random finite value, one in four an extreme one."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // format.block, format.block_bytes), dtype=np.uint8)
+    for at in F16_FIELDS[format.name]:
+        values = rng.standard_normal(blocks.shape[:2]).astype(np.float16) * np.float16(4)
+        extreme = rng.random(blocks.shape[:2]) < 0.25
+        values[extreme] = rng.choice(EXTREME_F16, int(extreme.sum()))
+        blocks[..., at:at + 2] = values.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(rows, -1)
+
+
+def gguf_reference(format, packed: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(packed, gguf.GGMLQuantizationType[format.name.upper()]).copy())
+
+
+def fp8_weight(format, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every byte value (NaNs and subnormals included) in random places, scales of every magnitude; and the
+    weight as the checkpoint defines it, ``w.float() * scale``."""
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8)
+    data.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    shape = format.scales_shape(rows, cols)
+    scales = torch.randn(shape, generator=gen) * 10.0 ** torch.randint(-30, 30, shape, generator=gen).float()
+    values = data.view(torch.float8_e4m3fn).float()
+    if format.scales == "channel":
+        expected = values * scales[:, None]
+    else:
+        expected = values * scales.repeat_interleave(FP8_SCALE_BLOCK, 0)[:rows].repeat_interleave(FP8_SCALE_BLOCK, 1)[
+            :, :cols]
+    return data, scales, expected
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element for element, NaN where the other is NaN."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+@pytest.mark.parametrize("format", GGUF_FORMATS, ids=lambda f: f.name)
+def test_dequantize_is_gguf(format):
+    packed = random_blocks(format, 7, 2 * 256, seed=1)
+    assert same(dequantize(format, torch.from_numpy(packed), 512), gguf_reference(format, packed))
+
+
+@pytest.mark.parametrize("format", FP8_FORMATS, ids=lambda f: f.name)
+def test_dequantize_fp8_is_scaled_float8(format):
+    data, scales, expected = fp8_weight(format, 200, 300, seed=2)
+    assert same(dequantize(format, data, 300, scales), expected)
+    # a part of the weight, as a tile reads it: rows 130.., columns 128..
+    assert same(dequantize(format, data[130:, 128:], 172, scales, 130, 128), expected[130:, 128:])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("format", list(FORMATS.values()), ids=lambda f: f.name)
+def test_tiles_dequantize_every_element_as_the_format_defines(format):
+    """The embedding lookup of every row of a quantized table (float32 out, nothing rounded) is the table
+    as gguf (or torch's float8 conversion times the scale) dequantizes it, bit for bit: the tiles' helper
+    is the format's definition under the interpreter too."""
+    rows, cols = (6, 512) if format.scales is None else (130, 136)
+    if format.scales is None:
+        packed = random_blocks(format, rows, cols, seed=3)
+        data, scales, expected = torch.from_numpy(packed), None, gguf_reference(format, packed)
+    else:
+        data, scales, _ = fp8_weight(format, rows, cols, seed=4)
+        data[(data & 0x7F) == 0x7F] -= 1  # no NaN weights: a NaN output would read as an element never written
+        expected = dequantize(format, data, cols, scales)
+    g = mk.Graph(world_size=1, rank=0)
+    table = quantized_input(g, "table", (rows, cols), format, torch.float32)
+    g.output("rows", g.embedding(g.input("tokens", (rows,), torch.int64), table))
+    inputs = {"table": data, "tokens": torch.randperm(rows)}
+    if scales is not None:
+        inputs["table.scales"] = scales
+    out = run_checked(g, inputs)
+    assert same(out["rows"], expected[inputs["tokens"]])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("rows_of_x,split_k", [(1, None), (3, 2)])
+def test_quantized_linear_matches_float64(rows_of_x, split_k):
+    """A Q8_0 GEMV of a weight with a K that is not whole BLOCK_K steps, and its split-K form, against
+    float64 over the dequantized weight; every output element written."""
+    n, k = 70, 544
+    packed = torch.from_numpy(random_blocks(Q8_0, n, k, seed=5))
+    weight = dequantize(Q8_0, packed, k).double()
+    g = mk.Graph(world_size=1, rank=0)
+    x = g.input("x", (rows_of_x, k), torch.float32)
+    g.output("y", g.linear(x, quantized_input(g, "w", (n, k), Q8_0, torch.float32), split_k=split_k))
+    xs = torch.randn(rows_of_x, k, dtype=torch.float64)
+    out = run_checked(g, {"x": xs.float(), "w": packed})
+    expected = xs @ weight.T
+    assert torch.allclose(out["y"].double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_quantized_weights_refuse_partial_blocks_and_bad_splits():
+    g = mk.Graph(world_size=1, rank=0)
+    with pytest.raises(mk.GraphError, match="not whole q8_0 blocks"):
+        quantized_input(g, "w", (4, 48), Q8_0, torch.float32)
+    w = quantized_input(g, "w2", (4, 512), Q8_0, torch.float32)
+    with pytest.raises(mk.GraphError, match="split_k of a quantized weight"):
+        g.linear(g.input("x", (1, 512), torch.float32), w, split_k=3)
+    with pytest.raises(mk.GraphError, match="expected w of shape"):
+        g.linear(g.input("x2", (1, 256), torch.float32), w)
