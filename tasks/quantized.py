@@ -8,8 +8,10 @@ columns) of ``block`` elements in ``block_bytes`` bytes each:
   Q4_0 (32 nibbles, a scale; the value is scale * (q - 8)), Q4_1 (32 nibbles, a scale and a minimum),
   Q4_K (256-element super-blocks of eight 32-element sub-blocks with 6-bit scales and minimums), Q6_K
   (256 elements of 6 bits in sixteen 16-element sub-blocks with int8 scales).
-- FP8 e4m3 (float8_e4m3fn bytes) times a float32 scale per output row (``fp8_channel``) or per 128 x 128
-  block of the weight (``fp8_block``: FP8 checkpoints' ``weight_scale_inv``).
+- FP8 e4m3 (float8_e4m3fn bytes) times a float32 scale per output row (``fp8_channel``, scales [rows]) or
+  per row and 128 columns (``fp8_block``, scales [rows, ceil(cols / 128)]: an FP8 checkpoint's 128 x 128
+  block scales, ``weight_scale_inv``, repeated for each row of their block on the host, so that ranks
+  and fused projections cut and join rows anywhere; 4 bytes per 128 weights more than the checkpoint).
 
 Each element is rebuilt as its format defines it, in float32, by integer operations on the loaded bytes
 and IEEE multiplications (the FP8 byte is decoded from its bits, not by a hardware conversion): the same
@@ -30,7 +32,7 @@ from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
 from .common import TaskType, ceil_div, heap_index, next_power_of_2, require_float, rounded, row_positions
 from .reduction import sum_slices
 
-FP8_SCALE_BLOCK = 128  # the rows and columns of w one fp8_block scale covers
+FP8_SCALE_BLOCK = 128  # the columns of a row one fp8_block scale covers
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class Format:
         if self.scales == "channel":
             return (rows,)
         if self.scales == "block":
-            return (ceil_div(rows, FP8_SCALE_BLOCK), ceil_div(cols, FP8_SCALE_BLOCK))
+            return (rows, ceil_div(cols, FP8_SCALE_BLOCK))
         return None
 
 
@@ -84,6 +86,17 @@ class Quantized:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.cols)
+
+
+def rows_of(weight, start: int, length: int):
+    """Rows ``start .. start + length`` of a weight: a view of a graph tensor, or of a ``Quantized`` one's
+    packed rows and their scales."""
+    if not isinstance(weight, Quantized):
+        return weight[start:start + length]
+    scales = weight.scales
+    if scales is not None:
+        scales = scales[start:start + length]  # [rows] or [rows, column blocks]: a scale row per weight row
+    return Quantized(weight.data[start:start + length], weight.format, weight.cols, weight.dtype, scales)
 
 
 def quantized_input(g, name: str, shape: tuple[int, int], format: Format, dtype: torch.dtype) -> Quantized:
@@ -145,7 +158,8 @@ GGUF_DEQUANTIZE = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q4_K: _q4_k, Q6_K: _q6
 def dequantize(format: Format, data: torch.Tensor, cols: int, scales: torch.Tensor | None = None,
                row0: int = 0, col0: int = 0) -> torch.Tensor:
     """float32 [n, cols]: packed rows ``data`` (uint8 [n, format.row_bytes(cols)]), which are rows
-    ``row0 ..`` and columns ``col0 ..`` of the weight ``scales`` (FP8: the whole weight's) belong to."""
+    ``row0 ..`` and columns ``col0 ..`` of the weight ``scales`` (FP8: the whole weight's, or rows
+    from row0 on) belong to."""
     if format.scales is None:
         blocks = data.reshape(data.shape[0], cols // format.block, format.block_bytes)
         return GGUF_DEQUANTIZE[format](blocks).reshape(data.shape[0], cols)
@@ -154,7 +168,7 @@ def dequantize(format: Format, data: torch.Tensor, cols: int, scales: torch.Tens
     if format.scales == "channel":
         return values * scales[rows].float().unsqueeze(1)
     columns = torch.arange(col0, col0 + cols)
-    return values * scales[rows // FP8_SCALE_BLOCK][:, columns // FP8_SCALE_BLOCK].float()
+    return values * scales[rows][:, columns // FP8_SCALE_BLOCK].float()
 
 
 # -- the device side -----------------------------------------------------------------------------------------
@@ -221,12 +235,12 @@ def dequantized(base, w, scales, rows, cols, w_stride, scales_stride, FORMAT: tl
         high = (_byte(block + 128 + half * 32 + r % 32) >> (r // 32 * 2)) & 3
         scale = tl.load((block + 192 + i // 16).to(tl.pointer_type(tl.int8))).to(tl.float32)
         value = (_f16_at(block + 208) * scale) * ((low | (high << 4)) - 32).to(tl.float32)
-    else:              # fp8 e4m3 and a float32 scale per row (6) or per 128 x 128 block (7)
+    else:              # fp8 e4m3 and a float32 scale per row (6) or per row and 128 columns (7)
         scale_ptr = heap_ptr(base, scales, tl.float32)
         if FORMAT == 6:
             scale = tl.load(scale_ptr + rows)
         else:
-            scale = tl.load(scale_ptr + rows // 128 * scales_stride + cols // 128)
+            scale = tl.load(scale_ptr + rows * scales_stride + cols // 128)
         value = _e4m3(_byte(row + cols)) * scale
     return value
 
@@ -272,8 +286,7 @@ def _weight(heap, format: Format, w: int, w_stride: int, scales: int, scales_str
     if format.scales == "channel":
         scales = heap.tensor(scales, torch.float32, 1, row0 + rows, row0 + rows)[0]
     elif format.scales == "block":
-        scales = heap.tensor(scales, torch.float32, ceil_div(row0 + rows, FP8_SCALE_BLOCK),
-                             ceil_div(col0 + cols, FP8_SCALE_BLOCK), scales_stride)
+        scales = heap.tensor(scales, torch.float32, row0 + rows, ceil_div(col0 + cols, FP8_SCALE_BLOCK), scales_stride)
     return dequantize(format, data, cols, scales, row0, col0)
 
 

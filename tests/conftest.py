@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from megakernel import bootstrap, cpu_backend
@@ -26,3 +28,16 @@ def torch_backend(request, monkeypatch):
     marked ``interpreter`` stays there)."""
     if request.node.get_closest_marker("interpreter") is None:
         monkeypatch.setattr(bootstrap, "_process_backend", "torch")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct as transformers loads its GGUF file (dequantized to float32): the reference."""
+    import torch
+    from helpers import smollm2_path
+    from transformers import AutoModelForCausalLM
+    path = smollm2_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # greedy to the end
+    return model

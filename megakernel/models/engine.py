@@ -73,6 +73,8 @@ class DecodeModel:
         self.config = config
         self.rope_at = rope_at
         self.bytes_read = 0  # of a checkpoint, by this rank (from_pretrained)
+        # the bytes of weights this rank holds on its heap, as bound: packed ones as they are stored
+        self.weight_bytes = sum(t.numel() * t.element_size() for name, t in weights.items() if name != "inv_freq")
         self.inv_freq = weights["inv_freq"].clone()  # the frequencies bound now (the model may update its own)
         learn = False  # size the tiles for the workers the kernel turns out to hold
         if parallelism == "auto":

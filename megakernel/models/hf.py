@@ -17,6 +17,7 @@ sequence length: before each step the module is asked for the frequencies at tha
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -164,6 +165,7 @@ def decode_model(config: DecoderConfig, tensors: Mapping[str, Any], rotary, tied
     RoPE frequencies from ``rotary`` (a transformers rotary module of its own, which
     ``rope_frequencies`` may update)."""
     world, rank = current_world()
+    config = replace(config, tied=tied)
     weights = shard_weights(tensors, config, Shard.of(config, rank, world), rotary.inv_freq, tied)
     rope_at = rope_frequencies(rotary) if rotary.rope_type in LENGTH_DEPENDENT_ROPE else None
     return DecodeModel(config, weights, parallelism, rope_at, **kernel_options)

@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from ..errors import GraphError
+from .packed import Packed, concat
+
 if TYPE_CHECKING:
     from .decoder import DecoderConfig, Shard
 
@@ -63,11 +66,13 @@ class Split(Enum):
 @dataclass(frozen=True)
 class Stored:
     """A tensor as ``transformers`` names and shapes it, whole: ``key`` in its state dict (``{i}``: the
-    layer, ``{e}``: the expert), ``shape`` [out, in] for a projection, and how ranks split it."""
+    layer, ``{e}``: the expert), ``shape`` [out, in] for a projection, how ranks split it, and ``gguf``:
+    its name in a GGUF file (llama.cpp's)."""
 
     key: str
     shape: tuple[Dim, ...]
     split: Split = Split.REPLICATED
+    gguf: str | None = None
 
     def __post_init__(self):
         if self.split is not Split.REPLICATED and self.shape[self.split.value].share is None:
@@ -116,7 +121,8 @@ class Weight:
     flag: str | None = None   # the ``DecoderConfig`` flag it exists under (None: always)
     per_row: bool = False     # a bias: [rows, n], the same row for every step row (a step adds it row by row)
     per_expert: bool = False  # ``parts`` for each expert in turn: [experts * rows of the parts, ...]
-    format: str = "dense"     # how it is stored: "dense", elements of the config's dtype (the only format yet)
+    packable: bool = False    # a matrix a checkpoint may keep quantized (``DecoderConfig.formats``): the graph
+                              # input is then its packed bytes, and scales (``tasks.quantized``)
 
     def shape(self, c: DecoderConfig, s: Shard) -> tuple[int, ...]:
         """Its shape on rank ``s``: the same on every rank (shares are zero-padded)."""
@@ -129,26 +135,30 @@ def _layer(key: str) -> str:
     return f"model.layers.{{i}}.{key}"
 
 
-EMBED_TOKENS = Stored("model.embed_tokens.weight", (VOCAB, HIDDEN))
-FINAL_NORM = Stored("model.norm.weight", (HIDDEN,))
-LM_HEAD = Stored("lm_head.weight", (VOCAB, HIDDEN), Split.COLUMN)  # vocabulary-parallel
+def _block(key: str) -> str:
+    return f"blk.{{i}}.{key}"
+
+
+EMBED_TOKENS = Stored("model.embed_tokens.weight", (VOCAB, HIDDEN), gguf="token_embd.weight")
+FINAL_NORM = Stored("model.norm.weight", (HIDDEN,), gguf="output_norm.weight")
+LM_HEAD = Stored("lm_head.weight", (VOCAB, HIDDEN), Split.COLUMN, gguf="output.weight")  # vocabulary-parallel
 TIED = {LM_HEAD: EMBED_TOKENS}  # what tie_word_embeddings stores as what
 
-INPUT_NORM = Stored(_layer("input_layernorm.weight"), (HIDDEN,))
-POST_NORM = Stored(_layer("post_attention_layernorm.weight"), (HIDDEN,))
-Q_PROJ = Stored(_layer("self_attn.q_proj.weight"), (Q_HEADS, HIDDEN), Split.COLUMN)
-K_PROJ = Stored(_layer("self_attn.k_proj.weight"), (KV_HEADS, HIDDEN), Split.COLUMN)
-V_PROJ = Stored(_layer("self_attn.v_proj.weight"), (KV_HEADS, HIDDEN), Split.COLUMN)
-O_PROJ = Stored(_layer("self_attn.o_proj.weight"), (HIDDEN, Q_HEADS), Split.ROW)
-Q_BIAS = Stored(_layer("self_attn.q_proj.bias"), (Q_HEADS,), Split.COLUMN)
-K_BIAS = Stored(_layer("self_attn.k_proj.bias"), (KV_HEADS,), Split.COLUMN)
-V_BIAS = Stored(_layer("self_attn.v_proj.bias"), (KV_HEADS,), Split.COLUMN)
+INPUT_NORM = Stored(_layer("input_layernorm.weight"), (HIDDEN,), gguf=_block("attn_norm.weight"))
+POST_NORM = Stored(_layer("post_attention_layernorm.weight"), (HIDDEN,), gguf=_block("ffn_norm.weight"))
+Q_PROJ = Stored(_layer("self_attn.q_proj.weight"), (Q_HEADS, HIDDEN), Split.COLUMN, gguf=_block("attn_q.weight"))
+K_PROJ = Stored(_layer("self_attn.k_proj.weight"), (KV_HEADS, HIDDEN), Split.COLUMN, gguf=_block("attn_k.weight"))
+V_PROJ = Stored(_layer("self_attn.v_proj.weight"), (KV_HEADS, HIDDEN), Split.COLUMN, gguf=_block("attn_v.weight"))
+O_PROJ = Stored(_layer("self_attn.o_proj.weight"), (HIDDEN, Q_HEADS), Split.ROW, gguf=_block("attn_output.weight"))
+Q_BIAS = Stored(_layer("self_attn.q_proj.bias"), (Q_HEADS,), Split.COLUMN, gguf=_block("attn_q.bias"))
+K_BIAS = Stored(_layer("self_attn.k_proj.bias"), (KV_HEADS,), Split.COLUMN, gguf=_block("attn_k.bias"))
+V_BIAS = Stored(_layer("self_attn.v_proj.bias"), (KV_HEADS,), Split.COLUMN, gguf=_block("attn_v.bias"))
 O_BIAS = Stored(_layer("self_attn.o_proj.bias"), (HIDDEN,))  # added once, after the all-reduce
-Q_NORM = Stored(_layer("self_attn.q_norm.weight"), (HEAD_DIM,))
-K_NORM = Stored(_layer("self_attn.k_norm.weight"), (HEAD_DIM,))
-GATE_PROJ = Stored(_layer("mlp.gate_proj.weight"), (INTERMEDIATE, HIDDEN), Split.COLUMN)
-UP_PROJ = Stored(_layer("mlp.up_proj.weight"), (INTERMEDIATE, HIDDEN), Split.COLUMN)
-DOWN_PROJ = Stored(_layer("mlp.down_proj.weight"), (HIDDEN, INTERMEDIATE), Split.ROW)
+Q_NORM = Stored(_layer("self_attn.q_norm.weight"), (HEAD_DIM,), gguf=_block("attn_q_norm.weight"))
+K_NORM = Stored(_layer("self_attn.k_norm.weight"), (HEAD_DIM,), gguf=_block("attn_k_norm.weight"))
+GATE_PROJ = Stored(_layer("mlp.gate_proj.weight"), (INTERMEDIATE, HIDDEN), Split.COLUMN, gguf=_block("ffn_gate.weight"))
+UP_PROJ = Stored(_layer("mlp.up_proj.weight"), (INTERMEDIATE, HIDDEN), Split.COLUMN, gguf=_block("ffn_up.weight"))
+DOWN_PROJ = Stored(_layer("mlp.down_proj.weight"), (HIDDEN, INTERMEDIATE), Split.ROW, gguf=_block("ffn_down.weight"))
 GATE_BIAS = Stored(_layer("mlp.gate_proj.bias"), (INTERMEDIATE,), Split.COLUMN)
 UP_BIAS = Stored(_layer("mlp.up_proj.bias"), (INTERMEDIATE,), Split.COLUMN)
 DOWN_BIAS = Stored(_layer("mlp.down_proj.bias"), (HIDDEN,))  # added once, after the all-reduce
@@ -174,20 +184,20 @@ LAYOUTS = (
 )
 
 # Each table in the order the decode step declares its inputs (the heap's layout).
-EMBED = Weight("embed", (EMBED_TOKENS,))
+EMBED = Weight("embed", (EMBED_TOKENS,), packable=True)
 NORM = Weight("norm", (FINAL_NORM,))
-HEAD = Weight("lm_head", (LM_HEAD,))
+HEAD = Weight("lm_head", (LM_HEAD,), packable=True)
 MODEL = (EMBED, NORM, HEAD)
 LAYER = (Weight("input_norm", (INPUT_NORM,)),
-         Weight("qkv", (Q_PROJ, K_PROJ, V_PROJ)),
-         Weight("o", (O_PROJ,)),
+         Weight("qkv", (Q_PROJ, K_PROJ, V_PROJ), packable=True),
+         Weight("o", (O_PROJ,), packable=True),
          Weight("post_norm", (POST_NORM,)),
          Weight("qkv_bias", (Q_BIAS, K_BIAS, V_BIAS), flag="qkv_bias", per_row=True),  # Qwen2, attention_bias
          Weight("q_norm", (Q_NORM,), flag="qk_norm"),  # Qwen3
          Weight("k_norm", (K_NORM,), flag="qk_norm"),
          Weight("o_bias", (O_BIAS,), flag="o_bias", per_row=True))  # Llama's attention_bias
-DENSE_MLP = (Weight("gate_up", (GATE_PROJ, UP_PROJ)),
-             Weight("down", (DOWN_PROJ,)),
+DENSE_MLP = (Weight("gate_up", (GATE_PROJ, UP_PROJ), packable=True),
+             Weight("down", (DOWN_PROJ,), packable=True),
              Weight("gate_up_bias", (GATE_BIAS, UP_BIAS), flag="mlp_bias", per_row=True),  # Llama's mlp_bias
              Weight("down_bias", (DOWN_BIAS,), flag="mlp_bias", per_row=True))
 SPARSE_MLP = (Weight("router", (ROUTER,)),
@@ -201,6 +211,12 @@ def layer_weights(c: DecoderConfig, i: int) -> list[Weight]:
     return [w for w in (*LAYER, *mlp) if w.flag is None or getattr(c, w.flag)]
 
 
+def head_in_embedding(c: DecoderConfig, s: Shard) -> bool:
+    """The LM head of rank ``s`` is rows of the embedding's table, not an input of its own: the model ties them
+    and the rank's share of the vocabulary is all real rows (a padded share keeps a copy with its zero rows)."""
+    return c.tied and s.lm.real == s.lm.size
+
+
 def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_freq: torch.Tensor, tied: bool
                   ) -> dict[str, torch.Tensor]:
     """Rank ``s``'s slices of a model's weights, named as the decode graph's inputs, and its RoPE
@@ -208,23 +224,34 @@ def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_fr
 
     ``tensors``: the model's weights by their ``transformers`` state-dict names (``Stored``, or any of
     ``LAYOUTS``), as tensors (``from_hf``) or as lazy slices of a checkpoint (``from_pretrained``: only
-    what is taken here is read; a missing tensor is the mapping's error, naming it). ``tied``: the LM
+    what is taken here is read; a missing tensor is the mapping's error, naming it), or as ``Packed``
+    quantized weights (the inputs ``name`` and ``name.scales``, as ``c.formats`` says). ``tied``: the LM
     head is the embedding.
     """
     def rank_slice(weight: Weight, layer: int = 0) -> torch.Tensor:
         experts = range(c.experts) if weight.per_expert else (0,)
         slices = [part.take(_find(tensors, TIED.get(part, part) if tied else part, c, layer, expert), c, s)
                   for expert in experts for part in weight.parts]
-        value = slices[0] if len(slices) == 1 else torch.cat(slices)
+        value = slices[0] if len(slices) == 1 else concat(slices)
         return value.reshape(1, -1).expand(c.rows, -1) if weight.per_row else value
 
-    weights = {w.name: rank_slice(w) for w in MODEL}
+    weights = {w.name: rank_slice(w) for w in MODEL if w is not HEAD or not head_in_embedding(c, s)}
     weights["inv_freq"] = inv_freq.float()
     if c.gemma:  # the embedding's scale, sqrt(hidden), as the model's dtype holds it, for every batch row
         weights["embed_scale"] = torch.full((c.rows, c.hidden), c.hidden ** 0.5, dtype=c.dtype)
     for i in range(c.layers):
         weights.update({f"layers.{i}.{w.name}": rank_slice(w, i) for w in layer_weights(c, i)})
-    return {name: w.detach().contiguous() for name, w in weights.items()}
+    inputs = {}
+    for name, w in weights.items():
+        w = w.detach().contiguous()
+        kept, said = (w.format if isinstance(w, Packed) else None), c.format_of(name)
+        if kept is not said:
+            raise GraphError(f"{name}: kept as {kept.name if kept else w.dtype}, the config says "
+                             f"{said.name if said else c.dtype}")
+        inputs[name] = w.data if isinstance(w, Packed) else w
+        if isinstance(w, Packed) and w.scales is not None:
+            inputs[name + ".scales"] = w.scales
+    return inputs
 
 
 def _find(tensors: Mapping[str, Any], stored: Stored, c: DecoderConfig, layer: int, expert: int) -> Any:

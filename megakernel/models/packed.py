@@ -1,0 +1,105 @@
+"""A quantized weight as a checkpoint keeps it (``Packed``): its packed rows and scales, cut and joined as
+ranks and fused projections need, without dequantizing anything, then bound to the heap as they are.
+
+It narrows, pads and concatenates like the tensors ``schema.shard_weights`` takes slices of, in the
+weight's element coordinates: rows freely, columns at whole blocks of its format. Its payload may be
+lazy (a GGUF file's memory map, a safetensors slice): only what a rank takes is read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ..errors import GraphError
+from ..tasks.quantized import FP8_SCALE_BLOCK, Format
+
+
+def materialized(part: Any) -> torch.Tensor:
+    """A lazy payload's tensor (``load()``: what it spans is read now), or the tensor itself."""
+    return part.load() if hasattr(part, "load") else torch.as_tensor(part)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Weight ``name`` [rows, cols] in ``format``: ``data`` its packed rows [rows, format.row_bytes(cols)]
+    (uint8), ``scales`` its FP8 scales ([rows] or [rows, ceil(cols / 128)], float32). ``head_rows``: the
+    rows are in llama.cpp's rotary order within heads of that many rows, put back in transformers' order
+    when read."""
+
+    name: str
+    data: Any
+    format: Format
+    cols: int
+    scales: Any = None
+    head_rows: int = 0
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.data.shape[0], self.cols))
+
+    def narrow(self, dim: int, start: int, length: int) -> "Packed":
+        if dim == 0:
+            if self.head_rows and (start % self.head_rows or length % self.head_rows):
+                raise GraphError(f"{self.name}: rows {start}..{start + length} cut a head of {self.head_rows} rows")
+            scales = self.scales.narrow(0, start, length) if self.scales is not None else None
+            return replace(self, data=self.data.narrow(0, start, length), scales=scales)
+        f = self.format
+        block = FP8_SCALE_BLOCK if f.scales == "block" else f.block
+        if start % block or (length % block and start + length != self.cols):
+            raise GraphError(f"{self.name}: a rank's columns {start}..{start + length} cut a {f.name} block of {block} "
+                             f"columns; splits across ranks must fall on whole blocks")
+        scales = self.scales
+        if f.scales == "block":
+            scales = scales.narrow(1, start // FP8_SCALE_BLOCK, -(-length // FP8_SCALE_BLOCK))
+        return replace(self, data=self.data.narrow(1, f.row_bytes(start), f.row_bytes(length)), cols=length,
+                       scales=scales)
+
+    def new_zeros(self, shape) -> "Packed":
+        """Zero weights of ``shape`` (rows, cols) in this format: zero bytes are zero in every format."""
+        rows, cols = shape
+        if cols % self.format.block:
+            raise GraphError(f"{self.name}: padding of {cols} columns is not whole {self.format.name} blocks")
+        scales_shape = self.format.scales_shape(rows, cols)
+        return Packed(self.name, torch.zeros(rows, self.format.row_bytes(cols), dtype=torch.uint8), self.format, cols,
+                      torch.zeros(scales_shape) if scales_shape else None)
+
+    def contiguous(self) -> "Packed":
+        """This weight read: its payload as tensors, its rows in transformers' order."""
+        data = materialized(self.data).to(torch.uint8).contiguous()
+        scales = materialized(self.scales).float().contiguous() if self.scales is not None else None
+        if self.head_rows:
+            half = self.head_rows // 2
+            within = torch.arange(self.head_rows).reshape(half, 2).T.reshape(-1)  # llama.cpp's row 2a + b -> b * half + a
+            order = (torch.arange(0, data.shape[0], self.head_rows)[:, None] + within).reshape(-1)
+            data = data[order]
+            scales = scales[order] if scales is not None else None
+        return replace(self, data=data, scales=scales, head_rows=0)
+
+    def detach(self) -> "Packed":
+        return self
+
+
+def concat(parts: list, dim: int = 0):
+    """``torch.cat`` of tensors, or of the ``Packed`` parts of one weight (one format; along columns, a part
+    before another ends on a whole scale block)."""
+    if not isinstance(parts[0], Packed):
+        return torch.cat(parts, dim)
+    first = parts[0]
+    formats = {p.format.name for p in parts}
+    if len(formats) > 1:
+        raise GraphError(f"{first.name}: its parts are kept in {', '.join(sorted(formats))}; one format per weight")
+    parts = [p.contiguous() for p in parts]
+    scales = None
+    if first.format.scales == "block":
+        if dim == 1 and any(p.cols % FP8_SCALE_BLOCK for p in parts[:-1]):
+            raise GraphError(f"{first.name}: columns joined inside a scale block of {FP8_SCALE_BLOCK}")
+        scales = torch.cat([p.scales for p in parts], dim)
+    elif first.format.scales == "channel":
+        # along columns, a row keeps one scale: the parts after the first may only be its zero padding
+        if dim == 1 and any(p.data.any() for p in parts[1:]):
+            raise GraphError(f"{first.name}: columns joined from parts with scales of their own per row")
+        scales = torch.cat([p.scales for p in parts]) if dim == 0 else first.scales
+    cols = first.cols if dim == 0 else sum(p.cols for p in parts)
+    return Packed(first.name, torch.cat([p.data for p in parts], dim), first.format, cols, scales)
