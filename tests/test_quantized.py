@@ -153,3 +153,78 @@ def test_smollm2_gguf_decodes_as_transformers(smollm2, world):
         # replicated embedding and half of the rest (the attention's padded heads included)
         assert bytes_read <= weight_bytes <= file_bytes, (rank, weight_bytes, file_bytes)
         assert weight_bytes >= 0.95 * file_bytes if world == 1 else weight_bytes <= 0.7 * file_bytes
+
+
+# -- FP8 checkpoints made here: block scales (transformers' "fp8") and row scales (FBGEMM's) -----------------
+FP8_SCHEMES = {"fp8": "weight_scale_inv", "fbgemm_fp8": "weight_scale"}
+FP8_IDS = torch.tensor([[11, 7, 250, 3]])
+
+
+def fp8_quantized(w: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` as float8_e4m3fn, its scales as the checkpoint stores them, and what they dequantize to."""
+    rows, cols = w.shape
+    if method == "fp8":
+        blocks = torch.nn.functional.pad(w, (0, -cols % 128, 0, -rows % 128)).unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
+        scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448
+        per_element = scales.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+    else:
+        scales = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448
+        per_element = scales
+    q = (w / per_element).to(torch.float8_e4m3fn)
+    return q, scales, q.float() * per_element
+
+
+def fp8_llama(path, method: str):
+    """A 2-layer Llama whose dimensions are not multiples of 128 (hidden 160, vocabulary 300), its
+    projections saved in FP8 in ``path`` with ``method``'s scales; returns the model with the dequantized
+    weights (the reference)."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=160, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64, num_hidden_layers=2, vocab_size=300, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    tensors = {}
+    with torch.no_grad():
+        for key, w in model.state_dict().items():
+            if key.endswith("proj.weight"):
+                q, scales, dequantized = fp8_quantized(w, method)
+                tensors[key], tensors[key.removesuffix("weight") + FP8_SCHEMES[method]] = q, scales
+                w.copy_(dequantized)
+            else:
+                tensors[key] = w.contiguous()
+    save_file(tensors, str(path / "model.safetensors"))
+    quantization = {"quant_method": method, **({"weight_block_size": [128, 128]} if method == "fp8" else {})}
+    (path / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": ["LlamaForCausalLM"],
+                                                  "quantization_config": quantization}))
+    return model
+
+
+def _fp8_tokens(path):
+    from megakernel.models import from_pretrained
+    model = from_pretrained(path, max_seq_len=16, workers=2)
+    try:
+        return model.generate(FP8_IDS, 4), model.weight_bytes
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("method", list(FP8_SCHEMES))
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.interpreter), 2])
+def test_fp8_checkpoint_decodes_as_its_dequantized_model(tmp_path, torch_backend, method, world):
+    """At one rank under the interpreter, at two on the torch backend: the projections stay FP8 on the
+    heap (a byte per weight and the scales) and the greedy tokens are the dequantized model's."""
+    reference = fp8_llama(tmp_path, method)
+    with torch.no_grad():
+        expected = reference.generate(FP8_IDS, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    results = mk.launch(lambda: _fp8_tokens(tmp_path), world_size=world, virtual=True, timeout=600)
+    float_bytes = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
+    projections = sum(t.numel() for k, t in reference.state_dict().items() if k.endswith("proj.weight"))
+    for rank, (tokens, weight_bytes) in enumerate(results):
+        assert torch.equal(tokens, expected), f"rank {rank}: {tokens.tolist()} vs {expected.tolist()}"
+        if world == 1:  # the projections at a byte per weight (and their scales), the rest as stored
+            assert weight_bytes < float_bytes - 2.5 * projections, (weight_bytes, float_bytes)

@@ -10,18 +10,26 @@ from __future__ import annotations
 
 import json
 import stat
+from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import GraphError
+from ..tasks.quantized import FP8_BLOCK, FP8_CHANNEL, FP8_SCALE_BLOCK, Format
 from .engine import DecodeModel
 from .gguf import from_gguf
 from .hf import SUPPORTED, config_of, decode_model
+from .packed import Packed
+from .schema import stored_formats
 
-DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
-SMALLEST_WEIGHT_BYTES = 2  # bf16/f16: the fewest bytes a weight of a checkpoint takes
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
+          "F8_E4M3": torch.float8_e4m3fn}
+SMALLEST_WEIGHT_BYTES = 2  # bf16/f16: the fewest bytes a weight of a checkpoint takes (1 in an FP8 one)
+# FP8 checkpoints by quantization_config.quant_method: the suffix of a weight's scales (``*.weight`` ->
+# ``*.{suffix}``) and its format. transformers' "fp8": 128 x 128 block scales; "fbgemm_fp8": one per output row.
+FP8_SCHEMES = {"fp8": ("weight_scale_inv", FP8_BLOCK), "fbgemm_fp8": ("weight_scale", FP8_CHANNEL)}
 # Caps on a config's sizes, well past any released model, far below what would exhaust memory while the
 # model's modules are made (num_hidden_layers=1e6 grew a meta model by gigabytes): field -> (required, cap)
 CONFIG_SIZES = {"num_hidden_layers": (True, 1 << 10), "hidden_size": (True, 1 << 17), "vocab_size": (True, 1 << 23),
@@ -63,10 +71,59 @@ def read_config(path: Path) -> dict:
     # projections and the MLP's three matrices (keys, values, norms and biases only add to it)
     weights = config["vocab_size"] * hidden + layers * (2 * hidden * heads * head_dim + 3 * hidden * mlp)
     held = sum(file.stat().st_size for file in shard_files(path).values())
-    if weights * SMALLEST_WEIGHT_BYTES > held:
-        raise GraphError(f"{file}: its sizes make at least {weights:,} weights ({weights * SMALLEST_WEIGHT_BYTES:,} "
-                         f"bytes at 2 bytes each); the checkpoint's safetensors files hold {held:,} bytes")
+    smallest = SMALLEST_WEIGHT_BYTES if fp8_scheme(config, file) is None else 1
+    if weights * smallest > held:
+        raise GraphError(f"{file}: its sizes make at least {weights:,} weights ({weights * smallest:,} "
+                         f"bytes at {smallest} bytes each); the checkpoint's safetensors files hold {held:,} bytes")
     return config
+
+
+def fp8_scheme(config: dict, file: Path) -> tuple[str, Format] | None:
+    """The scales' suffix and format of an FP8 checkpoint (``FP8_SCHEMES``); None: not quantized."""
+    quantization = config.get("quantization_config")
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method not in FP8_SCHEMES:
+        raise GraphError(f"{file}: quantization_config.quant_method {method!r} is not supported; supported: "
+                         f"{', '.join(FP8_SCHEMES)}")
+    block = quantization.get("weight_block_size")
+    if method == "fp8" and list(block or ()) != [FP8_SCALE_BLOCK] * 2:
+        raise GraphError(f"{file}: quantization_config.weight_block_size {block!r} is not supported; supported: "
+                         f"[{FP8_SCALE_BLOCK}, {FP8_SCALE_BLOCK}]")
+    return FP8_SCHEMES[method]
+
+
+class FP8Weights:
+    """A checkpoint's tensors, its float8_e4m3fn weights as ``Packed`` ones with their scales (block scales
+    repeated per row, ``tasks.quantized``); the modules it left unconverted as stored."""
+
+    def __init__(self, checkpoint: "Checkpoint", suffix: str, format: Format):
+        self.checkpoint, self.suffix, self.format_kept = checkpoint, suffix, format
+
+    def format(self, key: str) -> Format | None:
+        tensor = self.checkpoint.get(key)
+        return self.format_kept if tensor is not None and tensor.dtype == torch.float8_e4m3fn else None
+
+    def get(self, key: str):
+        tensor = self.checkpoint.get(key)
+        if tensor is None or tensor.dtype != torch.float8_e4m3fn:
+            return tensor
+        scale_key = key.removesuffix("weight") + self.suffix
+        scales = self.checkpoint.get(scale_key)
+        rows, cols = tensor.shape
+        block = self.format_kept is FP8_BLOCK
+        expected = ((-(-rows // FP8_SCALE_BLOCK), -(-cols // FP8_SCALE_BLOCK)),) if block else ((rows, 1), (rows,))
+        if scales is None or tuple(scales.shape) not in expected:
+            raise GraphError(f"{self.checkpoint.path}: FP8 tensor {key} ({rows} x {cols}) needs scales {scale_key} of "
+                             f"shape {expected[0]}, got {tuple(scales.shape) if scales is not None else 'none'}")
+        scales = scales.load().float()
+        scales = scales.repeat_interleave(FP8_SCALE_BLOCK, 0)[:rows] if block else scales.reshape(rows)
+        return Packed(key, tensor, self.format_kept, cols, scales)
+
+    def __getitem__(self, key: str):
+        tensor = self.get(key)
+        return tensor if tensor is not None else self.checkpoint[key]
 
 
 def _regular(file: Path, what: str) -> Path:
@@ -192,8 +249,10 @@ class Checkpoint:
 def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
                     prefill_chunk: int = 0, parallelism: int | str = "auto", **kernel_options) -> DecodeModel:
     """Load a checkpoint directory (``config.json`` + ``*.safetensors``, one file or shards, as
-    ``save_pretrained`` writes it), or a GGUF file (``models.gguf``: its weights stay quantized), straight
-    into this rank's heap (nothing is downloaded) and compile its decode step. Only this rank's slices are read (``Checkpoint``): no whole model in host memory.
+    ``save_pretrained`` writes it; an FP8 one's weights stay FP8, ``FP8Weights``), or a GGUF file
+    (``models.gguf``: its weights stay quantized), straight into this rank's heap (nothing is downloaded)
+    and compile its decode step. Only this rank's slices are read (``Checkpoint``): no whole model in host
+    memory.
     The model's modules are made on the meta device (no memory) for what ``from_hf`` reads off them;
     the RoPE frequencies from its rotary module's class, made for real. The other arguments are ``from_hf's``.
     """
@@ -205,7 +264,7 @@ def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: in
                          prefill_chunk=prefill_chunk, parallelism=parallelism, **kernel_options)
     if not (path / "config.json").is_file():
         raise GraphError(f"{path}: no config.json: not a checkpoint directory as save_pretrained writes one")
-    read_config(path)  # its sizes checked before any module is made from it
+    fp8 = fp8_scheme(read_config(path), path / "config.json")  # its sizes checked before any module is made
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, KeyError, TypeError, OSError) as error:
@@ -215,7 +274,12 @@ def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: in
     checkpoint = Checkpoint(path, {key: tuple(t.shape) for key, t in skeleton.state_dict().items()})
     skeleton.to(checkpoint["model.embed_tokens.weight"].dtype)  # the dtype the weights are stored in
     decoder = config_of(skeleton, max_seq_len, max_batch, page_size, kv_pages, prefill_chunk)
+    tied = bool(config.tie_word_embeddings)
+    tensors = checkpoint
+    if fp8 is not None:
+        tensors = FP8Weights(checkpoint, *fp8)
+        decoder = replace(decoder, formats=stored_formats(tensors.format, decoder, tied, path))
     rotary = type(skeleton.model.rotary_emb)(config)  # on the host: the frequencies for real
-    model = decode_model(decoder, checkpoint, rotary, bool(config.tie_word_embeddings), parallelism, **kernel_options)
+    model = decode_model(decoder, tensors, rotary, tied, parallelism, **kernel_options)
     model.bytes_read = checkpoint.bytes_read
     return model

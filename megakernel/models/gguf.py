@@ -21,7 +21,7 @@ from ..errors import GraphError
 from ..tasks.quantized import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 from .decoder import DecoderConfig
 from .packed import Packed
-from .schema import DENSE_MLP, LAYER, MODEL, TIED, Q_PROJ, K_PROJ, Stored, Weight
+from .schema import DENSE_MLP, K_PROJ, LAYER, MODEL, Q_PROJ, Stored, stored_formats
 
 FORMATS = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K, "Q6_K": Q6_K}
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -125,36 +125,12 @@ def _stored() -> list[Stored]:
     return [part for weight in (*MODEL, *LAYER, *DENSE_MLP) for part in weight.parts if part.gguf]
 
 
-def formats(file: GGUFFile, c: DecoderConfig, tied: bool, weights: dict[str, list[Weight]]) -> tuple:
-    """``DecoderConfig.formats`` of the file: each weight input whose parts the file keeps in one quantized
-    format; a weight whose parts it keeps in different ones, or that the tiles cannot read quantized, is
-    an error naming it."""
-    out = []
-    for prefix, layer_weights in weights.items():
-        layer = int(prefix.split(".")[1]) if prefix else 0
-        for weight in layer_weights:
-            keys = [(TIED.get(p, p) if tied else p).key.format(i=layer) for p in weight.parts]
-            kinds = {file.format(key) for key in keys}
-            if len(kinds) > 1:
-                raise GraphError(f"{file.path}: the parts of {prefix}{weight.name} ({', '.join(keys)}) are kept in "
-                                 f"different formats ({', '.join(sorted(k.name if k else 'float' for k in kinds))}); "
-                                 f"a fused weight in one format only is built")
-            kind = kinds.pop()
-            if kind is not None:
-                if not weight.packable:
-                    raise GraphError(f"{file.path}: {prefix}{weight.name} is kept in {kind.name}; the tiles read it "
-                                     f"only as floats")
-                out.append((prefix + weight.name, kind.name))
-    return tuple(out)
-
-
 def from_gguf(path: Path, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
               prefill_chunk: int = 0, parallelism: int | str = "auto", **kernel_options):
     """``from_pretrained`` of a ``.gguf`` file: see the module docstring."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .hf import config_of, decode_model
-    from .schema import layer_weights
 
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
@@ -165,8 +141,7 @@ def from_gguf(path: Path, *, max_seq_len: int, max_batch: int = 1, page_size: in
     c = config_of(skeleton.float(), max_seq_len, max_batch, page_size, kv_pages, prefill_chunk)
     file = GGUFFile(path, c)
     tied = "lm_head.weight" not in file
-    weights = {"": list(MODEL), **{f"layers.{i}.": layer_weights(c, i) for i in range(c.layers)}}
-    c = replace(c, formats=formats(file, c, tied, weights))
+    c = replace(c, formats=stored_formats(file.format, c, tied, path))
     rotary = type(skeleton.model.rotary_emb)(config)
     model = decode_model(c, file, rotary, tied, parallelism, **kernel_options)
     model.bytes_read = file.bytes_read

@@ -67,7 +67,8 @@ class Packed:
 
     def contiguous(self) -> "Packed":
         """This weight read: its payload as tensors, its rows in transformers' order."""
-        data = materialized(self.data).to(torch.uint8).contiguous()
+        data = materialized(self.data)
+        data = data.view(torch.uint8).contiguous()  # FP8 checkpoints' float8 elements as their bytes
         scales = materialized(self.scales).float().contiguous() if self.scales is not None else None
         if self.head_rows:
             half = self.head_rows // 2

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -22,6 +22,7 @@ from ..errors import GraphError
 from .packed import Packed, concat
 
 if TYPE_CHECKING:
+    from ..tasks.quantized import Format
     from .decoder import DecoderConfig, Shard
 
 
@@ -209,6 +210,31 @@ def layer_weights(c: DecoderConfig, i: int) -> list[Weight]:
     """Layer ``i``'s weights under ``c``: its norms and attention, then its dense or sparse MLP."""
     mlp = SPARSE_MLP if c.moe and c.moe[i] else DENSE_MLP
     return [w for w in (*LAYER, *mlp) if w.flag is None or getattr(c, w.flag)]
+
+
+def stored_formats(format_of: Callable[[str], Format | None], c: DecoderConfig, tied: bool, where: Any) -> tuple:
+    """``DecoderConfig.formats`` of a checkpoint that keeps the tensor of state-dict key ``k`` in
+    ``format_of(k)`` (None: as floats): each weight input whose parts it keeps in one quantized format. A
+    weight whose parts are kept in different ones, or that the tiles read only as floats, is an error
+    naming it (``where``: the checkpoint)."""
+    formats = []
+    for prefix, weights in (("", MODEL), *((f"layers.{i}.", layer_weights(c, i)) for i in range(c.layers))):
+        layer = int(prefix.split(".")[1]) if prefix else 0
+        for weight in weights:
+            keys = [(TIED.get(p, p) if tied else p).key.format(i=layer, e=e)
+                    for e in (range(c.experts) if weight.per_expert else (0,)) for p in weight.parts]
+            kinds = {format_of(key) for key in keys}
+            if len(kinds) > 1:
+                raise GraphError(f"{where}: the parts of {prefix}{weight.name} ({', '.join(keys)}) are kept in "
+                                 f"different formats ({', '.join(sorted(k.name if k else 'floats' for k in kinds))}); "
+                                 f"a fused weight is built in one format only")
+            kind = kinds.pop()
+            if kind is not None:
+                if not weight.packable:
+                    raise GraphError(f"{where}: {prefix}{weight.name} is kept in {kind.name}; the tiles read it "
+                                     f"only as floats")
+                formats.append((prefix + weight.name, kind.name))
+    return tuple(formats)
 
 
 def head_in_embedding(c: DecoderConfig, s: Shard) -> bool:
