@@ -228,3 +228,158 @@ def test_fp8_checkpoint_decodes_as_its_dequantized_model(tmp_path, torch_backend
         assert torch.equal(tokens, expected), f"rank {rank}: {tokens.tolist()} vs {expected.tolist()}"
         if world == 1:  # the projections at a byte per weight (and their scales), the rest as stored
             assert weight_bytes < float_bytes - 2.5 * projections, (weight_bytes, float_bytes)
+
+
+# -- GGUF files written here: every block format end to end, and files that are wrong ------------------------
+GGUF_HIDDEN, GGUF_INTERMEDIATE, GGUF_VOCAB, GGUF_IDS = 256, 512, 300, torch.tensor([[11, 7, 250, 3]])
+# per tensor kind, the block type of each layer: every format in some fused and some split weight
+EVERY_FORMAT = {"token_embd": "Q8_0", "output": "Q6_K", "attn_qkv": ("Q4_K", "Q8_0"), "attn_output": ("Q6_K", "Q4_0"),
+                "ffn_gate_up": ("Q4_0", "Q6_K"), "ffn_down": ("Q4_1", "Q4_K")}
+# row-parallel weights (attn_output, ffn_down) in 32-element blocks: a rank's 128 columns are whole blocks
+SPLITTABLE = {**EVERY_FORMAT, "attn_output": ("Q8_0", "Q4_0"), "ffn_down": ("Q4_1", "Q8_0")}
+# a small scale per format: random blocks dequantize to weights of about 0.01 to 0.03
+BLOCK_SCALES = {"Q4_K": (2e-5, 1e-5), "Q6_K": (4e-6,)}
+
+
+def gguf_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Packed rows of block type ``kind``: the 32-element types quantized from random weights by gguf, the
+    K types random bytes with small float16 scales."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind in BLOCK_SCALES:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+        fields = (0, 2) if kind == "Q4_K" else (208,)
+        for at, scale in zip(fields, BLOCK_SCALES[kind]):
+            values = (scale * (0.5 + rng.random(data.shape[:2]))).astype(np.float16)
+            data[..., at:at + 2] = values.view(np.uint8).reshape(*data.shape[:2], 2)
+        return data.reshape(rows, -1)
+    return gguf.quants.quantize((0.02 * rng.standard_normal((rows, cols))).astype(np.float32), qtype)
+
+
+def write_gguf(path, kinds: dict, layers: int = 2, seed: int = 0, drop: str | None = None) -> None:
+    """A Llama GGUF file (hidden 256, 4 heads of 64, 2 KV heads) with its tensors in ``kinds``' block types."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_block_count, layers), (writer.add_context_length, 64),
+                       (writer.add_embedding_length, GGUF_HIDDEN), (writer.add_feed_forward_length, GGUF_INTERMEDIATE),
+                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2), (writer.add_vocab_size, GGUF_VOCAB),
+                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_rope_freq_base, 10000.0)):
+        add(value)
+
+    def add(name: str, kind: str, rows: int, cols: int) -> None:
+        if name == drop:
+            return
+        if kind == "F32":
+            writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32))
+        else:
+            writer.add_tensor(name, gguf_blocks(kind, rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
+    add("token_embd.weight", kinds["token_embd"], GGUF_VOCAB, GGUF_HIDDEN)
+    add("output.weight", kinds["output"], GGUF_VOCAB, GGUF_HIDDEN)
+    add("output_norm.weight", "F32", 1, GGUF_HIDDEN)
+    for i in range(layers):
+        qkv, o, gate_up, down = (kinds[k][i] if isinstance(kinds[k], tuple) else kinds[k]
+                                 for k in ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down"))
+        for name, kind, rows, cols in (("attn_norm", "F32", 1, GGUF_HIDDEN), ("ffn_norm", "F32", 1, GGUF_HIDDEN),
+                                       ("attn_q", qkv, 256, GGUF_HIDDEN), ("attn_k", qkv, 128, GGUF_HIDDEN),
+                                       ("attn_v", kinds.get("attn_v", qkv), 128, GGUF_HIDDEN),
+                                       ("attn_output", o, GGUF_HIDDEN, 256),
+                                       ("ffn_gate", gate_up, GGUF_INTERMEDIATE, GGUF_HIDDEN),
+                                       ("ffn_up", gate_up, GGUF_INTERMEDIATE, GGUF_HIDDEN),
+                                       ("ffn_down", down, GGUF_HIDDEN, GGUF_INTERMEDIATE)):
+            add(f"blk.{i}.{name}.weight", kind, rows, cols)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def gguf_reference(path):
+    """The file as transformers loads it: dequantized by gguf, q and k rows put back in its order."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _gguf_decode(path):
+    from megakernel.models import from_pretrained
+    model = from_pretrained(path, max_seq_len=16, workers=2)
+    try:
+        logits = [model.decode(token.reshape(1), pos) for pos, token in enumerate(GGUF_IDS[0])][-1]
+        return logits[0], model.generate(GGUF_IDS, 4)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.interpreter), 2])
+def test_a_gguf_file_of_every_block_format_decodes_as_transformers_loads_it(tmp_path, torch_backend, world):
+    """Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights, fused (q/k/v, gate/up) and row-parallel, an untied LM head:
+    the logits and greedy tokens of transformers' GGUF loading, at one rank under the interpreter and at
+    two on the torch backend."""
+    path = tmp_path / "model.gguf"
+    write_gguf(path, EVERY_FORMAT if world == 1 else SPLITTABLE)
+    reference = gguf_reference(path)
+    with torch.no_grad():
+        expected_logits = reference(GGUF_IDS).logits[0, -1]
+        expected = reference.generate(GGUF_IDS, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    for rank, (logits, tokens) in enumerate(mk.launch(lambda: _gguf_decode(path), world_size=world, virtual=True,
+                                                      timeout=600)):
+        error = (logits - expected_logits).abs().max().item()
+        assert error <= 1e-4 * expected_logits.abs().max().item(), f"rank {rank}: logits off by {error}"
+        assert torch.equal(tokens, expected), f"rank {rank}: {tokens.tolist()} vs {expected.tolist()}"
+
+
+def _load(path):
+    from megakernel.models import from_pretrained
+    from_pretrained(path, max_seq_len=16, workers=1).close()
+
+
+@pytest.mark.parametrize("case,match", [
+    ("split inside a block", "cut a q6_k block of 256 columns"),
+    ("fused formats differ", r"parts of layers\.0\.qkv .* different formats \(q4_k, q8_0\)"),
+    ("unknown block type", r"tensor blk\.0\.ffn_gate\.weight is Q5_1; supported: Q8_0"),
+    ("missing tensor", r"no tensor blk\.1\.ffn_down\.weight"),
+    ("truncated", "not a readable GGUF file"),
+])
+def test_bad_gguf_files_are_errors_naming_the_tensor(tmp_path, torch_backend, case, match):
+    path = tmp_path / "model.gguf"
+    kinds = dict(EVERY_FORMAT)
+    if case == "fused formats differ":
+        kinds["attn_v"] = "Q8_0"
+    elif case == "unknown block type":
+        kinds["ffn_gate_up"] = ("Q5_1", "Q6_K")
+    write_gguf(path, kinds, drop="blk.1.ffn_down.weight" if case == "missing tensor" else None)
+    if case == "truncated":
+        path.write_bytes(path.read_bytes()[:-1000])
+    world = 2 if case == "split inside a block" else 1
+    with pytest.raises(Exception, match=match):
+        mk.launch(lambda: _load(path), world_size=world, virtual=True, timeout=300)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("scales of the wrong shape", r"FP8 tensor model\.layers\.1\.mlp\.down_proj\.weight \(160 x 256\) needs scales "
+                                  r"model\.layers\.1\.mlp\.down_proj\.weight_scale_inv of shape \(2, 2\), got \(2, 1\)"),
+    ("missing scales", r"needs scales model\.layers\.1\.mlp\.down_proj\.weight_scale_inv .* got none"),
+    ("another method", r"quant_method 'awq' is not supported; supported: fp8, fbgemm_fp8"),
+    ("another block size", r"weight_block_size \[64, 64\] is not supported"),
+])
+def test_bad_fp8_checkpoints_are_errors_naming_the_tensor(tmp_path, torch_backend, case, match):
+    import json
+
+    from safetensors.torch import load_file, save_file
+    fp8_llama(tmp_path, "fp8")
+    key = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    if case in ("scales of the wrong shape", "missing scales"):
+        tensors = load_file(str(tmp_path / "model.safetensors"))
+        if case == "missing scales":
+            del tensors[key]
+        else:
+            tensors[key] = tensors[key][:, :1].contiguous()
+        save_file(tensors, str(tmp_path / "model.safetensors"))
+    else:
+        config = json.loads((tmp_path / "config.json").read_text())
+        config["quantization_config"] = ({"quant_method": "awq"} if case == "another method" else
+                                         {"quant_method": "fp8", "weight_block_size": [64, 64]})
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(mk.GraphError, match=match):
+        _load(tmp_path)

@@ -20,7 +20,7 @@ from ..errors import GraphError
 from ..tasks.quantized import FP8_BLOCK, FP8_CHANNEL, FP8_SCALE_BLOCK, Format
 from .engine import DecodeModel
 from .gguf import from_gguf
-from .hf import SUPPORTED, config_of, decode_model
+from .hf import SUPPORTED, auto_classes, config_of, decode_model
 from .packed import Packed
 from .schema import stored_formats
 
@@ -256,7 +256,7 @@ def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: in
     The model's modules are made on the meta device (no memory) for what ``from_hf`` reads off them;
     the RoPE frequencies from its rotary module's class, made for real. The other arguments are ``from_hf's``.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    AutoConfig, AutoModelForCausalLM = auto_classes()
 
     path = Path(path)
     if path.suffix == ".gguf" and path.is_file():

@@ -62,14 +62,8 @@ class GGUFFile:
     """The tensors of a GGUF file by their ``transformers`` state-dict names (``get`` and ``[]``, as
     ``schema.shard_weights`` reads them): ``Packed`` weights or ``MappedArray`` float tensors."""
 
-    def __init__(self, path: Path, c: DecoderConfig):
-        import gguf
-
+    def __init__(self, path: Path, reader, c: DecoderConfig):
         self.path, self.bytes_read = path, 0
-        try:
-            reader = gguf.GGUFReader(path)
-        except (ValueError, OSError, IndexError, KeyError) as error:
-            raise GraphError(f"{path}: not a readable GGUF file: {type(error).__name__}: {error}") from None
         self.architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8") \
             if "general.architecture" in reader.fields else "?"
         self.tensors = {t.name: t for t in reader.tensors}
@@ -125,13 +119,25 @@ def _stored() -> list[Stored]:
     return [part for weight in (*MODEL, *LAYER, *DENSE_MLP) for part in weight.parts if part.gguf]
 
 
+def read_gguf(path: Path):
+    """The file's ``gguf.GGUFReader`` (its metadata parsed, its tensors memory-mapped)."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError, TypeError) as error:
+        raise GraphError(f"{path}: not a readable GGUF file (truncated or malformed): {type(error).__name__}: "
+                         f"{error}") from None
+
+
 def from_gguf(path: Path, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
               prefill_chunk: int = 0, parallelism: int | str = "auto", **kernel_options):
     """``from_pretrained`` of a ``.gguf`` file: see the module docstring."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from .hf import auto_classes, config_of, decode_model
 
-    from .hf import config_of, decode_model
+    AutoConfig, AutoModelForCausalLM = auto_classes()
 
+    reader = read_gguf(path)  # first: a file that is not GGUF is named as such
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     except (ValueError, KeyError, TypeError, OSError, IndexError) as error:
@@ -139,7 +145,7 @@ def from_gguf(path: Path, *, max_seq_len: int, max_batch: int = 1, page_size: in
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     c = config_of(skeleton.float(), max_seq_len, max_batch, page_size, kv_pages, prefill_chunk)
-    file = GGUFFile(path, c)
+    file = GGUFFile(path, reader, c)
     tied = "lm_head.weight" not in file
     c = replace(c, formats=stored_formats(file.format, c, tied, path))
     rotary = type(skeleton.model.rotary_emb)(config)

@@ -17,6 +17,7 @@ sequence length: before each step the module is asked for the frequencies at tha
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
@@ -54,6 +55,18 @@ BUILT_ONE_WAY: dict[str, dict[str, tuple[Any, tuple]]] = {
 WINDOW_ON_EVERY_LAYER = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM")
 WINDOW_BY_LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MLP_BIAS = ("LlamaForCausalLM",)
+
+
+_IMPORTING = threading.Lock()
+
+
+def auto_classes():
+    """transformers' ``AutoConfig`` and ``AutoModelForCausalLM``, imported under a lock: virtual ranks are
+    threads of one process, and transformers' lazy imports are not thread-safe (two ranks importing at
+    once can find a half-made module)."""
+    with _IMPORTING:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    return AutoConfig, AutoModelForCausalLM
 
 
 def config_of(model, max_seq_len: int, max_batch: int, page_size: int = 16, kv_pages: int | None = None,
