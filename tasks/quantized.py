@@ -336,14 +336,17 @@ def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
             row = s * m_total + r0
             for c0 in range(0, n_total, TILE_ROWS):
                 n = min(TILE_ROWS, n_total - c0)
-                reads = (x.region(r0, m, k0, k), data.region(c0, n, byte0, nbytes))
-                if scales is not None:
-                    reads += (scales.region(0, scales.rows, 0, scales.cols),)
+                scale_reads, scale_bytes = (), 0
+                if f.scales is not None:  # a float32 per row, or per row and 128 columns
+                    per_row = 1 if f.scales == "channel" else ceil_div(k, FP8_SCALE_BLOCK)
+                    scale_reads, scale_bytes = (scales.region(0, 1, c0, n) if f.scales == "channel" else
+                                                scales.region(c0, n, k0 // FP8_SCALE_BLOCK, per_row),), 4 * n * per_row
                 g.add_task(opcode, y=target.addr(row, c0), x=x.addr(r0, k0), w=data.addr(0, 0), row0=c0, k0=k0,
                            m=m, n=n, k=k, y_stride=target.row_stride, x_stride=x.row_stride,
-                           w_stride=data.row_stride, **scale_words, reads=reads,
+                           w_stride=data.row_stride, **scale_words,
+                           reads=(x.region(r0, m, k0, k), data.region(c0, n, byte0, nbytes), *scale_reads),
                            writes=(target.region(row, m, c0, n),),
-                           bytes=m * k * x.element_size + n * nbytes + m * n * target.element_size,
+                           bytes=m * k * x.element_size + n * nbytes + scale_bytes + m * n * target.element_size,
                            flops=2 * m * n * k)
     if splits > 1:
         sum_slices(g, y, target, splits, m_total)

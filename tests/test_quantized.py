@@ -133,14 +133,14 @@ def test_smollm2_gguf_decodes_as_transformers(smollm2, world):
     from megakernel.models import from_pretrained
     path = smollm2_path()
     with torch.no_grad():
-        expected_logits = smollm2(SMOLLM2_PROMPT).logits[0, -1]
         expected = smollm2.generate(SMOLLM2_PROMPT, max_new_tokens=SMOLLM2_NEW_TOKENS, do_sample=False, pad_token_id=0)
+        expected_logits = smollm2(expected[:, :-1]).logits[0, -1]  # those the last token was chosen from
 
     def run():
         model = from_pretrained(path, max_seq_len=32, backend="torch", workers=2)
         try:
-            logits = [model.decode(token.reshape(1), pos) for pos, token in enumerate(SMOLLM2_PROMPT[0])][-1]
-            return logits[0], model.generate(SMOLLM2_PROMPT, SMOLLM2_NEW_TOKENS), model.weight_bytes, model.bytes_read
+            tokens = model.generate(SMOLLM2_PROMPT, SMOLLM2_NEW_TOKENS)
+            return model.logits[0].clone(), tokens, model.weight_bytes, model.bytes_read
         finally:
             model.close()
     results = mk.launch(run, world_size=world, virtual=True, backend="torch", timeout=600)
@@ -175,7 +175,7 @@ def fp8_quantized(w: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Ten
 
 
 def fp8_llama(path, method: str):
-    """A 2-layer Llama whose dimensions are not multiples of 128 (hidden 160, vocabulary 300), its
+    """A 1-layer Llama whose dimensions are not multiples of 128 (hidden 160, vocabulary 300), its
     projections saved in FP8 in ``path`` with ``method``'s scales; returns the model with the dequantized
     weights (the reference)."""
     import json
@@ -183,7 +183,7 @@ def fp8_llama(path, method: str):
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(hidden_size=160, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=64, num_hidden_layers=2, vocab_size=300, max_position_embeddings=64,
+                         head_dim=64, num_hidden_layers=1, vocab_size=300, max_position_embeddings=64,
                          tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
@@ -208,19 +208,20 @@ def _fp8_tokens(path):
     from megakernel.models import from_pretrained
     model = from_pretrained(path, max_seq_len=16, workers=2)
     try:
-        return model.generate(FP8_IDS, 4), model.weight_bytes
+        return model.generate(FP8_IDS, 3), model.weight_bytes
     finally:
         model.close()
 
 
-@pytest.mark.parametrize("method", list(FP8_SCHEMES))
-@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.interpreter), 2])
+@pytest.mark.parametrize("method,world", [pytest.param("fp8", 1, marks=pytest.mark.interpreter), ("fbgemm_fp8", 1),
+                                          ("fp8", 2), ("fbgemm_fp8", 2)])
 def test_fp8_checkpoint_decodes_as_its_dequantized_model(tmp_path, torch_backend, method, world):
-    """At one rank under the interpreter, at two on the torch backend: the projections stay FP8 on the
-    heap (a byte per weight and the scales) and the greedy tokens are the dequantized model's."""
+    """Block scales at one rank under the interpreter, both schemes at one and two on the torch backend: the
+    projections stay FP8 on the heap (a byte per weight and the scales) and the greedy tokens are the
+    dequantized model's."""
     reference = fp8_llama(tmp_path, method)
     with torch.no_grad():
-        expected = reference.generate(FP8_IDS, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        expected = reference.generate(FP8_IDS, max_new_tokens=3, do_sample=False, pad_token_id=0)
     results = mk.launch(lambda: _fp8_tokens(tmp_path), world_size=world, virtual=True, timeout=600)
     float_bytes = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
     projections = sum(t.numel() for k, t in reference.state_dict().items() if k.endswith("proj.weight"))
@@ -232,7 +233,9 @@ def test_fp8_checkpoint_decodes_as_its_dequantized_model(tmp_path, torch_backend
 
 # -- GGUF files written here: every block format end to end, and files that are wrong ------------------------
 GGUF_HIDDEN, GGUF_INTERMEDIATE, GGUF_VOCAB, GGUF_IDS = 256, 512, 300, torch.tensor([[11, 7, 250, 3]])
-# per tensor kind, the block type of each layer: every format in some fused and some split weight
+GGUF_NEW_TOKENS = 3
+# per tensor kind, the block type of each layer: every format in the first layer (fused q/k/v and gate/up,
+# row-parallel o and down), others in the second
 EVERY_FORMAT = {"token_embd": "Q8_0", "output": "Q6_K", "attn_qkv": ("Q4_K", "Q8_0"), "attn_output": ("Q6_K", "Q4_0"),
                 "ffn_gate_up": ("Q4_0", "Q6_K"), "ffn_down": ("Q4_1", "Q4_K")}
 # row-parallel weights (attn_output, ffn_down) in 32-element blocks: a rank's 128 columns are whole blocks
@@ -293,7 +296,7 @@ def write_gguf(path, kinds: dict, layers: int = 2, seed: int = 0, drop: str | No
     writer.close()
 
 
-def gguf_reference(path):
+def transformers_gguf_model(path):
     """The file as transformers loads it: dequantized by gguf, q and k rows put back in its order."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
@@ -302,11 +305,12 @@ def gguf_reference(path):
 
 
 def _gguf_decode(path):
+    """Greedy tokens, and the logits of the last step (those of the last token's choice)."""
     from megakernel.models import from_pretrained
     model = from_pretrained(path, max_seq_len=16, workers=2)
     try:
-        logits = [model.decode(token.reshape(1), pos) for pos, token in enumerate(GGUF_IDS[0])][-1]
-        return logits[0], model.generate(GGUF_IDS, 4)
+        tokens = model.generate(GGUF_IDS, GGUF_NEW_TOKENS)
+        return model.logits[0].clone(), tokens
     finally:
         model.close()
 
@@ -314,14 +318,14 @@ def _gguf_decode(path):
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.interpreter), 2])
 def test_a_gguf_file_of_every_block_format_decodes_as_transformers_loads_it(tmp_path, torch_backend, world):
     """Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights, fused (q/k/v, gate/up) and row-parallel, an untied LM head:
-    the logits and greedy tokens of transformers' GGUF loading, at one rank under the interpreter and at
-    two on the torch backend."""
+    the logits and greedy tokens of transformers' GGUF loading, at one rank under the interpreter (one
+    layer: every format) and at two on the torch backend (two layers)."""
     path = tmp_path / "model.gguf"
-    write_gguf(path, EVERY_FORMAT if world == 1 else SPLITTABLE)
-    reference = gguf_reference(path)
+    write_gguf(path, EVERY_FORMAT if world == 1 else SPLITTABLE, layers=1 if world == 1 else 2)
+    reference = transformers_gguf_model(path)
     with torch.no_grad():
-        expected_logits = reference(GGUF_IDS).logits[0, -1]
-        expected = reference.generate(GGUF_IDS, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        expected = reference.generate(GGUF_IDS, max_new_tokens=GGUF_NEW_TOKENS, do_sample=False, pad_token_id=0)
+        expected_logits = reference(expected[:, :-1]).logits[0, -1]
     for rank, (logits, tokens) in enumerate(mk.launch(lambda: _gguf_decode(path), world_size=world, virtual=True,
                                                       timeout=600)):
         error = (logits - expected_logits).abs().max().item()
@@ -357,9 +361,9 @@ def test_bad_gguf_files_are_errors_naming_the_tensor(tmp_path, torch_backend, ca
 
 
 @pytest.mark.parametrize("case,match", [
-    ("scales of the wrong shape", r"FP8 tensor model\.layers\.1\.mlp\.down_proj\.weight \(160 x 256\) needs scales "
-                                  r"model\.layers\.1\.mlp\.down_proj\.weight_scale_inv of shape \(2, 2\), got \(2, 1\)"),
-    ("missing scales", r"needs scales model\.layers\.1\.mlp\.down_proj\.weight_scale_inv .* got none"),
+    ("scales of the wrong shape", r"FP8 tensor model\.layers\.0\.mlp\.down_proj\.weight \(160 x 256\) needs scales "
+                                  r"model\.layers\.0\.mlp\.down_proj\.weight_scale_inv of shape \(2, 2\), got \(2, 1\)"),
+    ("missing scales", r"needs scales model\.layers\.0\.mlp\.down_proj\.weight_scale_inv .* got none"),
     ("another method", r"quant_method 'awq' is not supported; supported: fp8, fbgemm_fp8"),
     ("another block size", r"weight_block_size \[64, 64\] is not supported"),
 ])
@@ -368,7 +372,7 @@ def test_bad_fp8_checkpoints_are_errors_naming_the_tensor(tmp_path, torch_backen
 
     from safetensors.torch import load_file, save_file
     fp8_llama(tmp_path, "fp8")
-    key = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    key = "model.layers.0.mlp.down_proj.weight_scale_inv"
     if case in ("scales of the wrong shape", "missing scales"):
         tensors = load_file(str(tmp_path / "model.safetensors"))
         if case == "missing scales":

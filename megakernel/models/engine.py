@@ -98,7 +98,8 @@ class DecodeModel:
                               "prefill_tokens": torch.zeros(config.prefill_chunk, dtype=torch.int64)})
         self.slots: list[Sequence | None] = [None] * config.batch  # the sequences of add(), by batch row
         self.finished: dict[int, torch.Tensor] = {}  # sequence id -> prompt + new tokens, once it ended
-        self.logits: torch.Tensor | None = None  # float32 [batch, vocab]: the last step's, by slot (``step``)
+        # float32 [batch, vocab]: the last step's (of ``step``, by slot, or of ``generate``, by row)
+        self.logits: torch.Tensor | None = None
         self._next_id = 0
         self.lock = threading.RLock()  # held by every public method (``serialized``)
 
@@ -183,7 +184,8 @@ class DecodeModel:
             if self.rope_at is not None:  # the steps of one launch share the frequencies bound for its first
                 count = next((k for k in range(1, count) if not torch.equal(self.rope_at(pos + k), self.inv_freq)),
                              count)
-            history = self.kernel.run(frequencies, steps=count)["history"]
+            out = self.kernel.run(frequencies, steps=count)
+            history, self.logits = out["history"], out["logits"][:, :c.vocab].float()
             pos += count
             if eos_token_id is not None and pos >= prompt and bool((history[:, prompt:pos + 1] == eos_token_id)
                                                                    .any(dim=1).all()):
