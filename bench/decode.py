@@ -10,7 +10,9 @@ against every token in one launch, and prints the launches and the host's time p
 prompt to its first token with and without a prefill chunk (launches per prompt token). Part 3
 counts, for mixture-of-experts models, the bytes of weights one step reads (attention, routers, the
 k chosen experts' slices: what the expert tiles stream) against the dense equivalent (every
-expert), for a Qwen3-30B-A3B shape and the tests' small Qwen3-MoE, from the graph's tasks. Part 4 prints, for a Llama-3-8B-shaped decoder layer (hidden 4096, 32 heads, 8 KV
+expert), for a Qwen3-30B-A3B shape and the tests' small Qwen3-MoE, from the graph's tasks, and the bytes of
+weights one step of a Llama-3.1-8B reads in each weight format (bf16, FP8, Q8_0, Q4_K), from the graph's
+tasks too. Part 4 prints, for a Llama-3-8B-shaped decoder layer (hidden 4096, 32 heads, 8 KV
 heads, head dim 128, intermediate 14336, bfloat16, batch 1), the bytes one decode step of the layer
 must move, which sets its memory-bandwidth floor: a GPU run reports its fraction of that floor.
 """
@@ -134,6 +136,54 @@ def moe_fraction() -> None:
               f"({active / dense:.1%} active)")
 
 
+LLAMA31_8B = DecoderConfig(**{**LLAMA3_8B.__dict__, "layers": 32})
+# weight formats for the 8B shapes: each as a checkpoint of that kind keeps its weights (FP8 checkpoints leave
+# the embedding and the LM head in bfloat16; GGUF quantizes them too)
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+FORMAT_CASES = {"bf16": ((), False), "fp8 (128x128 block scales)": ("fp8_block", False),
+                "fp8 (a scale per row)": ("fp8_channel", False), "q8_0": ("q8_0", True), "q4_k": ("q4_k", True)}
+
+
+def step_weight_bytes(c: DecoderConfig, format: str | tuple, embeddings: bool) -> tuple[int, int]:
+    """(bytes of weights one decode step reads, tasks per step) for ``c`` with its projections (and, with
+    ``embeddings``, its embedding and LM head) kept in ``format``, counted from the graph's tasks: the
+    weight (and scale) regions every linear tile reads, and the embedding's one row per batch row (its
+    tiles declare the whole table, which they may read any row of). One layer's graph, times the layers."""
+    from megakernel.graph import Graph
+    from megakernel.models.decoder import decode_step
+
+    layers = [f"layers.0.{name}" for name in PROJECTIONS] + (["embed", "lm_head"] if embeddings else [])
+    one = DecoderConfig(**{**c.__dict__, "layers": 1, "formats": tuple((n, format) for n in layers if format)})
+    g = decode_step(one, Graph(world_size=1, rank=0))
+    inputs = {t.buffer.index: name for name, t in g.inputs.items()}
+    weights = {index for index, name in inputs.items() if name.split(".scales")[0].removeprefix("layers.0.")
+               in (*PROJECTIONS, "lm_head", "norm", "input_norm", "post_norm")}
+    layer_bytes = head_bytes = 0
+    for t in range(len(g.tasks)):
+        scope = g.op_names[g.tasks.op[t]]
+        read = sum((r1 - r0) * (c1 - c0) * g.buffers[b].dtype.itemsize for b, r0, r1, c0, c1 in g.tasks.reads[t]
+                   if b in weights)
+        if scope.startswith("layer0/"):
+            layer_bytes += read
+        else:
+            head_bytes += read
+    embed = g.inputs["embed"]
+    row = embed.cols * embed.dtype.itemsize  # a packed row or a row of elements
+    return (c.layers * layer_bytes + head_bytes + c.batch * row,
+            c.layers * sum(g.op_names[op].startswith("layer0/") for op in g.tasks.op)
+            + sum(not g.op_names[op].startswith("layer0/") for op in g.tasks.op))
+
+
+def format_bytes() -> None:
+    print("Llama-3.1-8B shapes (32 layers, batch 1): weight bytes one decode step reads, by format, from the graph:")
+    bf16 = None
+    for name, (format, embeddings) in FORMAT_CASES.items():
+        read, tasks = step_weight_bytes(LLAMA31_8B, format, embeddings)
+        bf16 = bf16 or read
+        print(f"  {name:<27} {read / 2**30:6.2f} GiB ({read / bf16:.3f} of bf16); at 4.8 TB/s (H200) "
+              f"{read / 4.8e12 * 1e3:5.2f} ms per token; {tasks:,} tasks per step")
+
+
 def prefill_launches(prompt: int = 24, chunk: int = 32) -> None:
     """A prompt to its first token: through the batch row a token per step (one launch each, or all in
     one launch of ``prompt`` steps) against one prefill chunk (the prompt's positions but the last in
@@ -174,6 +224,8 @@ def main() -> None:
     prefill_launches()
     print()
     moe_fraction()
+    print()
+    format_bytes()
     print()
     print("Llama-3-8B-shaped layer (bfloat16, batch 1): bytes one decode step must move")
     for context in (1, 1024, 4096):

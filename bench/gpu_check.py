@@ -1,4 +1,4 @@
-"""The GPU check: one script, one GPU, under 8 minutes; prints a table last.
+"""The GPU check: one script, one GPU, under 9 minutes; prints a table last.
 
 1. every task type, run by the megakernel on the GPU, against the reference executor (the task
    types' torch references replaying the same tables on a host copy of the heap);
@@ -17,7 +17,10 @@
    advanced on the device): tokens per second for STEPS steps in one launch against one step per
    launch, the two bitwise equal;
 8. serving: whole decode steps of two Llama-3-8B-shaped layers (paged KV cache), tokens per second at
-   batch 1, 8 and 32 with the rows at positions of their own, and a 512-token prefill chunk in one launch.
+   batch 1, 8 and 32 with the rows at positions of their own, and a 512-token prefill chunk in one launch;
+9. the Llama-3-8B-shaped layer with its projections in Q4_K (``quantized``), dequantized in the tiles,
+   against eager float32 over the dequantized weights, with its fraction of the bandwidth floor of the
+   bytes it reads.
 
 A section named ``NAME:spin`` runs NAME with the old wait/signal protocol (``MEGAKERNEL_PROTOCOL=spin``:
 every thread spinning on scalar atomics, system-scope signals) instead of the default ``poll``, so one
@@ -60,6 +63,7 @@ from megakernel.models import schema
 from megakernel.models.decoder import DecoderConfig, Shard, decoder_layer
 from megakernel.reference import execute
 from megakernel.scheduler import deserialize, serialize
+from megakernel.tasks.quantized import Q4_0, Q4_K, dequantize
 from megakernel.heap import HeapView
 from megakernel.tools.examples import every_task_type, example_inputs
 
@@ -427,10 +431,28 @@ def copy_bandwidth(device: str, mib: int) -> float:
     return 2 * src.numel() / timed(lambda: dst.copy_(src), 10, device)
 
 
-def check_layer(s: Setup) -> list[Row]:
-    c, pos, device, repeats = s.layer, s.pos, s.device, s.repeats
-    gen = torch.Generator().manual_seed(5)
-    weights = layer_weights(c, gen)
+@dataclass
+class LayerRun:
+    """One decode step of layer 0 of ``c`` run by the megakernel, and its float32 eager reference."""
+
+    y: torch.Tensor
+    error: float             # of y against the eager layer in float32
+    device_s: float          # median device time of a launch
+    wall_s: float            # median wall time of a run
+    replay_s: float          # a replay of the launch captured in a graph
+    replayed: bool           # the replay's output is bitwise run()'s
+    workers: int
+    tasks: int
+    x: torch.Tensor
+    inv_freq: torch.Tensor
+    history: list[torch.Tensor]  # the K and V cache rows before the position
+
+
+def run_layer(c: DecoderConfig, s: Setup, weights: dict[str, torch.Tensor], w32: dict[str, torch.Tensor],
+              gen: torch.Generator) -> LayerRun:
+    """Layer 0 of ``c`` with ``weights`` bound (as the heap holds them; ``w32``: their float32 values) at
+    position ``s.pos`` over a random KV cache, as one launch: run, timed, captured and replayed."""
+    pos, device, repeats = s.pos, s.device, s.repeats
     x = (torch.randn(1, c.hidden, generator=gen)).to(c.dtype)
     inv_freq = 1.0 / 500000.0 ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
     history = [(torch.randn(pos, c.kv_heads * c.head_dim, generator=gen) * 0.5).to(c.dtype) for _ in range(2)]
@@ -450,12 +472,20 @@ def check_layer(s: Setup) -> list[Row]:
         workers, tasks = kernel.workers, len(g.tasks)
     finally:
         kernel.close()
-
     kv_cols = c.kv_heads * c.head_dim
     caches32 = [torch.cat([h.float(), torch.zeros(c.max_seq_len - pos, kv_cols)]) for h in history]
-    w32 = {k: v.float() for k, v in weights.items()}
-    reference = eager_layer(c, w32, x.float(), pos, inv_freq, *caches32)
-    error = relative_error(y, reference)
+    error = relative_error(y, eager_layer(c, w32, x.float(), pos, inv_freq, *caches32))
+    return LayerRun(y, error, mk_device, mk_wall, mk_replay, replayed, workers, tasks, x, inv_freq, history)
+
+
+def check_layer(s: Setup) -> list[Row]:
+    c, pos, device, repeats = s.layer, s.pos, s.device, s.repeats
+    gen = torch.Generator().manual_seed(5)
+    weights = layer_weights(c, gen)
+    run = run_layer(c, s, weights, {k: v.float() for k, v in weights.items()}, gen)
+    error, mk_device, mk_wall, mk_replay, replayed = run.error, run.device_s, run.wall_s, run.replay_s, run.replayed
+    workers, tasks, x, inv_freq, history = run.workers, run.tasks, run.x, run.inv_freq, run.history
+    kv_cols = c.kv_heads * c.head_dim
 
     on = {k: v.to(device) for k, v in weights.items()}
     caches = [torch.cat([h, torch.zeros(c.max_seq_len - pos, kv_cols, dtype=c.dtype)]).to(device) for h in history]
@@ -492,6 +522,53 @@ def check_layer(s: Setup) -> list[Row]:
         Row("layer: megakernel vs CUDA-graph replay", f"{replay / mk_device:.2f}x faster", "> 1x", mk_device < replay,
             timing=True),
     ]
+
+
+# -- 9. the same layer with quantized projections ----------------------------------------------------------
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# float16 fields of a block and their sizes times sqrt(cols): random blocks then make weights of about
+# 1 / sqrt(cols), as random_weight's (Q4_K: its minimums about balance its scales' mean)
+PACKED_SCALES = {"q4_0": ((0, 1 / 4.6),), "q4_k": ((0, 1 / 180), (2, 7.5 / 180))}
+
+
+def random_packed(format, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Random packed rows of a GGUF block ``format`` (uint8 [rows, format.row_bytes(cols)])."""
+    blocks = torch.randint(0, 256, (rows, cols // format.block, format.block_bytes), generator=gen, dtype=torch.uint8)
+    for at, size in PACKED_SCALES[format.name]:
+        scale = size / math.sqrt(cols) * (0.5 + torch.rand(blocks.shape[:2], generator=gen))
+        blocks[..., at:at + 2] = scale.half().unsqueeze(-1).view(torch.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def check_quantized(s: Setup) -> list[Row]:
+    """The layer of ``check_layer`` with its projections in Q4_K (the smoke's 128-wide layer: Q4_0, whole
+    32-column blocks), against eager float32 over the dequantized weights; the bandwidth floor counts the
+    bytes it reads (packed weights, norms, the KV cache, the stream)."""
+    shapes = s.layer
+    format = Q4_K if shapes.hidden % Q4_K.block == 0 and shapes.intermediate % Q4_K.block == 0 else Q4_0
+    c = replace(shapes, formats=tuple((f"layers.0.{name}", format.name) for name in PROJECTIONS))
+    gen = torch.Generator().manual_seed(9)
+    weights = layer_weights(shapes, gen)
+    w32 = {k: v.float() for k, v in weights.items()}
+    for name in (f"layers.0.{p}" for p in PROJECTIONS):
+        rows, cols = weights[name].shape
+        weights[name] = random_packed(format, rows, cols, gen)
+        w32[name] = dequantize(format, weights[name], cols)
+    run = run_layer(c, s, weights, w32, gen)
+    read = sum(w.numel() * w.element_size() for w in weights.values()) + \
+        (2 * (s.pos + 1) * c.kv_heads * c.head_dim + 2 * c.hidden) * c.dtype.itemsize
+    rows = [Row(f"quantized layer ({format.name} projections, {run.tasks} tasks) vs fp32 eager of the dequantized "
+                f"weights", f"max rel. error {run.error:.1e}", "<= 3e-2", run.error <= 3e-2),
+            Row("quantized layer: captured launch replayed", f"{run.replay_s * 1e6:.1f} us per replay, "
+                f"{'bitwise equal to run()' if run.replayed else 'DIFFERS from run()'}", "equal", run.replayed)]
+    if s.device == "cpu":
+        return rows + [Row(f"quantized layer: megakernel ({s.engine}, wall)", f"{run.wall_s * 1e3:.1f} ms")]
+    floor = read / copy_bandwidth(s.device, 2048)
+    return rows + [
+        Row(f"quantized layer floor ({read / 2**20:.0f} MiB read at copy bandwidth)", f"{floor * 1e6:.1f} us"),
+        Row("quantized layer: megakernel launch", f"{run.device_s * 1e6:.1f} us"),
+        Row("quantized layer: fraction of the bandwidth floor", f"{floor / run.device_s:.0%}", ">= 75%",
+            floor / run.device_s >= 0.75, timing=True)]
 
 
 # -- 4. dispatch overhead --------------------------------------------------------------------------------
@@ -573,15 +650,16 @@ def check_virtual_ranks(s: Setup) -> list[Row]:
 
 
 SECTIONS = {"types": check_task_types, "decode": check_decode, "layer": check_layer, "dispatch": check_dispatch,
-            "virtual": check_virtual_ranks, "moe": check_moe, "steps": check_steps, "serving": check_serving}
+            "virtual": check_virtual_ranks, "moe": check_moe, "steps": check_steps, "serving": check_serving,
+            "quantized": check_quantized}
 SPIN = ":spin"  # a section with the old protocol
-DEFAULT = ["types", "decode", "layer", "moe", "steps", "dispatch", "dispatch" + SPIN, "virtual", "virtual" + SPIN,
-           "serving"]
+DEFAULT = ["types", "decode", "layer", "quantized", "moe", "steps", "dispatch", "dispatch" + SPIN, "virtual",
+           "virtual" + SPIN, "serving"]
 # Seconds each section may take in its own process (a CUDA fault poisons the process that hit it, a
 # hang must not eat the GPU's time): all of them within BUDGET.
-LIMITS = {"types": 90, "decode": 90, "layer": 240, "moe": 150, "steps": 150, "dispatch": 60, "virtual": 90,
-          "serving": 150}
-BUDGET = 470
+LIMITS = {"types": 90, "decode": 90, "layer": 240, "quantized": 150, "moe": 150, "steps": 150, "dispatch": 60,
+          "virtual": 90, "serving": 150}
+BUDGET = 540
 
 
 def run_child(name: str, smoke: str | None, limit: float) -> list[Row]:
