@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
-from .common import TaskType, ceil_div, heap_index, next_power_of_2, require_float, rounded, row_positions
+from .common import TaskType, ceil_div, dot, heap_index, next_power_of_2, require_float, rounded, row_positions
 from .reduction import sum_slices
 
 FP8_SCALE_BLOCK = 128  # the columns of a row one fp8_block scale covers
@@ -254,10 +254,12 @@ def quantized_linear_tile(base,
                           w_stride,             # bytes from one packed row of w to the next
                           scales_stride,        # fp8_block: scales per row of scales
                           X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, FORMAT: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
     """``y[:m, :n] = x[:m, :k] @ W[row0:row0 + n, k0:k0 + k].T``, W dequantized (``dequantized``) in
     registers, float32 accumulation; m <= BLOCK_M, any n (BLOCK_N rows of W at a time), k0 a whole
-    number of the format's blocks. Rows past n re-read row n - 1, columns past k are masked."""
+    number of the format's blocks. Rows past n re-read row n - 1, columns past k are masked. ``USE_DOT``
+    (BLOCK_M >= 16: prefill rows): the products by ``tl.dot`` in IEEE float32 (the dequantized weights
+    are float32), otherwise reduced per row of x."""
     m, n, k = m.to(tl.int32), n.to(tl.int32), k.to(tl.int32)
     rn = tl.arange(0, BLOCK_N)[:, None]
     rk = tl.arange(0, BLOCK_K)[None, :]
@@ -270,9 +272,13 @@ def quantized_linear_tile(base,
             cols = c0 + rk
             b = dequantized(base, w, scales, rows, k0 + tl.minimum(cols, k - 1), w_stride, scales_stride, FORMAT)
             b = tl.where(cols < k, b, 0.0)
-            for i in range(0, m):
-                a = tl.load(x_ptr + i * x_stride + cols, mask=cols < k, other=0.0).to(tl.float32)
-                acc = tl.where(rm == i, acc + tl.sum(b * a, axis=1)[:, None], acc)
+            if USE_DOT:
+                a = tl.load(x_ptr + rm * x_stride + tl.trans(cols), mask=(rm < m) & (tl.trans(cols) < k), other=0.0)
+                acc += dot(b, a)  # [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]
+            else:
+                for i in range(0, m):
+                    a = tl.load(x_ptr + i * x_stride + cols, mask=cols < k, other=0.0).to(tl.float32)
+                    acc = tl.where(rm == i, acc + tl.sum(b * a, axis=1)[:, None], acc)
         rows_out = r0 + rn
         tl.store(heap_ptr(base, y, Y_DTYPE) + rm * y_stride + rows_out, rounded(acc, Y_DTYPE),
                  mask=(rows_out < n) & (rm < m))
@@ -302,6 +308,7 @@ SPLIT_COLUMNS = 256  # K-ranges (split_k) start on multiples of it: a whole numb
 BLOCK_N, BLOCK_K = 16, 64  # the block of w a tile dequantizes at a time: 8 elements per thread
 TILE_ROWS = 64       # rows of w per tile
 MAX_BLOCK_M = 16     # rows of x per tile
+DOT_MIN_M = 16       # from this many rows of x a tile multiplies with tl.dot
 EMBEDDING_BLOCK_N = 256
 
 
@@ -325,7 +332,7 @@ def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
     target = y if splits == 1 else g.new_tensor((splits * m_total, n_total), torch.float32)
     block_m = min(next_power_of_2(m_total), MAX_BLOCK_M)
     opcode = g.opcode(QUANTIZED_LINEAR, X_DTYPE=x.dtype, Y_DTYPE=target.dtype, FORMAT=w.format.code,
-                      BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                      BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_DOT=block_m >= DOT_MIN_M)
     f, data, scales = w.format, w.data, w.scales
     scale_words = dict(scales=scales.addr(0, 0), scales_stride=scales.row_stride) if scales is not None else \
         dict(scales=0, scales_stride=0)
@@ -449,8 +456,8 @@ def embedding(g, tokens, table: Quantized, pos=None):
 
 def _example(g):
     """Every format in a one-row linear (each its own dequantization in the kernel); the three-row and
-    split-K linear and both embedding lookups in one format (the same helper: ``tests/test_quantized.py``
-    runs every format through them)."""
+    split-K linear, the ``tl.dot`` one and both embedding lookups in one format each (the same helper:
+    ``tests/test_quantized.py`` runs every format through them)."""
     results = []
     for format in FORMATS.values():
         cols = 512 if format.block == 256 else 544  # 544: a last step of 32 of BLOCK_K's columns
@@ -458,6 +465,8 @@ def _example(g):
         results.append(g.linear(g.input(f"quantized.{format.name}.x", (1, cols), torch.float32), w))
     x3 = g.input("quantized.x3", (3, 512), torch.bfloat16)
     results.append(g.linear(x3, quantized_input(g, "quantized.q4_k.3", (40, 512), Q4_K, torch.bfloat16), split_k=2))
+    x20 = g.input("quantized.x20", (20, 544), torch.bfloat16)  # tl.dot tiles: 16 rows of x, then 4
+    results.append(g.linear(x20, quantized_input(g, "quantized.q4_1.20", (40, 544), Q4_1, torch.bfloat16)))
     table = quantized_input(g, "quantized.table", (50, 544), Q4_1, torch.bfloat16)
     results += [g.embedding(g.input("quantized.tokens", (2,), torch.int64), table),
                 g.embedding(g.input("quantized.history", (2, 45), torch.int64), table,

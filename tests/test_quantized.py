@@ -95,10 +95,10 @@ def test_tiles_dequantize_every_element_as_the_format_defines(format):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("rows_of_x,split_k", [(1, None), (3, 2)])
+@pytest.mark.parametrize("rows_of_x,split_k", [(1, None), (3, 2), (20, None)])
 def test_quantized_linear_matches_float64(rows_of_x, split_k):
-    """A Q8_0 GEMV of a weight with a K that is not whole BLOCK_K steps, and its split-K form, against
-    float64 over the dequantized weight; every output element written."""
+    """A Q8_0 GEMV of a weight with a K that is not whole BLOCK_K steps, its split-K form and its ``tl.dot``
+    form (16 rows of x and 4), against float64 over the dequantized weight; every output element written."""
     n, k = 70, 544
     packed = torch.from_numpy(random_blocks(Q8_0, n, k, seed=5))
     weight = dequantize(Q8_0, packed, k).double()
