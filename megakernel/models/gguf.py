@@ -121,7 +121,10 @@ def _stored() -> list[Stored]:
 
 def read_gguf(path: Path):
     """The file's ``gguf.GGUFReader`` (its metadata parsed, its tensors memory-mapped)."""
-    import gguf
+    try:
+        import gguf
+    except ImportError:
+        raise GraphError(f"{path}: reading GGUF files needs the gguf package: pip install 'megakernel[gguf]'") from None
 
     try:
         return gguf.GGUFReader(path)
