@@ -238,9 +238,10 @@ def stored_formats(format_of: Callable[[str], Format | None], c: DecoderConfig, 
 
 
 def head_in_embedding(c: DecoderConfig, s: Shard) -> bool:
-    """The LM head of rank ``s`` is rows of the embedding's table, not an input of its own: the model ties them
-    and the rank's share of the vocabulary is all real rows (a padded share keeps a copy with its zero rows)."""
-    return c.tied and s.lm.real == s.lm.size
+    """The LM head is rows of the embedding's table, not an input of its own: the model ties them and the
+    ranks split the vocabulary evenly (a padded share would need zero rows the table does not have; then
+    every rank keeps a copy, so that all ranks build the same graph)."""
+    return c.tied and c.vocab % s.world == 0
 
 
 def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_freq: torch.Tensor, tied: bool
