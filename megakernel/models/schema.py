@@ -202,8 +202,8 @@ DENSE_MLP = (Weight("gate_up", (GATE_PROJ, UP_PROJ), packable=True),
              Weight("gate_up_bias", (GATE_BIAS, UP_BIAS), flag="mlp_bias", per_row=True),  # Llama's mlp_bias
              Weight("down_bias", (DOWN_BIAS,), flag="mlp_bias", per_row=True))
 SPARSE_MLP = (Weight("router", (ROUTER,)),
-              Weight("experts.gate_up", (EXPERT_GATE, EXPERT_UP), per_expert=True),  # each expert's gate, then up
-              Weight("experts.down", (EXPERT_DOWN,), per_expert=True))
+              Weight("experts.gate_up", (EXPERT_GATE, EXPERT_UP), per_expert=True, packable=True),  # gate, then up
+              Weight("experts.down", (EXPERT_DOWN,), per_expert=True, packable=True))
 
 
 def layer_weights(c: DecoderConfig, i: int) -> list[Weight]:
