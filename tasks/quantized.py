@@ -579,26 +579,36 @@ def embedding(g, tokens, table: Quantized, pos=None):
     return out
 
 
-def _example(g):
-    """Every format in a one-row linear (each its own dequantization in the kernel); the three-row and
-    split-K linear, the ``tl.dot`` one and both embedding lookups in one format each (the same helper:
-    ``tests/test_quantized.py`` runs every format through them)."""
+def every_format(g) -> tuple:
+    """A one-row linear in every format, each its own dequantization in the kernel (the gathered path, and
+    the 16-byte vector path for FP8 and Q4_K), for the ahead-of-time compiles of every format (the
+    kernel with every task type holds the tile variants in fewer formats: ``_example``)."""
     results = []
     for format in FORMATS.values():
         # 544: a last step of 32 of BLOCK_K's columns (gathered); FP8 and Q4_K at 512: 16-byte vectors
         cols = 544 if format.block == 32 else 512
         w = quantized_input(g, f"quantized.{format.name}", (136, cols), format, torch.float32)
         results.append(g.linear(g.input(f"quantized.{format.name}.x", (1, cols), torch.float32), w))
-    x3 = g.input("quantized.x3", (3, 512), torch.bfloat16)
-    results.append(g.linear(x3, quantized_input(g, "quantized.q4_k.3", (40, 512), Q4_K, torch.bfloat16), split_k=2))
+    return tuple(results)
+
+
+def _example(g):
+    """Each tile's variants, in four formats: a one-row Q4_K linear (its vector path), a three-row split-K
+    and a ``tl.dot`` Q8_0 linear (gathered, a last step of 32 columns), an MoE whose experts are FP8 with
+    block scales (gate/up: the vector path; down, 40 columns: gathered), and Q8_0 embedding lookups. Every format goes
+    through every tile in ``tests/test_quantized.py``, and compiles in ``every_format``'s kernel."""
+    x1 = g.input("quantized.x1", (1, 512), torch.float32)
+    x3 = g.input("quantized.x3", (3, 544), torch.bfloat16)
     x20 = g.input("quantized.x20", (20, 544), torch.bfloat16)  # tl.dot tiles: 16 rows of x, then 4
-    results.append(g.linear(x20, quantized_input(g, "quantized.q4_1.20", (40, 544), Q4_1, torch.bfloat16)))
-    x_moe = g.input("quantized.moe.x", (2, 64), torch.bfloat16)  # top-2 of 4 experts, FP8 (block scales) rows
+    w = quantized_input(g, "quantized.q8_0", (40, 544), Q8_0, torch.bfloat16)
+    results = [g.linear(x1, quantized_input(g, "quantized.q4_k", (136, 512), Q4_K, torch.float32)),
+               g.linear(x3, w, split_k=2), g.linear(x20, w)]
+    x_moe = g.input("quantized.moe.x", (2, 64), torch.bfloat16)  # top-2 of 4 experts
     results.append(g.moe_mlp(x_moe, g.input("quantized.moe.router", (4, 64), torch.bfloat16),
                              quantized_input(g, "quantized.moe.gate_up", (4 * 80, 64), FP8_BLOCK, torch.bfloat16),
-                             quantized_input(g, "quantized.moe.down", (4 * 64, 40), FP8_CHANNEL, torch.bfloat16),
+                             quantized_input(g, "quantized.moe.down", (4 * 64, 40), FP8_BLOCK, torch.bfloat16),
                              2, True, torch.float32))
-    table = quantized_input(g, "quantized.table", (50, 544), Q4_1, torch.bfloat16)
+    table = quantized_input(g, "quantized.table", (50, 544), Q8_0, torch.bfloat16)
     results += [g.embedding(g.input("quantized.tokens", (2,), torch.int64), table),
                 g.embedding(g.input("quantized.history", (2, 45), torch.int64), table,
                             pos=g.input("quantized.pos", (1,), torch.int64))]

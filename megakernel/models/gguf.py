@@ -10,6 +10,8 @@ row changes), as transformers' GGUF loading does to the float values.
 """
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -119,18 +121,36 @@ def _stored() -> list[Stored]:
     return [part for weight in (*MODEL, *LAYER, *DENSE_MLP) for part in weight.parts if part.gguf]
 
 
-def read_gguf(path: Path):
-    """The file's ``gguf.GGUFReader`` (its metadata parsed, its tensors memory-mapped)."""
+_PARSING = threading.Lock()
+
+
+def parsed(path: Path):
+    """The file's ``gguf.GGUFReader`` (its metadata parsed, its tensors memory-mapped) and its transformers
+    config. Parsing a file's metadata takes seconds (a tokenizer's vocabulary is in it): a process parses
+    each version of a file once (``_parse``), and the virtual ranks of a job, threads, share it."""
+    stat = path.stat()
+    with _PARSING:
+        return _parse(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _parse(path: Path, size: int, mtime_ns: int):
     try:
         import gguf
     except ImportError:
         raise GraphError(f"{path}: reading GGUF files needs the gguf package: pip install 'megakernel[gguf]'") from None
+    from .hf import auto_classes
 
     try:
-        return gguf.GGUFReader(path)
+        reader = gguf.GGUFReader(path)  # first: a file that is not GGUF is named as such
     except (ValueError, OSError, IndexError, KeyError, TypeError) as error:
         raise GraphError(f"{path}: not a readable GGUF file (truncated or malformed): {type(error).__name__}: "
                          f"{error}") from None
+    try:
+        config = auto_classes()[0].from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    except (ValueError, KeyError, TypeError, OSError, IndexError) as error:
+        raise GraphError(f"{path}: transformers cannot read its metadata: {type(error).__name__}: {error}") from None
+    return reader, config
 
 
 def from_gguf(path: Path, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
@@ -138,15 +158,9 @@ def from_gguf(path: Path, *, max_seq_len: int, max_batch: int = 1, page_size: in
     """``from_pretrained`` of a ``.gguf`` file: see the module docstring."""
     from .hf import auto_classes, config_of, decode_model
 
-    AutoConfig, AutoModelForCausalLM = auto_classes()
-
-    reader = read_gguf(path)  # first: a file that is not GGUF is named as such
-    try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    except (ValueError, KeyError, TypeError, OSError, IndexError) as error:
-        raise GraphError(f"{path}: transformers cannot read its metadata: {type(error).__name__}: {error}") from None
+    reader, config = parsed(path)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = auto_classes()[1].from_config(config)
     c = config_of(skeleton.float(), max_seq_len, max_batch, page_size, kv_pages, prefill_chunk)
     file = GGUFFile(path, reader, c)
     tied = "lm_head.weight" not in file
