@@ -258,29 +258,30 @@ def _w_block(base, w, scales, rows, kc, k_end, w_stride, scales_stride, FORMAT: 
              BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr):
     """float32 [BLOCK_N, BLOCK_K]: columns ``kc ..`` of rows ``rows`` ([BLOCK_N, 1]) of the weight, 0 from
     ``k_end`` on. ``ALIGNED`` (the host checked: every packed row and the tile's first byte 16-byte
-    aligned, k_end - kc a whole number of BLOCK_K): FP8 rows are loaded as 16-byte vectors of 16
-    elements, and Q4_K's 32 bytes of nibbles for 64 columns as two; each element of the other formats,
-    and of these when not aligned, is gathered from its block (``dequantized``)."""
+    aligned, k_end - kc a whole number of BLOCK_K; VECTOR_BLOCKS): FP8 rows are loaded as 16-byte
+    vectors of 16 elements, a Q4_K super-block's 128 bytes of nibbles as 16-byte vectors of 32 elements;
+    each element of the other formats, and of these when not aligned, is gathered from its block
+    (``dequantized``)."""
     rk = tl.arange(0, BLOCK_K)[None, :]
     if ALIGNED and FORMAT >= 6:  # fp8: a byte per element
         row = tl.multiple_of(heap_ptr(base, w, tl.uint8), 16) + row_offsets(rows.to(tl.int64), w_stride, tl.uint8,
                                                                              True)
-        value = _e4m3(tl.load(row + tl.multiple_of(kc, 16) + rk).to(tl.int32))
+        value = _e4m3(tl.load(row + kc // 16 * 16 + rk).to(tl.int32))  # kc // 16 * 16: kc, provably 16-aligned
         scale_ptr = heap_ptr(base, scales, tl.float32)
         if FORMAT == 6:
             value = value * tl.load(scale_ptr + rows)
         else:  # BLOCK_K columns from a multiple of BLOCK_K: one scale block
             value = value * tl.load(scale_ptr + rows * scales_stride + kc // 128)
-    elif ALIGNED and FORMAT == 4:  # q4_k: columns kc .. kc + 64 are sub-blocks 2p and 2p + 1 of a super-block
-        tl.static_assert(BLOCK_K == 64, "the aligned Q4_K block is one pair of sub-blocks")
+    elif ALIGNED and FORMAT == 4:  # q4_k: columns kc .. kc + 256 are a super-block
+        tl.static_assert(BLOCK_K == 256, "the aligned Q4_K block is a super-block")
         row = tl.multiple_of(heap_ptr(base, w, tl.uint8), 16) + row_offsets(rows.to(tl.int64), w_stride, tl.uint8,
                                                                              True)
-        block = row + kc // 256 * 144
-        pair = kc % 256 // 64
-        nibbles = tl.load(block + 16 + pair * 32 + tl.arange(0, 32)[None, :]).to(tl.int32)  # [BLOCK_N, 32]
-        first = _q4_k_value(block, pair * 2, nibbles & 15)       # columns kc .. kc + 32
-        second = _q4_k_value(block, pair * 2 + 1, nibbles >> 4)  # columns kc + 32 .. kc + 64
-        value = tl.reshape(tl.permute(tl.join(first, second), (0, 2, 1)), (BLOCK_N, BLOCK_K))
+        block = (row + kc // 256 * 144)[:, :, None]  # [BLOCK_N, 1, 1]
+        runs = tl.load(block + 16 + tl.arange(0, 128)[None, None, :]).to(tl.int32)  # 4 runs of 32 bytes
+        runs = tl.reshape(runs, (BLOCK_N, 4, 32))
+        # run p holds sub-block 2p in its low nibbles, 2p + 1 in its high ones
+        q = tl.reshape(tl.permute(tl.join(runs & 15, runs >> 4), (0, 1, 3, 2)), (BLOCK_N, 8, 32))
+        value = tl.reshape(_q4_k_value(block, tl.arange(0, 8)[None, :, None], q), (BLOCK_N, BLOCK_K))
     else:
         cols = kc + rk
         value = dequantized(base, w, scales, rows, tl.minimum(cols, k_end - 1), w_stride, scales_stride, FORMAT)
@@ -385,6 +386,9 @@ def _linear_reference(heap, task) -> None:
 FORMATS_BY_CODE = {f.code: f for f in FORMATS.values()}
 SPLIT_COLUMNS = 256  # K-ranges (split_k) start on multiples of it: a whole number of every format's blocks
 BLOCK_N, BLOCK_K = 16, 64  # the block of w a tile dequantizes at a time: 8 elements per thread
+# ... on the vector paths, 2 KiB of packed bytes, 16 per thread (one 16-byte vector each): FP8 32 rows x 64
+# columns, Q4_K 16 rows x a super-block (128 bytes of nibbles)
+VECTOR_BLOCKS = {"fp8_channel": (32, 64), "fp8_block": (32, 64), "q4_k": (16, 256)}
 TILE_ROWS = 64       # rows of w per tile
 MAX_BLOCK_M = 16     # rows of x per tile
 DOT_MIN_M = 16       # from this many rows of x a tile multiplies with tl.dot
@@ -410,9 +414,9 @@ def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
     g.require(y.shape == (m_total, n_total), f"linear: out has shape {y.shape}, expected {(m_total, n_total)}")
     target = y if splits == 1 else g.new_tensor((splits * m_total, n_total), torch.float32)
     block_m = min(next_power_of_2(m_total), MAX_BLOCK_M)
-    aligned = packed_aligned(w, [k0 for k0, _ in k_ranges], [k for _, k in k_ranges])
+    block_n, block_k, aligned = tile_blocks(w, [k0 for k0, _ in k_ranges], [k for _, k in k_ranges])
     opcode = g.opcode(QUANTIZED_LINEAR, X_DTYPE=x.dtype, Y_DTYPE=target.dtype, FORMAT=w.format.code,
-                      BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_DOT=block_m >= DOT_MIN_M, ALIGNED=aligned)
+                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=block_m >= DOT_MIN_M, ALIGNED=aligned)
     f, data, scales = w.format, w.data, w.scales
     scale_words = _scale_words(w)
     for s, (k0, k) in enumerate(k_ranges):
@@ -439,13 +443,15 @@ def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
     return y
 
 
-def packed_aligned(w: Quantized, starts: list[int], lengths: list[int]) -> bool:
-    """The host's ALIGNED for tiles reading columns ``start .. start + length`` of ``w`` (``_w_block``): a
-    format with a vector path (FP8, Q4_K), its rows and every start's byte 16-byte aligned, every length
-    whole BLOCK_K steps."""
+def tile_blocks(w: Quantized, starts: list[int], lengths: list[int]) -> tuple[int, int, bool]:
+    """(BLOCK_N, BLOCK_K, ALIGNED) of tiles reading columns ``start .. start + length`` of ``w``: its
+    format's vector path (``_w_block``, VECTOR_BLOCKS) when its rows and every start's byte are 16-byte
+    aligned and every length whole BLOCK_K steps; else the gathered one."""
     f = w.format
-    return (f.scales is not None or f is Q4_K) and all(k % BLOCK_K == 0 for k in lengths) and \
+    block_n, block_k = VECTOR_BLOCKS.get(f.name, (BLOCK_N, BLOCK_K))
+    aligned = f.name in VECTOR_BLOCKS and all(k % block_k == 0 for k in lengths) and \
         vector_aligned(w.data.addr(0, 0), w.data.row_stride, *(f.row_bytes(k0) for k0 in starts))
+    return (block_n, block_k, True) if aligned else (BLOCK_N, BLOCK_K, False)
 
 
 def _scale_words(w: Quantized) -> dict:
@@ -467,8 +473,9 @@ def expert_rows(g, x, w: Quantized, experts, count: int):
                                        f"do not fit (see tasks.moe.expert_rows)")
     n_total, k_total = w.rows // count, w.cols
     y = g.new_tensor((tokens * slots, n_total), x.dtype)
-    opcode = g.opcode(QUANTIZED_EXPERT_LINEAR, X_DTYPE=x.dtype, Y_DTYPE=y.dtype, FORMAT=w.format.code, BLOCK_N=BLOCK_N,
-                      BLOCK_K=BLOCK_K, ALIGNED=packed_aligned(w, [0], [k_total]))
+    block_n, block_k, aligned = tile_blocks(w, [0], [k_total])
+    opcode = g.opcode(QUANTIZED_EXPERT_LINEAR, X_DTYPE=x.dtype, Y_DTYPE=y.dtype, FORMAT=w.format.code, BLOCK_N=block_n,
+                      BLOCK_K=block_k, ALIGNED=aligned)
     whole = (w.data.region(0, w.rows, 0, w.data.cols),) + \
         ((w.scales.region(0, w.scales.rows, 0, w.scales.cols),) if w.scales is not None else ())
     row_bytes = w.data.cols + 4 * (w.scales.cols if w.format.scales == "block" else w.scales is not None)

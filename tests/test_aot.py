@@ -160,6 +160,24 @@ def test_weights_and_caches_are_not_loaded_element_by_element(kernel, target):
         assert not [op for op in loads.get(source, {}) if re.search(r"\.b16$|short", op)], (source, loads[source])
 
 
+@pytest.mark.parametrize("target", list(FAST))
+def test_every_weight_format_compiles_without_spills_and_aligned_ones_load_vectors(target):
+    """A quantized linear in every format (``tasks.quantized.every_format``) compiles for both vendors'
+    targets without spills; FP8 rows and Q4_K's nibbles, aligned, are loaded as vectors (16 bytes on
+    sm_90; gfx942's compiler splits them in 8-byte loads), where the other formats gather each element's
+    bytes (``_w_block``)."""
+    from megakernel.tasks.quantized import every_format
+    need(target)
+    g = mk.Graph(world_size=1, rank=0)
+    for i, result in enumerate(every_format(g)):
+        g.output(f"y{i}", result)
+    assert {dict(s.constexprs)["ALIGNED"] for s in g.specs if s.task_type == "quantized_linear"} == {True, False}
+    c = compile_kernel(g.specs, target, row_words=32)
+    assert c.spilled == 0
+    vectors = [op for op in loads_by_file(c.assembly)["quantized.py"] if re.search(r"\.v4\.|dwordx[24]", op)]
+    assert vectors and (target not in NVIDIA or any(".v4." in op for op in vectors)), vectors
+
+
 @pytest.mark.parametrize("target", EVERY_TARGET)
 def test_16_bit_dots_run_on_tensor_cores_and_float32_ones_stay_ieee(target):
     """The every-task kernel has bfloat16 ``tl.dot`` tiles (chunk attention) and float32 ones (a linear):
