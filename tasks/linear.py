@@ -323,15 +323,16 @@ def plan(m: int, n: int, k: int, blocks: tuple[int, int, int], w_size: int, para
     return best[1]
 
 
-def linear(g, x, w, split_k: int | None = None):
-    """``x [M, K] @ w [N, K].T -> [M, N]`` in x's dtype; ``split_k`` cuts K into that many ranges.
+def linear(g, x, w, split_k: int | None = None, out=None):
+    """``x [M, K] @ w [N, K].T -> [M, N]`` in x's dtype (into ``out``, an [M, N] view, when given);
+    ``split_k`` cuts K into that many ranges.
 
     ``split_k=None`` (the default) chooses the tiling for ``g.parallelism`` workers (``plan``): at 1,
     no split; above, K is split when the output alone has fewer blocks than workers. A ``Quantized`` w
     is dequantized in the tiles (``tasks.quantized.linear``).
     """
     if isinstance(w, quantized.Quantized):
-        return quantized.linear(g, x, w, split_k)
+        return quantized.linear(g, x, w, split_k, out)
     g.require(x.ndim == 2 and w.ndim == 2, f"linear: x {x.shape} and w {w.shape} must both be 2-D")
     require_float(g, "linear", x=x, w=w)
     g.require(x.cols == w.cols, f"linear: x has shape {x.shape} but w has shape {w.shape}; "
@@ -339,7 +340,9 @@ def linear(g, x, w, split_k: int | None = None):
     g.require(split_k is None or (is_count(split_k) and split_k <= x.cols),
               f"linear: split_k must be None or an integer in [1, {x.cols}], got {split_k!r}")
     m_total, n_total, k_total = x.rows, w.rows, x.cols
-    y = g.new_tensor((m_total, n_total), x.dtype)
+    y = out if out is not None else g.new_tensor((m_total, n_total), x.dtype)
+    g.require(y.shape == (m_total, n_total) and y.dtype == x.dtype,
+              f"linear: out is {y.shape} {y.dtype}, expected {(m_total, n_total)} {x.dtype}")
     use_dot = m_total >= DOT_MIN_M
     blocks = (DOT_BLOCK_M, DOT_BLOCK_N, DOT_BLOCK_K) if use_dot else gemv_blocks(m_total, w.dtype, k_total)
     block_m, block_n, block_k = blocks

@@ -411,7 +411,8 @@ def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
     bounds = [min(k_total, blocks * s // splits * SPLIT_COLUMNS) for s in range(splits + 1)]
     k_ranges = [(k0, k1 - k0) for k0, k1 in zip(bounds, bounds[1:])]
     y = out if out is not None else g.new_tensor((m_total, n_total), x.dtype)
-    g.require(y.shape == (m_total, n_total), f"linear: out has shape {y.shape}, expected {(m_total, n_total)}")
+    g.require(y.shape == (m_total, n_total) and y.dtype == x.dtype,
+              f"linear: out is {y.shape} {y.dtype}, expected {(m_total, n_total)} {x.dtype}")
     target = y if splits == 1 else g.new_tensor((splits * m_total, n_total), torch.float32)
     block_m = min(next_power_of_2(m_total), MAX_BLOCK_M)
     block_n, block_k, aligned = tile_blocks(w, [k0 for k0, _ in k_ranges], [k for _, k in k_ranges])

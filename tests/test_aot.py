@@ -188,7 +188,7 @@ def test_16_bit_dots_run_on_tensor_cores_and_float32_ones_stay_ieee(target):
         assert ".tf32" not in asm
     else:
         assert re.search(r"\bv_mfma_f32_\w+_bf16\b", asm)
-        assert "xf32" not in asm
+        assert not re.search(r"\bv_mfma\w*xf32", asm)  # an instruction: the debug info's "0xf32" offsets are not
 
 
 @triton.jit

@@ -245,9 +245,9 @@ def test_fp8_checkpoint_decodes_as_its_dequantized_model(tmp_path, torch_backend
 GGUF_HIDDEN, GGUF_INTERMEDIATE, GGUF_VOCAB, GGUF_IDS = 256, 512, 300, torch.tensor([[11, 7, 250, 3]])
 GGUF_NEW_TOKENS = 3
 # per tensor kind, the block type of each layer: every format in the first layer (fused q/k/v and gate/up,
-# row-parallel o and down), others in the second
-EVERY_FORMAT = {"token_embd": "Q8_0", "output": "Q6_K", "attn_qkv": ("Q4_K", "Q8_0"), "attn_output": ("Q6_K", "Q4_0"),
-                "ffn_gate_up": ("Q4_0", "Q6_K"), "ffn_down": ("Q4_1", "Q4_K")}
+# row-parallel o and down), others in the second; v apart from q and k, as Q4_K_M files keep it
+EVERY_FORMAT = {"token_embd": "Q8_0", "output": "Q6_K", "attn_qkv": ("Q4_K", "Q8_0"), "attn_v": "Q6_K",
+                "attn_output": ("Q6_K", "Q4_0"), "ffn_gate_up": ("Q4_0", "Q6_K"), "ffn_down": ("Q4_1", "Q4_K")}
 # row-parallel weights (attn_output, ffn_down) in 32-element blocks: a rank's 128 columns are whole blocks
 SPLITTABLE = {**EVERY_FORMAT, "attn_output": ("Q8_0", "Q4_0"), "ffn_down": ("Q4_1", "Q8_0")}
 # a small scale per format: random blocks dequantize to weights of about 0.01 to 0.03
@@ -284,6 +284,8 @@ def write_gguf(path, kinds: dict, layers: int = 2, seed: int = 0, drop: str | No
             return
         if kind == "F32":
             writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32))
+        elif kind == "F16":
+            writer.add_tensor(name, (0.02 * rng.standard_normal((rows, cols))).astype(np.float16))
         else:
             writer.add_tensor(name, gguf_blocks(kind, rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
     add("token_embd.weight", kinds["token_embd"], GGUF_VOCAB, GGUF_HIDDEN)
@@ -327,7 +329,9 @@ def _gguf_decode(path):
 
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.interpreter), 2])
 def test_a_gguf_file_of_every_block_format_decodes_as_transformers_loads_it(tmp_path, torch_backend, world):
-    """Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights, fused (q/k/v, gate/up) and row-parallel, an untied LM head:
+    """Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights, fused (q/k/v, gate/up; v in another format than q and k,
+    as in Q4_K_M files: each part its own input, projected into its columns) and row-parallel, an untied
+    LM head:
     the logits and greedy tokens of transformers' GGUF loading, at one rank under the interpreter (one
     layer: every format) and at two on the torch backend (two layers)."""
     path = tmp_path / "model.gguf"
@@ -350,7 +354,8 @@ def _load(path):
 
 @pytest.mark.parametrize("case,match", [
     ("split inside a block", "cut a q6_k block of 256 columns"),
-    ("fused formats differ", r"parts of layers\.0\.qkv .* different formats \(q4_k, q8_0\)"),
+    ("fused floats and blocks", r"parts of layers\.0\.qkv .* are kept in q4_k, q4_k, floats; a fused weight in "
+                                r"several formats must have every part quantized"),
     ("unknown block type", r"tensor blk\.0\.ffn_gate\.weight is Q5_1; supported: Q8_0"),
     ("missing tensor", r"no tensor blk\.1\.ffn_down\.weight"),
     ("truncated", "not a readable GGUF file"),
@@ -358,8 +363,8 @@ def _load(path):
 def test_bad_gguf_files_are_errors_naming_the_tensor(tmp_path, torch_backend, case, match):
     path = tmp_path / "model.gguf"
     kinds = dict(EVERY_FORMAT)
-    if case == "fused formats differ":
-        kinds["attn_v"] = "Q8_0"
+    if case == "fused floats and blocks":
+        kinds["attn_v"] = "F16"
     elif case == "unknown block type":
         kinds["ffn_gate_up"] = ("Q5_1", "Q6_K")
     write_gguf(path, kinds, drop="blk.1.ffn_down.weight" if case == "missing tensor" else None)

@@ -17,7 +17,7 @@ import torch
 from ..graph import Graph, Tensor
 from ..tasks.quantized import FORMATS, Format, Quantized, quantized_input, rows_of
 from .packed import concat
-from .schema import EMBED, HEAD, NORM, Weight, head_in_embedding, layer_weights
+from .schema import EMBED, HEAD, NORM, Weight, head_in_embedding, layer_weights, part_name
 
 
 @dataclass(frozen=True)
@@ -154,9 +154,25 @@ def weight_input(g: Graph, c: DecoderConfig, s: Shard, w: Weight, prefix: str = 
     bytes (and scales) when the config keeps it quantized."""
     name = prefix + w.name
     format = c.format_of(name)
+    if c.format_of(part_name(name, 0)) is not None:  # parts in formats of their own (``project``)
+        return tuple(quantized_input(g, part_name(name, i), part.rank_shape(c, s), c.format_of(part_name(name, i)),
+                                     c.dtype) for i, part in enumerate(w.parts))
     if format is None:
         return g.input(name, w.shape(c, s), c.dtype)
     return quantized_input(g, name, w.shape(c, s), format, c.dtype)
+
+
+def project(g: Graph, x: Tensor, w: Tensor | Quantized | tuple) -> Tensor:
+    """``x @ w.T``; a weight whose parts are inputs of their own (kept in different formats) projects into
+    each part's columns of one output."""
+    if not isinstance(w, tuple):
+        return g.linear(x, w)
+    y = g.new_tensor((x.rows, sum(part.rows for part in w)), x.dtype)
+    start = 0
+    for part in w:
+        g.linear(x, part, out=y[:, start:start + part.rows])
+        start += part.rows
+    return y
 
 
 def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, inv_freq: Tensor, i: int,
@@ -175,7 +191,7 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     w = w or layer_inputs(g, c, s, i)
     bias = lambda name: w[name][row0:row0 + x.rows]  # noqa: E731
     h = g.rms_norm(x, w["input_norm"], c.eps, unit_offset=c.gemma)
-    qkv = g.linear(h, w["qkv"])
+    qkv = project(g, h, w["qkv"])
     if c.qkv_bias:
         qkv = g.add(qkv, bias("qkv_bias"))
     q, k, v = qkv[:, :q_cols], qkv[:, q_cols:q_cols + kv_cols], qkv[:, q_cols + kv_cols:]
@@ -203,7 +219,7 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
         out = g.moe_mlp(h, w["router"], w["experts.gate_up"], w["experts.down"], c.top_k, c.norm_topk,
                         c.router_weight_dtype)
         return g.add(x, _row_parallel(g, s, out))
-    gate_up = g.linear(h, w["gate_up"])
+    gate_up = project(g, h, w["gate_up"])
     if c.mlp_bias:
         gate_up = g.add(gate_up, bias("gate_up_bias"))
     act = (g.gelu_tanh_mul if c.gemma else g.silu_mul)(gate_up[:, :s.mlp.size], gate_up[:, s.mlp.size:])

@@ -223,18 +223,27 @@ def stored_formats(format_of: Callable[[str], Format | None], c: DecoderConfig, 
         for weight in weights:
             keys = [(TIED.get(p, p) if tied else p).key.format(i=layer, e=e)
                     for e in (range(c.experts) if weight.per_expert else (0,)) for p in weight.parts]
-            kinds = {format_of(key) for key in keys}
-            if len(kinds) > 1:
+            kinds = [format_of(key) for key in keys]
+            if not any(kinds):
+                continue
+            if not weight.packable:
+                raise GraphError(f"{where}: {prefix}{weight.name} is kept in {kinds[0].name}; the tiles read it "
+                                 f"only as floats")
+            if len(set(kinds)) == 1:
+                formats.append((prefix + weight.name, kinds[0].name))
+            elif None in kinds or weight.per_expert:
                 raise GraphError(f"{where}: the parts of {prefix}{weight.name} ({', '.join(keys)}) are kept in "
-                                 f"different formats ({', '.join(sorted(k.name if k else 'floats' for k in kinds))}); "
-                                 f"a fused weight is built in one format only")
-            kind = kinds.pop()
-            if kind is not None:
-                if not weight.packable:
-                    raise GraphError(f"{where}: {prefix}{weight.name} is kept in {kind.name}; the tiles read it "
-                                     f"only as floats")
-                formats.append((prefix + weight.name, kind.name))
+                                 f"{', '.join(k.name if k else 'floats' for k in kinds)}; a fused weight in several "
+                                 f"formats must have every part quantized and no experts")
+            else:  # Q4_K_M's q and k in Q4_K, v in Q6_K: a graph input per part (``part_name``)
+                formats += [(part_name(prefix + weight.name, i), kind.name) for i, kind in enumerate(kinds)]
     return tuple(formats)
+
+
+def part_name(name: str, index: int) -> str:
+    """The graph input of part ``index`` of weight input ``name`` when its parts are kept in different
+    formats (the decode step then projects into each part's columns: ``decoder.project``)."""
+    return f"{name}.part{index}"
 
 
 def head_in_embedding(c: DecoderConfig, s: Shard) -> bool:
@@ -255,10 +264,12 @@ def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_fr
     quantized weights (the inputs ``name`` and ``name.scales``, as ``c.formats`` says). ``tied``: the LM
     head is the embedding.
     """
-    def rank_slice(weight: Weight, layer: int = 0) -> torch.Tensor:
+    def rank_slice(weight: Weight, layer: int = 0, name: str = "") -> torch.Tensor | tuple:
         experts = range(c.experts) if weight.per_expert else (0,)
         slices = [part.take(_find(tensors, TIED.get(part, part) if tied else part, c, layer, expert), c, s)
                   for expert in experts for part in weight.parts]
+        if c.format_of(part_name(name or weight.name, 0)) is not None:
+            return tuple(slices)  # parts in formats of their own: an input each
         value = slices[0] if len(slices) == 1 else concat(slices)
         return value.reshape(1, -1).expand(c.rows, -1) if weight.per_row else value
 
@@ -267,7 +278,9 @@ def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_fr
     if c.gemma:  # the embedding's scale, sqrt(hidden), as the model's dtype holds it, for every batch row
         weights["embed_scale"] = torch.full((c.rows, c.hidden), c.hidden ** 0.5, dtype=c.dtype)
     for i in range(c.layers):
-        weights.update({f"layers.{i}.{w.name}": rank_slice(w, i) for w in layer_weights(c, i)})
+        weights.update({f"layers.{i}.{w.name}": rank_slice(w, i, f"layers.{i}.{w.name}") for w in layer_weights(c, i)})
+    for name in [name for name, w in weights.items() if isinstance(w, tuple)]:
+        weights.update({part_name(name, i): part for i, part in enumerate(weights.pop(name))})
     inputs = {}
     for name, w in weights.items():
         w = w.detach().contiguous()
