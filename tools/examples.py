@@ -28,12 +28,19 @@ def every_task_type() -> Graph:
 
 def example_inputs(g: Graph, seed: int = 0) -> dict[str, torch.Tensor]:
     """Values for every input of ``every_task_type()``: random normal floats; packed bytes (uint8) random
-    below PACKED_BYTE_BOUND; other integers INDEX_BOUND - 1, the largest valid index (an attention over it
-    takes more than one step of its partial tile)."""
+    below PACKED_BYTE_BOUND; other integers are indices counting down from INDEX_BOUND - 1, the largest
+    valid one (an attention over it takes more than one step of its partial tile), element by element:
+    distinct within an input, so that a block table's rows hold pages of their own (two rows appending
+    into one page would race, as no real table does)."""
     gen = torch.Generator().manual_seed(seed)
+
+    def indices(shape) -> torch.Tensor:
+        count = torch.Size(shape).numel()
+        return (INDEX_BOUND - 1 - torch.arange(count) % INDEX_BOUND).reshape(shape)
+
     return {name: (torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype) if t.dtype.is_floating_point
                    else torch.randint(0, PACKED_BYTE_BOUND, t.shape, generator=gen, dtype=t.dtype)
-                   if t.dtype == torch.uint8 else torch.full(t.shape, INDEX_BOUND - 1, dtype=t.dtype))
+                   if t.dtype == torch.uint8 else indices(t.shape).to(t.dtype))
             for name, t in g.inputs.items()}
 
 
