@@ -42,15 +42,24 @@ def embedding_at_tile(base, status,
     copy_row(base, out, table + row * table_stride * DTYPE.primitive_bitwidth // 8, cols, DTYPE, BLOCK_N)
 
 
+def token_row(heap, task) -> int:
+    """The table row an ``embedding`` task looks up: ``*token``."""
+    return heap_index(heap, task.token, task.rows)
+
+
+def history_row(heap, task) -> int:
+    """The table row an ``embedding_at`` task looks up: ``history[*pos]``, row 0 for a row of no sequence."""
+    if heap.word(task.pos) == NO_SEQUENCE.value:
+        return 0
+    return heap_index(heap, task.history + 8 * heap_index(heap, task.pos, task.history_cols), task.rows)
+
+
 def _reference(heap, task) -> None:
-    _copy_row(heap, task, heap_index(heap, task.token, task.rows))
+    _copy_row(heap, task, token_row(heap, task))
 
 
 def _at_reference(heap, task) -> None:
-    if heap.word(task.pos) == NO_SEQUENCE.value:
-        return _copy_row(heap, task, 0)
-    at = heap_index(heap, task.pos, task.history_cols)
-    _copy_row(heap, task, heap_index(heap, task.history + 8 * at, task.rows))
+    _copy_row(heap, task, history_row(heap, task))
 
 
 def _copy_row(heap, task, row: int) -> None:

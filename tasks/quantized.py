@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
+from ..device import checked_index, heap_ptr, row_position
 from ..errors import is_count
 from .common import (TaskType, ceil_div, dot, heap_index, next_power_of_2, require_float, rounded, row_offsets,
                      row_positions, vector_aligned)
@@ -544,14 +544,13 @@ def _copy_row(heap, task, row: int) -> None:
 
 
 def _embedding_reference(heap, task) -> None:
-    _copy_row(heap, task, heap_index(heap, task.token, task.rows))
+    from .embedding import token_row  # embedding imports this module for the dispatch
+    _copy_row(heap, task, token_row(heap, task))
 
 
 def _embedding_at_reference(heap, task) -> None:
-    if heap.word(task.pos) == NO_SEQUENCE.value:
-        return _copy_row(heap, task, 0)
-    at = heap_index(heap, task.pos, task.history_cols)
-    _copy_row(heap, task, heap_index(heap, task.history + 8 * at, task.rows))
+    from .embedding import history_row
+    _copy_row(heap, task, history_row(heap, task))
 
 
 def embedding(g, tokens, table: Quantized, pos=None):

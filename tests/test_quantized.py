@@ -223,6 +223,7 @@ def _fp8_tokens(path):
         model.close()
 
 
+@pytest.mark.slow  # models end to end
 @pytest.mark.parametrize("method,world", [pytest.param("fp8", 1, marks=pytest.mark.interpreter), ("fbgemm_fp8", 1),
                                           ("fp8", 2), ("fbgemm_fp8", 2)])
 def test_fp8_checkpoint_decodes_as_its_dequantized_model(tmp_path, torch_backend, method, world):
@@ -327,6 +328,7 @@ def _gguf_decode(path):
         model.close()
 
 
+@pytest.mark.slow  # models end to end
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.interpreter), 2])
 def test_a_gguf_file_of_every_block_format_decodes_as_transformers_loads_it(tmp_path, torch_backend, world):
     """Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights, fused (q/k/v, gate/up; v in another format than q and k,
@@ -404,6 +406,7 @@ def test_bad_fp8_checkpoints_are_errors_naming_the_tensor(tmp_path, torch_backen
         _load(tmp_path)
 
 
+@pytest.mark.slow  # models end to end
 @pytest.mark.parametrize("world", [1, 2])
 def test_fp8_moe_checkpoint_streams_fp8_experts(tmp_path, torch_backend, world):
     """A Qwen3-MoE (a sparse and a dense layer) whose projections, every expert's included, are saved in
