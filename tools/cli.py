@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="cpu: the Triton tiles under the interpreter; torch: each tile as torch code (fast)")
     p.add_argument("--out", default="megakernel-demo", help="folder for the trace and the kernel image")
     p.set_defaults(run=_demo)
+    _add_serve_command(sub)
     _add_trace_commands(sub)
     _add_graph_command(sub)
     args = parser.parse_args(argv)
@@ -154,6 +155,44 @@ def _count(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return int(text)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    for package in ("fastapi", "uvicorn"):
+        if find_spec(package) is None:
+            print(f"megakernel serve needs {package}: pip install 'megakernel[serve]'", file=sys.stderr)
+            return 2
+    from .serve import Options, serve
+
+    path = Path(args.model)
+    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
+        print(f"megakernel serve: {args.model}: not a checkpoint directory or a .gguf file", file=sys.stderr)
+        return 2
+    serve(Options(**{name: value for name, value in vars(args).items() if name not in ("command", "run")}))
+    return 0
+
+
+def _add_serve_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API (completions, chat, streaming)")
+    p.add_argument("model", help="a checkpoint directory (save_pretrained's layout) or a GGUF file")
+    p.add_argument("--tp", type=_count, default=1, help="tensor-parallel ranks (processes)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", choices=["auto", "cpu", "torch", "cuda", "hip"], default="auto",
+                   help="auto: the GPU if there is one, else cpu; torch runs each tile as torch code (fast on a CPU)")
+    p.add_argument("--max-batch", type=_count, default=8, help="sequences decoded together (batch rows)")
+    p.add_argument("--max-seq-len", type=_count, default=2048, help="the context: prompt + new tokens")
+    p.add_argument("--page-size", type=_count, default=16, help="KV cache positions per page")
+    p.add_argument("--kv-pages", type=_count, help="KV cache pages (default: every row at --max-seq-len)")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens a launch prefills (0: none)")
+    p.add_argument("--max-logprobs", type=int, default=5, help="the most likely tokens a request may ask "
+                                                                 "log-probabilities of (at most 20)")
+    p.add_argument("--steps-per-launch", type=_count, default=4, help="decode steps per launch at most")
+    p.add_argument("--workers", type=_count, help="workers per rank (default: the backend's)")
+    p.add_argument("--dequantize", action="store_true", help="a GGUF file's weights as float32 (for the torch "
+                                                             "backend, which unpacks quantized weights every step)")
+    p.add_argument("--name", help="the model's id in the API (default: the file's stem or the folder's name)")
+    p.set_defaults(run=_serve)
 
 
 def _add_trace_commands(sub: argparse._SubParsersAction) -> None:

@@ -247,24 +247,29 @@ class Checkpoint:
 
 
 def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
-                    prefill_chunk: int = 0, parallelism: int | str = "auto", **kernel_options) -> DecodeModel:
+                    prefill_chunk: int = 0, max_logprobs: int = 0, dequantize: bool = False,
+                    parallelism: int | str = "auto", **kernel_options) -> DecodeModel:
     """Load a checkpoint directory (``config.json`` + ``*.safetensors``, one file or shards, as
     ``save_pretrained`` writes it; an FP8 one's weights stay FP8, ``FP8Weights``), or a GGUF file
     (``models.gguf``: its weights stay quantized), straight into this rank's heap (nothing is downloaded)
     and compile its decode step. Only this rank's slices are read (``Checkpoint``): no whole model in host
     memory.
     The model's modules are made on the meta device (no memory) for what ``from_hf`` reads off them;
-    the RoPE frequencies from its rotary module's class, made for real. The other arguments are ``from_hf's``.
+    the RoPE frequencies from its rotary module's class, made for real. ``dequantize``: a GGUF file's
+    weights as float32 (``models.gguf``). The other arguments are ``from_hf's``.
     """
     AutoConfig, AutoModelForCausalLM = auto_classes()
 
     path = Path(path)
     if path.suffix == ".gguf" and path.is_file():
         return from_gguf(path, max_seq_len=max_seq_len, max_batch=max_batch, page_size=page_size, kv_pages=kv_pages,
-                         prefill_chunk=prefill_chunk, parallelism=parallelism, **kernel_options)
+                         prefill_chunk=prefill_chunk, max_logprobs=max_logprobs, dequantize=dequantize,
+                         parallelism=parallelism, **kernel_options)
     if not (path / "config.json").is_file():
         raise GraphError(f"{path}: no config.json: not a checkpoint directory as save_pretrained writes one")
     fp8 = fp8_scheme(read_config(path), path / "config.json")  # its sizes checked before any module is made
+    if dequantize:
+        raise GraphError(f"{path}: dequantize applies to GGUF files; a checkpoint directory's weights load as stored")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, KeyError, TypeError, OSError) as error:
@@ -273,7 +278,7 @@ def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: in
         skeleton = AutoModelForCausalLM.from_config(config)
     checkpoint = Checkpoint(path, {key: tuple(t.shape) for key, t in skeleton.state_dict().items()})
     skeleton.to(checkpoint["model.embed_tokens.weight"].dtype)  # the dtype the weights are stored in
-    decoder = config_of(skeleton, max_seq_len, max_batch, page_size, kv_pages, prefill_chunk)
+    decoder = config_of(skeleton, max_seq_len, max_batch, page_size, kv_pages, prefill_chunk, max_logprobs)
     tied = bool(config.tie_word_embeddings)
     tensors = checkpoint
     if fp8 is not None:

@@ -16,6 +16,7 @@ import torch
 
 from ..graph import Graph, Tensor
 from ..tasks.quantized import FORMATS, Format, Quantized, quantized_input, rows_of
+from ..tasks.sampling import PARAMS
 from .packed import concat
 from .schema import EMBED, HEAD, NORM, Weight, head_in_embedding, layer_weights, part_name
 
@@ -49,6 +50,7 @@ class DecoderConfig:
     page_size: int = 16        # KV cache positions per page
     kv_pages: int = 0          # pages in the pool (0: every batch row at max_seq_len); one more is the spill page
     prefill_chunk: int = 0     # prompt tokens a step can prefill besides its batch rows (0: none)
+    max_logprobs: int = 0      # the most likely tokens whose log-probabilities a step writes per row (0: none)
     formats: tuple[tuple[str, str], ...] = ()  # (weight input, format) of the weights kept quantized (tasks.quantized)
     tied: bool = False         # the LM head is the embedding: read from its rows where a rank's share allows
 
@@ -233,8 +235,11 @@ def _row_parallel(g: Graph, s: Shard, partial: Tensor) -> Tensor:
 
 def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) -> Graph:
     """Embedding of ``history[b, pos_b]`` -> layers -> final norm -> LM head: logits [batch, vocab] of one
-    token per batch row (the output "logits"), their argmax into ``history[b, pos_b + 1]`` once
-    ``pos_b + 1`` reaches ``prompt_len_b``, and ``pos_b + 1`` (the output "history" is the whole history).
+    token per batch row (the output "logits"), a token drawn from them into ``history[b, pos_b + 1]`` once
+    ``pos_b + 1`` reaches ``prompt_len_b`` (greedy, or with the row's ``sampling`` params and ``seed``:
+    ``tasks.sampling``; its log-probability into the output "logprobs" [batch, max_seq_len], the
+    ``max_logprobs`` most likely tokens' into "top_ids" and "top_logprobs"), and ``pos_b + 1`` (the
+    output "history" is the whole history).
     Every row has its own position and prompt length (the inputs ``pos`` and ``prompt_len``, [batch]);
     a row at position -1 holds no sequence and does no attention work, and one that reaches
     ``max_seq_len`` ends (-1).
@@ -290,7 +295,17 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
         logits = g.all_gather(logits, dim=1) if s.world > 1 else logits
         g.output("logits", logits)
     with g.scope("sample"):
-        g.output("history", g.sample_greedy(logits, history, pos, prompt_len, vocab=c.vocab))
+        sampling = g.input("sampling", (c.batch, len(PARAMS)), torch.float32)
+        seed = g.input("seed", (c.batch,), torch.int64)
+        logprobs = g.new_tensor((c.batch, c.max_seq_len), torch.float32, name="logprobs")
+        top = tuple(g.new_tensor((c.batch, c.max_seq_len * c.max_logprobs), dtype, name=name)
+                    for name, dtype in (("top_ids", torch.int64), ("top_logprobs", torch.float32))) \
+            if c.max_logprobs else None
+        g.output("history", g.sample(logits, history, pos, prompt_len, sampling, seed, logprobs, top, vocab=c.vocab))
+        g.output("logprobs", logprobs)
+        if top is not None:
+            g.output("top_ids", top[0])
+            g.output("top_logprobs", top[1])
         g.advance(pos, limit=c.max_seq_len)
         if c.prefill_chunk:
             g.advance(prefill_pos, limit=0)  # the chunk is done: off until the host gives another

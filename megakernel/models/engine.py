@@ -6,17 +6,21 @@ not where they came from (``from_hf``, ``from_pretrained``)."""
 from __future__ import annotations
 
 import functools
+import math
+import secrets
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import astuple, dataclass, field
 from typing import Callable, TypeVar
 
 import torch
 
 from ..backend import KINDS, resolve
-from ..errors import GraphError, is_count, is_int
+from ..errors import GraphError, is_count, is_int, is_number
 from ..graph import Graph
 from ..runtime import Megakernel
 from ..tasks.chunk_attention import BLOCK_ROWS
+from ..tasks.sampling import PARAMS
 from .decoder import DecoderConfig, decode_step
 from .pages import KVCacheFull, PagePool
 
@@ -35,18 +39,57 @@ def serialized(method: Method) -> Method:
     return locked  # type: ignore[return-value]
 
 
+SEED_BITS = 63  # a seed is an int64 on the device's heap
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a sequence's tokens are drawn on the device (``tasks.sampling``): ``temperature`` 0 is greedy
+    (the argmax); above it, softmax(logits / temperature) over the tokens that ``top_k`` (0: all), ``top_p``
+    (1: all) and ``min_p`` (0: all) keep. ``seed``: the key of the sequence's random stream, which with
+    the position alone decides its draws (None: one drawn for it, the same on every rank)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        checks = (("temperature", is_number(self.temperature) and 0 <= self.temperature < math.inf, "a finite number >= 0"),
+                  ("top_k", is_int(self.top_k) and 0 <= self.top_k < 1 << 24, "an int in [0, 2^24) (0: off)"),
+                  ("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+                  ("min_p", is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
+                  ("seed", self.seed is None or is_int(self.seed), "an int or None"))
+        for name, good, what in checks:
+            if not good:
+                raise GraphError(f"sampling: {name} must be {what}, got {getattr(self, name)!r}")
+
+    @property
+    def row(self) -> list[float]:
+        """The sampling tile's float32 params (``tasks.sampling.PARAMS``)."""
+        return [float(getattr(self, name)) for name in PARAMS]
+
+
+GREEDY = SamplingParams()
+
+
 @dataclass
 class Sequence:
-    """A sequence of continuous batching (``DecodeModel.add``): its batch row, prompt and new tokens."""
+    """A sequence of continuous batching (``DecodeModel.add``): its batch row, prompt and new tokens, and
+    the log-probability of each (with the ``max_logprobs`` most likely tokens' ids and log-probabilities)."""
 
     id: int
     slot: int
     prompt: torch.Tensor
     max_new: int
-    eos: int | None
+    stop: frozenset[int]                           # token ids that end it (included in its tokens)
+    sampling: SamplingParams = GREEDY
     pos: int = 0                                   # the position its row is at (the device's, mirrored)
     prefilled: int = 0                             # prompt positions whose KV the prefill rows wrote
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
     done: bool = False
 
     @property
@@ -93,6 +136,10 @@ class DecodeModel:
         self.kernel.bind({"history": torch.zeros(config.batch, config.max_seq_len, dtype=torch.int64),
                           "pos": torch.full((config.batch,), -1), "prompt_len": torch.zeros(config.batch, dtype=torch.int64),
                           "block_table": self.pool.table})
+        self.kernel.bind({"sampling": torch.zeros(config.batch, len(PARAMS)),  # temperature 0: greedy
+                          "seed": torch.zeros(config.batch, dtype=torch.int64)})
+        # seeds for sequences that bring none: from rank 0's base, so that every rank draws the same tokens
+        self._seed_base, self._seeds_drawn = self.kernel.group.all_gather(secrets.randbits(SEED_BITS))[0], 0
         if config.prefill_chunk:
             self.kernel.bind({"prefill_pos": torch.full((config.prefill_chunk,), -1),
                               "prefill_tokens": torch.zeros(config.prefill_chunk, dtype=torch.int64)})
@@ -129,13 +176,15 @@ class DecodeModel:
 
     @serialized
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, tokens_per_launch: int | None = None,
-                 eos_token_id: int | None = None) -> torch.Tensor:
-        """Greedy decoding on the device: the prompt and ``max_new_tokens`` argmax tokens in
+                 eos_token_id: int | Iterable[int] | None = None,
+                 sampling: SamplingParams | list[SamplingParams] | None = None) -> torch.Tensor:
+        """Decoding on the device: the prompt and ``max_new_tokens`` tokens (greedy, or drawn with
+        ``sampling``: one ``SamplingParams`` for every row or prompt, or a list of one per row or prompt) in
         ``ceil((T + max_new_tokens - 1) / tokens_per_launch)`` launches of ``tokens_per_launch`` steps each
         (by default all in one; fewer tokens per launch where the RoPE frequencies change with the
-        position, ``rope_at``). After ``eos_token_id`` a row's tokens are dropped: generation stops (checked
-        between launches) once every row has produced it, and a row that ends earlier than others is
-        filled with it.
+        position, ``rope_at``). After ``eos_token_id`` (one id or several) a row's tokens are dropped:
+        generation stops (checked between launches) once every row has produced one, and a row that ends
+        earlier than others is filled with the id it ended with.
 
         ``prompt_ids`` [B, T] (or [T] for batch 1); returns [B, T + new tokens], prompt included. A list
         of prompts (1-D, of any lengths, as many as you like) runs them by continuous batching
@@ -148,8 +197,11 @@ class DecodeModel:
             if tokens_per_launch is not None:
                 raise GraphError("generate: a list of prompts runs by continuous batching: its launches end where a "
                                  "sequence does (no tokens_per_launch)")
-            return self._generate_each(prompt_ids, max_new_tokens, eos_token_id)
+            return self._generate_each(prompt_ids, max_new_tokens, eos_token_id,
+                                       self._per_row(sampling, len(prompt_ids), "generate"))
         c = self.config
+        stop = self._stop_ids(eos_token_id, "generate")
+        sampling = self._per_row(sampling, c.batch, "generate")
         ids = self._token_ids(prompt_ids, "generate", "prompt_ids")
         ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
         prompt = ids.shape[1]
@@ -170,6 +222,8 @@ class DecodeModel:
                               f"tokens need {c.batch * self.pool.pages_for(steps)} pages of {self.pool.page_size} "
                               f"positions; the pool has {self.pool.pages}. Nothing changed")
         self._release_rows()  # each row keeps its pages afterwards, as decode() does: decode() may go on
+        for row, params in enumerate(sampling):
+            self._bind_sampling(row, params)
         with self.pool.transaction():
             for row in range(c.batch):
                 self.pool.grow(row, steps, f"batch row {row} ({prompt} prompt + {max_new_tokens} new tokens)")
@@ -187,14 +241,16 @@ class DecodeModel:
             out = self.kernel.run(frequencies, steps=count)
             history, self.logits = out["history"], out["logits"][:, :c.vocab].float()
             pos += count
-            if eos_token_id is not None and pos >= prompt and bool((history[:, prompt:pos + 1] == eos_token_id)
-                                                                   .any(dim=1).all()):
+            if stop.numel() and pos >= prompt and bool(torch.isin(history[:, prompt:pos + 1], stop).any(dim=1).all()):
                 break
         tokens = history[:, :pos + 1].clone()
-        if eos_token_id is not None:
-            ended = (tokens[:, prompt:] == eos_token_id).cumsum(dim=1) > 0
+        if stop.numel():
+            new = tokens[:, prompt:]
+            ended = torch.isin(new, stop).cumsum(dim=1) > 0
             after = torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], dim=1)  # past each row's first eos
-            tokens[:, prompt:][after] = eos_token_id
+            for row in range(c.batch):
+                if ended[row].any():
+                    new[row, after[row]] = new[row, int(ended[row].nonzero()[0])]
             if ended.all(dim=0).any():  # every row ended: drop the columns after the last row's eos
                 tokens = tokens[:, :prompt + int(ended.all(dim=0).nonzero()[0]) + 1]
         self.kernel.bind({"pos": torch.full((c.batch,), -1)})  # every row free again
@@ -202,20 +258,25 @@ class DecodeModel:
 
     # -- continuous batching -------------------------------------------------------------------------
     @serialized
-    def add(self, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None) -> int:
+    def add(self, prompt_ids, max_new_tokens: int, eos_token_id: int | Iterable[int] | None = None,
+            sampling: SamplingParams | None = None) -> int:
         """Start a sequence in a free batch row (slot): its prompt goes into the row's history; the next
         ``step`` prefills it (``prefill_chunk`` tokens per launch; without prefill rows its batch row reads
-        the prompt a token per step) and then advances it with the others. Returns its id."""
+        the prompt a token per step) and then advances it with the others, its tokens drawn with
+        ``sampling`` (None: greedy). It ends after ``max_new_tokens`` or at a token of ``eos_token_id``
+        (one id or several). Returns its id."""
         c = self.config
         if not is_count(max_new_tokens):
             raise GraphError(f"add: max_new_tokens must be a positive int, got {max_new_tokens!r}")
         ids = self._admissible(prompt_ids, max_new_tokens, "add")
+        stop = frozenset(self._stop_ids(eos_token_id, "add").tolist())
+        sampling = self._per_row(sampling, 1, "add")[0]
         slot = next((row for row, sequence in enumerate(self.slots) if sequence is None), None)
         if slot is None:
             raise GraphError(f"add: all {c.batch} slots (max_batch) hold sequences; step until one finishes")
         if not any(self.slots):
             self._release_rows()  # the pages decode() kept
-        sequence = Sequence(self._next_id, slot, ids, max_new_tokens, eos_token_id)
+        sequence = Sequence(self._next_id, slot, ids, max_new_tokens, stop, self._bind_sampling(slot, sampling))
         if c.prefill_chunk:  # the prefill rows write positions before the last; the batch row starts there
             sequence.pos = ids.numel() - 1
         else:                # the batch row reads the prompt from position 0
@@ -256,6 +317,7 @@ class DecodeModel:
             self.kernel.tensor(self.graph.inputs["pos"])[s.slot] = s.pos
         out = self.kernel.run({"block_table": self.pool.table}, steps=steps)
         history, self.logits = out["history"], out["logits"][:, :self.config.vocab].float()
+        top_n = self.config.max_logprobs
         for s, first, count, _ in chunk.parts:
             s.prefilled = first + count
         new: dict[int, list[int]] = {}
@@ -263,12 +325,17 @@ class DecodeModel:
             start, s.pos = s.pos, s.pos + steps
             first = max(start + 1, s.prompt.numel())  # the first position this launch sampled into
             made = history[s.slot, first:s.pos + 1].tolist()[:s.max_new - len(s.tokens)]
-            if s.eos is not None and s.eos in made:
-                made = made[:made.index(s.eos) + 1]
+            end = next((i for i, token in enumerate(made) if token in s.stop), None)
+            made = made if end is None else made[:end + 1]
             if made:
                 s.tokens += made
+                s.logprobs += out["logprobs"][s.slot, first:first + len(made)].tolist()
+                if top_n:
+                    ids = out["top_ids"][s.slot, first * top_n:(first + len(made)) * top_n].view(-1, top_n).tolist()
+                    values = out["top_logprobs"][s.slot, first * top_n:(first + len(made)) * top_n].view(-1, top_n)
+                    s.top += [list(zip(i, v)) for i, v in zip(ids, values.tolist())]
                 new[s.id] = made
-            if len(s.tokens) == s.max_new or (s.eos is not None and made and made[-1] == s.eos):
+            if len(s.tokens) == s.max_new or (made and made[-1] in s.stop):
                 s.done = True
                 self._free(s)
                 self.finished[s.id] = torch.cat([s.prompt, torch.tensor(s.tokens, dtype=torch.int64)])
@@ -279,7 +346,7 @@ class DecodeModel:
         """Stop a sequence of ``add``: its slot and pages are free for others. Returns its prompt and the
         tokens it made. Called while a step runs (from another thread), it waits for the step's end: the
         tokens are those the step made too."""
-        sequence = next((s for s in self.slots if s is not None and s.id == sequence_id), None)
+        sequence = self.sequence(sequence_id)
         if sequence is None:
             if sequence_id in self.finished:  # e.g. in the step this cancel waited for
                 raise GraphError(f"cancel: sequence {sequence_id} already finished: its tokens are in "
@@ -288,6 +355,23 @@ class DecodeModel:
             raise GraphError(f"cancel: no running sequence has id {sequence_id!r} (running: {running})")
         self._free(sequence)
         return torch.cat([sequence.prompt, torch.tensor(sequence.tokens, dtype=torch.int64)])
+
+    def has_room(self, prompt_tokens: int, max_new_tokens: int) -> bool:
+        """A free slot, and the pages a sequence of that many prompt and new tokens takes through its end
+        free besides those the running sequences will still take: ``add`` now would never run out of pages
+        later. (An empty batch has every page.)"""
+        running = [s for s in self.slots if s is not None]
+        if len(running) == len(self.slots):
+            return False
+        need = self.pool.pages_for(prompt_tokens + max_new_tokens - 1)
+        if not running:
+            return need <= self.pool.pages
+        later = sum(self.pool.pages_for(s.last_position + 1) - len(self.pool.held[s.slot]) for s in running)
+        return later + need <= len(self.pool.free)
+
+    def sequence(self, sequence_id: int) -> Sequence | None:
+        """The running sequence of that id (its tokens and log-probabilities so far), or None."""
+        return next((s for s in self.slots if s is not None and s.id == sequence_id), None)
 
     def _free(self, s: Sequence) -> None:
         self.slots[s.slot] = None
@@ -326,8 +410,9 @@ class DecodeModel:
         self.kernel.tensor(self.graph.inputs["prefill_tokens"]).copy_(tokens)
         self.kernel.tensor(self.graph.inputs["prefill_pos"]).copy_(positions)
 
-    def _generate_each(self, prompts, max_new_tokens: int, eos_token_id: int | None) -> list[torch.Tensor]:
-        """Greedy continuous batching: every prompt (1-D ids, of any lengths) gets a slot as one frees and
+    def _generate_each(self, prompts, max_new_tokens: int, eos_token_id, sampling: list[SamplingParams]
+                       ) -> list[torch.Tensor]:
+        """Continuous batching: every prompt (1-D ids, of any lengths) gets a slot as one frees and
         the pool has the pages it will need, and each launch runs until the next sequence ends (so that a
         waiting prompt joins then; one launch while a prompt is being prefilled). Returns one tensor
         per prompt, prompt + new tokens: what it would get alone. Every prompt is checked before anything
@@ -339,21 +424,16 @@ class DecodeModel:
         waiting = list(enumerate(prompts))
         ids: dict[int, int] = {}  # sequence id -> prompt index
         out: list[torch.Tensor | None] = [None] * len(waiting)
-        pages = lambda s: self.pool.pages_for(s.last_position + 1)  # noqa: E731 (all a sequence will take)
-        needs = [self.pool.pages_for(prompt.numel() + max_new_tokens - 1) for prompt in prompts]
-        for index, need in enumerate(needs):  # before anything runs or any page is given back
+        for index, prompt in enumerate(prompts):  # before anything runs or any page is given back
+            need = self.pool.pages_for(prompt.numel() + max_new_tokens - 1)
             if need > self.pool.pages:
                 raise KVCacheFull(f"KV cache full: generate: prompt {index} and {max_new_tokens} new tokens need {need} "
                                   f"pages of {self.pool.page_size} positions; the pool has {self.pool.pages}. "
                                   f"Nothing changed")
         while waiting or any(self.slots):
-            while waiting and None in self.slots:
-                index, prompt = waiting[0]
-                running = [s for s in self.slots if s is not None]
-                if sum(pages(s) - len(self.pool.held[s.slot]) for s in running) + needs[index] > len(self.pool.free):
-                    break  # waits for pages (an empty batch always has them)
-                ids[self.add(prompt, max_new_tokens, eos_token_id)] = index
-                waiting.pop(0)
+            while waiting and self.has_room(waiting[0][1].numel(), max_new_tokens):
+                index, prompt = waiting.pop(0)
+                ids[self.add(prompt, max_new_tokens, eos_token_id, sampling[index])] = index
             running = [s for s in self.slots if s is not None]
             if any(s.prefilling for s in running):
                 self.step()
@@ -398,6 +478,33 @@ class DecodeModel:
         if outside.numel():
             raise GraphError(f"{what}: token id {int(outside[0])} is outside the vocabulary [0, {self.config.vocab})")
         return ids
+
+    def _stop_ids(self, eos_token_id, what: str) -> torch.Tensor:
+        """``eos_token_id`` (None, an id or several) as a 1-D int64 tensor of ids in the vocabulary."""
+        if eos_token_id is None:
+            return torch.zeros(0, dtype=torch.int64)
+        ids = self._token_ids([eos_token_id] if is_int(eos_token_id) else list(eos_token_id), what, "eos_token_id")
+        return ids.reshape(-1)
+
+    def _per_row(self, sampling, rows: int, what: str) -> list[SamplingParams]:
+        """``sampling`` (None: greedy, one ``SamplingParams`` for all, or a list of ``rows``) as one per row."""
+        every = [sampling or GREEDY] * rows if not isinstance(sampling, (list, tuple)) else list(sampling)
+        if len(every) != rows or not all(isinstance(p, SamplingParams) for p in every):
+            raise GraphError(f"{what}: sampling must be a SamplingParams or a list of {rows} (one per row or "
+                             f"prompt), got {sampling!r}")
+        return every
+
+    def _bind_sampling(self, row: int, params: SamplingParams) -> SamplingParams:
+        """Write ``params`` into batch row ``row``'s sampling params and seed (between launches); a sequence
+        without a seed gets the next of the model's (the same on every rank). Returns them, seed set."""
+        if params.seed is None:
+            self._seeds_drawn += 1
+            params = SamplingParams(*astuple(params)[:-1], (self._seed_base + self._seeds_drawn * 0x9E3779B97F4A7C15)
+                                    % (1 << SEED_BITS))
+        self.kernel.tensor(self.graph.inputs["sampling"])[row] = torch.tensor(params.row)
+        # any int seeds: its 64 low bits, as the int64 the tile's Philox takes them as
+        self.kernel.tensor(self.graph.inputs["seed"])[row] = (params.seed + (1 << 63)) % (1 << 64) - (1 << 63)
+        return params
 
     def _require_no_sequences(self, what: str) -> None:
         busy = [s.id for s in self.slots if s is not None]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import GraphError
-from ..tasks.quantized import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
+from ..tasks.quantized import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, dequantize
 from .decoder import DecoderConfig
 from .packed import Packed
 from .schema import DENSE_MLP, K_PROJ, LAYER, MODEL, Q_PROJ, Stored, stored_formats
@@ -64,8 +64,8 @@ class GGUFFile:
     """The tensors of a GGUF file by their ``transformers`` state-dict names (``get`` and ``[]``, as
     ``schema.shard_weights`` reads them): ``Packed`` weights or ``MappedArray`` float tensors."""
 
-    def __init__(self, path: Path, reader, c: DecoderConfig):
-        self.path, self.bytes_read = path, 0
+    def __init__(self, path: Path, reader, c: DecoderConfig, dequantize: bool = False):
+        self.path, self.bytes_read, self.dequantize = path, 0, dequantize
         self.architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8") \
             if "general.architecture" in reader.fields else "?"
         self.tensors = {t.name: t for t in reader.tensors}
@@ -79,7 +79,7 @@ class GGUFFile:
         """The format the file keeps ``key`` in (None: a float tensor or absent)."""
         name = self.names.get(key, (None, None))[1]
         tensor = self.tensors.get(name)
-        return None if tensor is None else self._format(tensor)
+        return None if tensor is None or self.dequantize else self._format(tensor)
 
     def _format(self, tensor):
         kind = tensor.tensor_type.name
@@ -108,7 +108,10 @@ class GGUFFile:
             raise GraphError(f"{self.path}: tensor {name} holds {tensor.data.shape} bytes, not {rows} rows of "
                              f"{cols // format.block} {format.name} blocks: a truncated or malformed file")
         head_rows = self.config.head_dim if stored in (Q_PROJ, K_PROJ) and self.architecture in ROTARY_ORDER else 0
-        return Packed(name, MappedArray(self, tensor.data), format, cols, head_rows=head_rows)
+        packed = Packed(name, MappedArray(self, tensor.data), format, cols, head_rows=head_rows)
+        if self.dequantize:  # the whole tensor, read and unpacked now
+            return dequantize(format, packed.contiguous().data, cols).reshape(expected).to(self.config.dtype)
+        return packed
 
     def __getitem__(self, key: str) -> Any:
         value = self.get(key)
@@ -154,15 +157,18 @@ def _parse(path: Path, size: int, mtime_ns: int):
 
 
 def from_gguf(path: Path, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
-              prefill_chunk: int = 0, parallelism: int | str = "auto", **kernel_options):
-    """``from_pretrained`` of a ``.gguf`` file: see the module docstring."""
+              prefill_chunk: int = 0, max_logprobs: int = 0, dequantize: bool = False, parallelism: int | str = "auto",
+              **kernel_options):
+    """``from_pretrained`` of a ``.gguf`` file: see the module docstring. ``dequantize``: every weight as
+    float32 elements instead (what transformers' GGUF loading makes; for the torch backend, whose
+    quantized tiles unpack their weights at every step)."""
     from .hf import auto_classes, config_of, decode_model
 
     reader, config = parsed(path)
     with torch.device("meta"):
         skeleton = auto_classes()[1].from_config(config)
-    c = config_of(skeleton.float(), max_seq_len, max_batch, page_size, kv_pages, prefill_chunk)
-    file = GGUFFile(path, reader, c)
+    c = config_of(skeleton.float(), max_seq_len, max_batch, page_size, kv_pages, prefill_chunk, max_logprobs)
+    file = GGUFFile(path, reader, c, dequantize)
     tied = "lm_head.weight" not in file
     c = replace(c, formats=stored_formats(file.format, c, tied, path))
     rotary = type(skeleton.model.rotary_emb)(config)

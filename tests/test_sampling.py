@@ -1,0 +1,154 @@
+"""Sampling on the device: the tile against its host twin bit for bit, the host twin's frequencies against the
+filtered softmax, and seeded requests that draw the same tokens wherever they run."""
+import math
+
+import pytest
+import torch
+
+import megakernel as mk
+from megakernel.models import SamplingParams, from_hf
+from megakernel.tasks.sampling import PARAMS, drawn, kept, philox_uniform
+
+from test_decode import hf_model, prompt
+
+VOCAB, POSITIONS, TOP = 300, 12, 3
+# rows of one launch: (temperature, top_k, top_p, min_p); the first is greedy
+ROWS = [(0.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 5, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (0.9, 0, 1.0, 0.05),
+        (0.8, 40, 0.9, 0.02), (2.0, 1, 1.0, 0.0), (1.0, 0, 1e-6, 0.0)]
+
+
+def sampling_graph(dtype: torch.dtype) -> mk.Graph:
+    g = mk.Graph(world_size=1, rank=0)
+    batch = len(ROWS)
+    logits = g.input("logits", (batch, VOCAB + 20), dtype)  # 20 padding logits past the vocabulary
+    history = g.input("history", (batch, POSITIONS), torch.int64)
+    pos, prompt_len = g.input("pos", (batch,), torch.int64), g.input("prompt_len", (batch,), torch.int64)
+    params, seed = g.input("params", (batch, len(PARAMS)), torch.float32), g.input("seed", (batch,), torch.int64)
+    logprobs = g.new_tensor((batch, POSITIONS), torch.float32, name="logprobs")
+    top = (g.new_tensor((batch, POSITIONS * TOP), torch.int64, name="top_ids"),
+           g.new_tensor((batch, POSITIONS * TOP), torch.float32, name="top_logprobs"))
+    g.output("history", g.sample(logits, history, pos, prompt_len, params, seed, logprobs, top, vocab=VOCAB))
+    g.output("logprobs", logprobs)
+    g.output("top_ids", top[0])
+    g.output("top_logprobs", top[1])
+    g.advance(pos, limit=POSITIONS)
+    return g
+
+
+def sampling_inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    batch = len(ROWS)
+    logits = (torch.randn(batch, VOCAB + 20, generator=gen) * 3).to(dtype)
+    logits[:, VOCAB:] = 100.0  # padding: never drawn, never among the most likely
+    logits[0, 29] = logits[0, 17] = logits[0, :VOCAB].max() + 1  # a tie for the largest: the lower index first
+    return {"logits": logits, "history": torch.full((batch, POSITIONS), -7),
+            "pos": torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]), "prompt_len": torch.tensor([1, 1, 4, 1, 1, 3, 1, 1]),
+            "params": torch.tensor(ROWS), "seed": torch.tensor([5, -3, 2**62, 11, 0, 99, 123456789, 8])}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_tile_draws_what_its_host_twin_draws(dtype):
+    """Every row's tokens, log-probabilities and most likely tokens over the launch's steps, under the
+    interpreter: the same tokens as the host twin (``drawn``, the torch backend's tile), bit for bit."""
+    g, inputs = sampling_graph(dtype), sampling_inputs(dtype)
+    out = {}
+    for backend in ("cpu", "torch"):
+        with mk.Megakernel(g, workers=2, backend=backend) as kernel:
+            out[backend] = kernel.run(inputs, steps=POSITIONS)
+    assert torch.equal(out["cpu"]["history"], out["torch"]["history"])
+    assert torch.equal(out["cpu"]["top_ids"], out["torch"]["top_ids"])
+    for name in ("logprobs", "top_logprobs"):
+        assert torch.allclose(out["cpu"][name], out["torch"][name], atol=1e-5), name
+    history, logits = out["cpu"]["history"], inputs["logits"].float()[:, :VOCAB]
+    for row, params in enumerate(ROWS):
+        start = max(int(inputs["pos"][row]) + 1, int(inputs["prompt_len"][row]))
+        tokens = history[row, start:]
+        assert (history[row, :start] == -7).all(), f"row {row} wrote before its prompt ended"
+        if params[0] == 0:
+            assert (tokens == logits[row].argmax()).all()
+        else:
+            expected = drawn(logits[row], torch.tensor(params), int(inputs["seed"][row]), torch.arange(start, POSITIONS))
+            assert torch.equal(tokens, expected), f"row {row}"
+        reference = torch.log_softmax(logits[row], 0)
+        assert torch.allclose(out["cpu"]["logprobs"][row, start:], reference[tokens], atol=1e-5)
+        top_ids = out["cpu"]["top_ids"][row].view(POSITIONS, TOP)[start:]
+        assert torch.equal(top_ids, torch.sort(logits[row], descending=True, stable=True).indices[:TOP].expand_as(top_ids))
+    assert (history[0, 1:] == 17).all(), "greedy: the lowest index of a tie"
+    assert (history[6, 3:] == logits[6].argmax()).all(), "top_k 1 is the argmax"
+    assert (history[7, 4:] == logits[7].argmax()).all(), "a tiny top_p keeps the most likely token"
+
+
+def test_the_uniforms_are_uniform_and_inside_the_open_interval():
+    u = philox_uniform(12345, torch.arange(200), 1000)
+    assert u.min() > 0 and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
+    assert not torch.equal(philox_uniform(1, [0], 64), philox_uniform(2, [0], 64))
+    assert not torch.equal(philox_uniform(1, [0], 64), philox_uniform(1, [1], 64))
+
+
+# (temperature, top_k, top_p, min_p) whose filters each leave part of a vocabulary of 8
+FILTERS = [(1.0, 0, 1.0, 0.0), (0.6, 0, 1.0, 0.0), (1.0, 3, 1.0, 0.0), (1.0, 0, 0.7, 0.0), (1.0, 0, 1.0, 0.12),
+           (1.5, 5, 0.9, 0.05)]
+DRAWS = 40_000
+
+
+@pytest.mark.parametrize("params", FILTERS, ids=lambda p: "T{}-k{}-p{}-min{}".format(*p))
+def test_draws_follow_the_filtered_softmax(params):
+    """DRAWS draws (one per position) against softmax(logits / T) over the tokens the filter keeps: nothing
+    outside it, and a chi-square statistic below its 1e-4 quantile (Wilson-Hilferty)."""
+    logits = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.3, 0.0, -0.4, -1.0])
+    z = logits / params[0]
+    keep = kept(z, *params[1:])
+    expected = torch.where(keep, torch.softmax(torch.where(keep, z, -math.inf).double(), 0), 0.0) * DRAWS
+    counts = torch.bincount(drawn(logits, torch.tensor(params), 2024, torch.arange(DRAWS)), minlength=8).double()
+    assert counts[~keep].sum() == 0, f"drew filtered tokens: {counts.tolist()} keep {keep.tolist()}"
+    assert keep.sum() >= 2
+    chi2 = (((counts - expected)[keep]) ** 2 / expected[keep]).sum().item()
+    df = int(keep.sum()) - 1
+    quantile = df * (1 - 2 / (9 * df) + 3.719 * math.sqrt(2 / (9 * df))) ** 3  # z of 1 - 1e-4
+    assert chi2 < quantile, f"chi-square {chi2:.1f} >= {quantile:.1f} ({df} degrees): {counts.tolist()} vs {expected.tolist()}"
+
+
+def test_the_filters_keep_what_they_say():
+    z = torch.tensor([3.0, 1.0, 2.0, 2.0, -1.0])
+    assert kept(z, 2, 1.0, 0.0).tolist() == [True, False, True, True, False]  # ties at the k-th: kept
+    p = torch.softmax(z, 0)
+    assert kept(z, 0, float(p[0]) - 1e-4, 0.0).tolist() == [True, False, False, False, False]
+    assert kept(z, 0, float(p[0]) + 1e-4, 0.0).tolist() == [True, False, True, True, False]
+    assert kept(z, 0, 1.0, math.exp(-1.5)).tolist() == [True, False, True, True, False]
+
+
+def _seeded(model, rows: int, per_launch, params, order, world=1):
+    """The tokens of ``params`` requests in the given batch rows (others greedy), one model per rank."""
+    def job():
+        m = from_hf(model, max_seq_len=16, max_batch=rows, workers=1)
+        try:
+            sampling = [params[i] for i in order]
+            prompts = prompt(rows, 4)[list(order)]
+            return m.generate(prompts, max_new_tokens=8, tokens_per_launch=per_launch, sampling=sampling)
+        finally:
+            m.close()
+    return mk.launch(job, world_size=world, virtual=True, timeout=600)[0] if world > 1 else job()
+
+
+@pytest.mark.usefixtures("torch_backend")
+def test_a_seeded_request_draws_the_same_tokens_whatever_its_row_launch_or_ranks():
+    model = hf_model("llama", layers=1)
+    params = [SamplingParams(temperature=1.0, seed=17), SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=4)]
+    base = _seeded(model, 2, None, params, (0, 1))
+    for per_launch, order, world in ((1, (0, 1), 1), (3, (1, 0), 1), (None, (1, 0), 2)):
+        tokens = _seeded(model, 2, per_launch, params, order, world)
+        assert torch.equal(tokens[list(order)], base), (per_launch, order, world)
+    greedy = _seeded(model, 2, None, [SamplingParams(), SamplingParams(temperature=0.0, seed=3)], (0, 1))
+    with torch.no_grad():
+        expected = model.generate(prompt(2, 4), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(greedy, expected), "temperature 0 is greedy"
+    other = _seeded(model, 2, None, [SamplingParams(temperature=1.0, seed=18), params[1]], (0, 1))
+    assert not torch.equal(other[0], base[0]), "another seed, other tokens"
+
+
+def test_sampling_params_are_checked():
+    for bad in (dict(temperature=-1), dict(temperature=math.inf), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5),
+                dict(min_p=2), dict(seed=1.5), dict(temperature=True)):
+        with pytest.raises(mk.GraphError, match=next(iter(bad))):
+            SamplingParams(**bad)

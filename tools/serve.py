@@ -1,0 +1,531 @@
+"""``megakernel serve``: a model behind the OpenAI HTTP API, over continuous batching (FastAPI + uvicorn).
+
+``GET /v1/models``; ``POST /v1/completions`` and ``POST /v1/chat/completions`` (the model's chat
+template), streamed as server-sent events ending with ``data: [DONE]`` when ``stream`` is true;
+``GET /health`` (200 once the model is compiled, 503 before, or after the engine failed);
+``GET /metrics`` (Prometheus text). Requests join the running batch (``models.serving.Scheduler``),
+waiting while its rows or KV pages are full; a client that disconnects cancels its sequence; a bad
+request is a 400 with OpenAI's error body. SIGTERM (or Ctrl-C) ends the requests in flight with an
+error, then stops. With ``--tp N`` the ranks are processes (``launch``): rank 0 serves HTTP and leads
+the others' engines (``models.serving.follow``).
+
+Parameters as OpenAI's: ``max_tokens`` (chat: ``max_completion_tokens`` too; default 16 for completions,
+the rest of the context for chat), ``temperature`` (default 1; 0 is greedy), ``top_p``, ``seed``,
+``stop`` (a string or up to 4), ``logprobs`` (completions: how many most likely tokens; chat: true with
+``top_logprobs``), ``stream_options.include_usage``; and vLLM's ``top_k`` and ``min_p``. One choice per
+request (``n`` = 1). Log-probabilities are the model's, before temperature and filters.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_STOP_STRINGS = 4
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class Options:
+    """What ``megakernel serve`` was asked for (every rank gets a copy)."""
+
+    model: str
+    tp: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backend: str = "auto"
+    max_batch: int = 8
+    max_seq_len: int = 2048
+    page_size: int = 16
+    kv_pages: int | None = None
+    prefill_chunk: int = 64
+    max_logprobs: int = 5
+    steps_per_launch: int = 4
+    workers: int | None = None
+    dequantize: bool = False
+    name: str | None = None
+
+    @property
+    def served_name(self) -> str:
+        """The model's id in the API: ``--name``, else the file's stem or the folder's name."""
+        path = Path(self.model)
+        return self.name or (path.stem if path.suffix == ".gguf" else path.name)
+
+
+def load_model(options: Options):
+    """This rank's ``DecodeModel`` of ``options.model``."""
+    from ..models import from_pretrained
+
+    kernel = {"backend": options.backend} | ({"workers": options.workers} if options.workers else {})
+    extra = {"dequantize": True} if options.dequantize else {}
+    return from_pretrained(options.model, max_seq_len=options.max_seq_len, max_batch=options.max_batch,
+                           page_size=options.page_size, kv_pages=options.kv_pages,
+                           prefill_chunk=options.prefill_chunk, max_logprobs=options.max_logprobs, **extra, **kernel)
+
+
+# -- the HTTP API ---------------------------------------------------------------------------------------
+
+class Sampling(BaseModel):
+    """The fields both endpoints share (others OpenAI defines are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int = Field(1, ge=1, le=1)
+
+
+class Completion(Sampling):
+    """``POST /v1/completions``: a prompt as text, token ids, or a list of one text."""
+
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(None, ge=0)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict]  # text, or parts of which the text ones count
+
+
+class Chat(Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+
+
+class RequestError(Exception):
+    """A request the server refuses: ``status`` and OpenAI's error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.kind = status, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
+
+
+@dataclass
+class State:
+    """The server's side of the engine: set once the model is compiled."""
+
+    options: Options
+    scheduler: Any = None
+    text: Any = None
+    model: Any = None
+    engine: threading.Thread | None = None  # the scheduler's loop
+    failure: str | None = None               # why the model did not load
+    started: float = field(default_factory=time.time)
+
+    def ready(self) -> None:
+        if self.failure or (self.scheduler is not None and self.scheduler.failure):
+            raise RequestError(self.failure or self.scheduler.failure, status=503, kind="server_error")
+        if self.scheduler is None:
+            raise RequestError("the model is still being compiled: try again once GET /health says 200", status=503,
+                               kind="server_error")
+
+
+def build_app(state: State) -> FastAPI:
+    """The FastAPI application over ``state``."""
+    app = FastAPI(title="megakernel")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, error: RequestValidationError):
+        first = error.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        message = f"{param}: {first.get('msg')}" if param else first.get("msg", "invalid request")
+        return JSONResponse(RequestError(message, param).body(), status_code=400)
+
+    @app.exception_handler(RequestError)
+    async def refused(_, error: RequestError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.get("/health")
+    async def health():
+        try:
+            state.ready()
+        except RequestError as error:
+            return JSONResponse(error.body(), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.options.served_name, "object": "model",
+                                            "created": int(state.started), "owned_by": "megakernel",
+                                            "max_model_len": state.options.max_seq_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus(state), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: Completion, request: Request):
+        state.ready()
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise RequestError("prompt: one prompt per request", "prompt")
+            prompt = prompt[0]
+        ids = state.text.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        top = body.logprobs or 0
+        run = _start(state, body, ids, COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens, top)
+        kind, name = "text_completion", "cmpl"
+        if body.stream:
+            return StreamingResponse(_stream(state, run, body, request, kind, name, top, chat=False),
+                                     media_type="text/event-stream")
+        updates = await _collect(state, run, request)
+        text = "".join(u.text for u in updates)
+        logprobs = _completion_logprobs(state, updates, top) if body.logprobs is not None else None
+        return _response(state, run, kind, name, [{"index": 0, "text": text, "logprobs": logprobs,
+                                                   "finish_reason": updates[-1].finish}], updates)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: Chat, request: Request):
+        state.ready()
+        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                     else "".join(part.get("text", "") for part in m.content if part.get("type") == "text")}
+                    for m in body.messages]
+        ids = _checked(state.text.chat, messages)
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        if body.top_logprobs and not body.logprobs:
+            raise RequestError("top_logprobs: needs logprobs true", "top_logprobs")
+        max_tokens = next((n for n in (body.max_completion_tokens, body.max_tokens) if n is not None),
+                          max(1, state.options.max_seq_len - len(ids)))  # the rest of the context
+        run = _start(state, body, ids, max_tokens, top)
+        kind, name = "chat.completion", "chatcmpl"
+        if body.stream:
+            return StreamingResponse(_stream(state, run, body, request, kind + ".chunk", name, top, chat=True,
+                                             logprobs=body.logprobs), media_type="text/event-stream")
+        updates = await _collect(state, run, request)
+        logprobs = {"content": _chat_logprobs(state, updates, top)} if body.logprobs else None
+        message = {"role": "assistant", "content": "".join(u.text for u in updates)}
+        return _response(state, run, kind, name, [{"index": 0, "message": message, "logprobs": logprobs,
+                                                   "finish_reason": updates[-1].finish}], updates)
+
+    return app
+
+
+@dataclass
+class Run:
+    """A request in the engine, as its handler sees it: the engine's ``Request`` and the queue its
+    updates arrive in (put there from the engine's thread)."""
+
+    request: Any
+    updates: asyncio.Queue
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _checked(function, *args):
+    from ..errors import GraphError
+    try:
+        return function(*args)
+    except GraphError as error:
+        raise RequestError(str(error)) from None
+
+
+def _start(state: State, body, ids: list[int], max_tokens: int, top: int) -> Run:
+    """Check a request's numbers against the model and hand it to the engine."""
+    from ..models.engine import SamplingParams
+    from ..models.serving import Request
+
+    options, vocab = state.options, state.model.config.vocab
+    if body.model != options.served_name:
+        raise RequestError(f"model: this server serves {options.served_name!r}, not {body.model!r}", "model", 404,
+                           "not_found_error")
+    if not ids:
+        raise RequestError("prompt: empty", "prompt")
+    if any(not 0 <= token < vocab for token in ids):
+        raise RequestError(f"prompt: token ids must be in [0, {vocab})", "prompt")
+    if max_tokens < 1:
+        raise RequestError(f"max_tokens: must be at least 1, got {max_tokens}", "max_tokens")
+    if len(ids) + max_tokens > options.max_seq_len:
+        raise RequestError(f"max_tokens: the prompt's {len(ids)} tokens and {max_tokens} new ones exceed the "
+                           f"context of {options.max_seq_len} tokens", "max_tokens")
+    if top > options.max_logprobs:
+        raise RequestError(f"logprobs: at most {options.max_logprobs} most likely tokens (--max-logprobs)", "logprobs")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        raise RequestError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings", "stop")
+    sampling = _checked(SamplingParams, body.temperature, max(body.top_k, 0), body.top_p, body.min_p, body.seed)
+    loop, updates = asyncio.get_running_loop(), asyncio.Queue()
+    request = Request(ids, max_tokens, lambda update: loop.call_soon_threadsafe(updates.put_nowait, update),
+                      sampling, stop)
+    run = Run(request, updates)
+    state.scheduler.submit(request)
+    return run
+
+
+async def _next(state: State, run: Run, client) -> Any:
+    """The run's next update; None once the client is gone (its sequence cancelled)."""
+    while True:
+        try:
+            return await asyncio.wait_for(run.updates.get(), timeout=0.5)
+        except (asyncio.TimeoutError, TimeoutError):
+            if await client.is_disconnected():
+                state.scheduler.cancel(run.request)
+                return None
+
+
+async def _collect(state: State, run: Run, client) -> list:
+    updates = []
+    while not updates or not (updates[-1].finish or updates[-1].error):
+        update = await _next(state, run, client)
+        if update is None:
+            raise RequestError("the client disconnected", status=499)
+        updates.append(update)
+    if updates[-1].error:
+        raise RequestError(updates[-1].error, status=503, kind="server_error")
+    return updates
+
+
+async def _stream(state: State, run: Run, body, client, kind: str, name: str, top: int, chat: bool,
+                  logprobs: bool = False):
+    """Server-sent events: a chunk per update with text (or log-probabilities), the last with the finish
+    reason, usage when asked, then ``[DONE]``; an error as an error event."""
+    def event(payload) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    def chunk(choice: dict, usage=None) -> dict:
+        return {"id": f"{name}-{run.id}", "object": kind, "created": run.created, "model": state.options.served_name,
+                "choices": [choice] if choice else [], **({"usage": usage} if usage is not None else {})}
+
+    updates, finished = [], False
+    try:
+        if chat:
+            yield event(chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None}))
+        while True:
+            update = await run.updates.get()
+            if update.error:
+                yield event(RequestError(update.error, status=503, kind="server_error").body())
+                finished = True
+                break
+            updates.append(update)
+            if update.text or update.finish or (top or logprobs) and update.tokens:
+                if chat:
+                    content = {"content": _chat_logprobs(state, [update], top)} if logprobs else None
+                    choice = {"index": 0, "delta": {"content": update.text} if update.text or not update.finish else {},
+                              "logprobs": content, "finish_reason": update.finish}
+                else:
+                    content = _completion_logprobs(state, [update], top) if body.logprobs is not None else None
+                    choice = {"index": 0, "text": update.text, "logprobs": content, "finish_reason": update.finish}
+                yield event(chunk(choice))
+            if update.finish:
+                finished = True
+                break
+        if (body.stream_options or {}).get("include_usage"):
+            yield event(chunk({}, _usage(run, updates)))
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:  # the client went away mid-stream: its slot and pages go back
+            state.scheduler.cancel(run.request)
+
+
+def _usage(run: Run, updates: list) -> dict:
+    made = sum(len(u.tokens) for u in updates)
+    return {"prompt_tokens": len(run.request.prompt), "completion_tokens": made,
+            "total_tokens": len(run.request.prompt) + made}
+
+
+def _response(state: State, run: Run, kind: str, name: str, choices: list, updates: list) -> dict:
+    return {"id": f"{name}-{run.id}", "object": kind, "created": run.created, "model": state.options.served_name,
+            "choices": choices, "usage": _usage(run, updates)}
+
+
+def _completion_logprobs(state: State, updates: list, top: int) -> dict:
+    """OpenAI's completions log-probabilities: tokens, their log-probabilities, the most likely ones'."""
+    token = state.text.token
+    tokens = [t for u in updates for t in u.tokens]
+    pieces = [token(t) for t in tokens]
+    offsets, at = [], 0
+    for piece in pieces:
+        offsets.append(at)
+        at += len(piece)
+    return {"tokens": pieces, "token_logprobs": [p for u in updates for p in u.logprobs],
+            "top_logprobs": [{token(i): p for i, p in alternatives[:top]} for u in updates for alternatives in u.top]
+            if top else None, "text_offset": offsets}
+
+
+def _chat_logprobs(state: State, updates: list, top: int) -> list:
+    """OpenAI's chat log-probabilities: per token its text, bytes, log-probability and the most likely ones'."""
+    token = state.text.token
+
+    def entry(token_id: int, logprob: float) -> dict:
+        piece = token(token_id)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+
+    out = []
+    for u in updates:
+        alternatives = u.top or [[] for _ in u.tokens]
+        for token_id, logprob, others in zip(u.tokens, u.logprobs, alternatives):
+            out.append(entry(token_id, logprob) | {"top_logprobs": [entry(i, p) for i, p in others[:top]]})
+    return out
+
+
+def prometheus(state: State) -> str:
+    """The server's metrics in Prometheus' text format."""
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
+        lines.extend([f"# HELP megakernel_{name} {help}", f"# TYPE megakernel_{name} {kind}"])
+        lines.extend(f"megakernel_{name}{labels} {value}" for labels, value in samples)
+
+    scheduler = state.scheduler
+    if scheduler is None:
+        metric("ready", "gauge", "1 once the model is compiled.", [("", 0)])
+        return "\n".join(lines) + "\n"
+    m, pool = scheduler.metrics, state.model.pool
+    metric("ready", "gauge", "1 once the model is compiled.", [("", 0 if scheduler.failure else 1)])
+    metric("requests_total", "counter", "Requests ended, by outcome.",
+           [(f'{{outcome="{outcome}"}}', n) for outcome, n in m.requests.items()])
+    metric("prompt_tokens_total", "counter", "Prompt tokens of the requests admitted.", [("", m.prompt_tokens)])
+    metric("generation_tokens_total", "counter", "Tokens generated.", [("", m.generated_tokens)])
+    metric("requests_waiting", "gauge", "Requests queued for a batch row or KV pages.", [("", scheduler.queued)])
+    metric("requests_running", "gauge", "Requests in the batch.", [("", len(scheduler.running))])
+    metric("kv_pages_in_use", "gauge", "KV cache pages held by sequences.", [("", pool.pages - len(pool.free))])
+    metric("kv_pages", "gauge", "KV cache pages in the pool.", [("", pool.pages)])
+    from ..models.serving import LATENCY_BUCKETS
+    metric("launch_seconds", "histogram", "Time of one launch of the batch (one or more decode steps).",
+           [(f'_bucket{{le="{bound}"}}', n) for bound, n in zip(LATENCY_BUCKETS, m.launch_buckets)]
+           + [('_bucket{le="+Inf"}', m.launches), ("_sum", m.launch_seconds), ("_count", m.launches)])
+    metric("time_to_first_token_seconds", "summary", "From a request's arrival to its first token.",
+           [("_sum", m.first_token_seconds), ("_count", m.first_tokens)])
+    return "\n".join(lines) + "\n"
+
+
+# -- processes, ranks and signals -------------------------------------------------------------------------
+
+def serve(options: Options) -> None:
+    """Run the server until SIGTERM or Ctrl-C: in this process, or over ``options.tp`` process ranks."""
+    if options.tp == 1:
+        return serve_rank(options)
+    from functools import partial
+
+    from ..errors import MAX_TIMEOUT
+    from ..launcher import launch
+
+    def forward(signum, _frame):  # rank 0 stops the others once its requests have ended
+        for process in multiprocessing.active_children():
+            if process.name == "megakernel-rank-0":
+                os.kill(process.pid, signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        launch(partial(serve_rank, options), world_size=options.tp, backend=options.backend, timeout=MAX_TIMEOUT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def serve_rank(options: Options) -> None:
+    """One rank's part: rank 0 serves HTTP, the others follow its engine."""
+    from ..bootstrap import Group, current_world
+    from ..models.serving import follow
+
+    world, rank = current_world()
+    if rank > 0:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 says when to stop
+            signal.signal(sig, signal.SIG_IGN)
+        model = load_model(options)
+        try:
+            follow(model, Group(world, rank))
+        finally:
+            model.close()
+        return
+    import uvicorn
+
+    state = State(options)
+    server = _server(uvicorn.Config(build_app(state), host=options.host, port=options.port, log_level="warning",
+                                    timeout_graceful_shutdown=30), state)
+    loader = threading.Thread(target=_load, args=(state, server, Group(world, rank)), name="megakernel-load")
+    loader.start()
+    try:
+        server.run()
+    finally:
+        server.stop_engine()
+        loader.join()
+        if state.engine is not None:
+            state.engine.join()
+        if state.model is not None:
+            state.model.close()
+    if state.failure:
+        raise RuntimeError(state.failure)
+
+
+def _load(state: State, server, group) -> None:
+    """Compile the model and start its serving loop (a thread), or say why not and stop the server."""
+    from ..models.serving import Scheduler
+    from ..models.text import Text
+
+    try:
+        text = Text.load(state.options.model)
+        model = load_model(state.options)
+    except Exception as error:
+        state.failure = f"the model did not load: {type(error).__name__}: {error}"
+        server.should_exit = True
+        return
+    state.text, state.model = text, model
+    scheduler = Scheduler(model, text, state.options.steps_per_launch, group)
+    state.engine = threading.Thread(target=scheduler.run, name="megakernel-engine")
+    state.engine.start()
+    state.scheduler = scheduler
+    if server.should_exit:  # a signal came while the model compiled
+        scheduler.stop()
+    print(f"megakernel serve: {state.options.served_name} on http://{state.options.host}:{state.options.port}",
+          file=sys.stderr, flush=True)
+
+
+def _server(config, state: State):
+    """uvicorn's server, whose SIGTERM / Ctrl-C first ends the requests in flight (with an error), so that
+    its graceful shutdown does not wait for them to finish, and then returns (uvicorn would raise the
+    signal again once shut down, killing the process before the engine and its workers are closed)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig, frame):  # the scheduler's lock is reentrant: safe in a signal handler
+            self.stop_engine()
+            super().handle_exit(sig, frame)
+
+        def stop_engine(self):
+            if state.scheduler is not None:
+                state.scheduler.stop()
+
+    return Server(config)
