@@ -318,7 +318,8 @@ def serving_kernel(c: DecoderConfig, s: Setup) -> tuple[mk.Graph, mk.Megakernel]
     table = torch.full((c.rows, c.max_pages), c.pool_pages)  # prefill rows: the first sequence's pages
     table[:c.batch] = torch.arange(c.batch * c.max_pages).reshape(c.batch, c.max_pages)
     table[c.batch:] = table[0]
-    values.update(prompt_len=torch.ones(c.batch, dtype=torch.int64), block_table=table)
+    values.update(prompt_len=torch.ones(c.batch, dtype=torch.int64), block_table=table,
+                  sampling=torch.zeros(c.batch, 4), seed=torch.zeros(c.batch, dtype=torch.int64))  # greedy
     if c.prefill_chunk:
         values.update(prefill_tokens=torch.randint(0, c.vocab, (c.prefill_chunk,), generator=gen),
                       prefill_pos=torch.full((c.prefill_chunk,), -1))

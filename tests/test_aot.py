@@ -47,6 +47,16 @@ def fast_first(targets: list[str]) -> list:
 EVERY_TARGET = fast_first(sorted(TARGETS))
 
 
+def kernel_targets(targets=tuple(TARGETS)) -> list:
+    """(kernel, target) pairs: every kernel for one target of each vendor; for the others the decode step's
+    (its tiles are those a model runs: the kernel with every task type takes a minute a target)."""
+    return [(kernel, target) for kernel in KERNELS for target in FAST if target in targets] + [
+        pytest.param("decode step", target, marks=pytest.mark.slow) for target in sorted(targets) if target not in FAST]
+
+
+KERNEL_TARGETS = kernel_targets()
+
+
 def need(target: str) -> None:
     reason = unsupported_reason(target)
     if reason:
@@ -79,8 +89,7 @@ TRACED = ("sm_90", "gfx942")  # the traced loop compiled once a vendor
 
 
 @pytest.mark.parametrize("target,trace", [(target, False) for target in FAST] + [
-    pytest.param(target, trace, marks=pytest.mark.slow) for target in sorted(TARGETS) for trace in (False, True)
-    if (target not in FAST and not trace) or (trace and target in TRACED)])
+    pytest.param(target, True, marks=pytest.mark.slow) for target in TRACED])
 def test_every_task_type_compiles_ahead_of_time(target, trace):
     g, _ = graph("every task type")
     assert {s.task_type for s in g.specs} == set(TASK_TYPES), "the example must use every task type"
@@ -93,8 +102,7 @@ def test_every_task_type_compiles_ahead_of_time(target, trace):
     assert c.size > 10_000
 
 
-@pytest.mark.parametrize("target", EVERY_TARGET)
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel,target", KERNEL_TARGETS)
 def test_registers_read_from_the_binary_are_plausible(kernel, target):
     c = compiled(kernel, target)
     assert c.num_warps == 4 and c.shared > 0
@@ -104,8 +112,7 @@ def test_registers_read_from_the_binary_are_plausible(kernel, target):
         assert 0 < c.registers <= 512 and 0 < c.scalar_registers <= 112
 
 
-@pytest.mark.parametrize("target", EVERY_TARGET)
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel,target", KERNEL_TARGETS)
 def test_workers_fit_on_every_target(kernel, target):
     c = compiled(kernel, target)
     limits = LIMITS[target]
@@ -115,16 +122,14 @@ def test_workers_fit_on_every_target(kernel, target):
         check_grid(max_grid(limits, c.resources) + 1, limits, c.resources)
 
 
-@pytest.mark.parametrize("target", fast_first(NVIDIA))
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel,target", kernel_targets(NVIDIA))
 def test_nvidia_kernels_are_capped_to_four_programs_per_sm(kernel, target):
     c = compiled(kernel, target)
     assert c.registers <= MAX_REGISTERS
     assert programs_per_unit(LIMITS[target], c.resources) >= 4
 
 
-@pytest.mark.parametrize("target", EVERY_TARGET)
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel,target", KERNEL_TARGETS)
 def test_no_kernel_spills_a_register(kernel, target):
     """Nothing of either kernel lives in local memory / scratch: each tile's invariants stay in the tile
     (``device.persistent_loop``), no tile divides 64-bit integers (a subroutine call on NVIDIA, with
@@ -150,8 +155,7 @@ def loads_by_file(assembly: str) -> dict[str, Counter]:
     return loads
 
 
-@pytest.mark.parametrize("target", EVERY_TARGET)
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel,target", KERNEL_TARGETS)
 def test_weights_and_caches_are_not_loaded_element_by_element(kernel, target):
     """A decode step's bytes are its weights and KV cache: the GEMV, ``tl.dot``, attention and prefill tiles
     load their 16-byte-aligned rows in vectors, never one bfloat16 element at a time (what a hint lost on
@@ -180,10 +184,11 @@ def test_every_weight_format_compiles_without_spills_and_aligned_ones_load_vecto
     assert vectors and (target not in NVIDIA or any(".v4." in op for op in vectors)), vectors
 
 
-@pytest.mark.parametrize("target", EVERY_TARGET)
+@pytest.mark.parametrize("target", FAST)
 def test_16_bit_dots_run_on_tensor_cores_and_float32_ones_stay_ieee(target):
     """The every-task kernel has bfloat16 ``tl.dot`` tiles (chunk attention) and float32 ones (a linear):
-    the first are matrix-core instructions on bfloat16, none rounds float32 to tf32 / xf32."""
+    the first are matrix-core instructions on bfloat16, none rounds float32 to tf32 / xf32 (on one target
+    of each vendor: the kernel with every task type, ``kernel_targets``)."""
     asm = compiled("every task type", target).assembly
     if target in NVIDIA:
         assert re.search(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32\b", asm)
@@ -264,8 +269,7 @@ def test_num_warps_reaches_the_compiler():
     assert programs_per_unit(LIMITS["sm_90"], c.resources) >= 1
 
 
-@pytest.mark.parametrize("target", fast_first(AMD))
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel,target", kernel_targets(AMD))
 def test_amd_occupancy_agrees_with_llvm(kernel, target):
     """LLVM writes the waves per SIMD it expects into the assembly; the occupancy rule must say the same.
 

@@ -180,7 +180,7 @@ def test_the_weight_schema_is_what_the_graph_declares_and_the_ranks_bind(name):
         g = decode_step(c, mk.Graph(world_size=3, rank=rank))
         weights = shard_weights(model.state_dict(), c, Shard.of(c, rank, 3), model.model.rotary_emb.inv_freq,
                                 tied=bool(model.config.tie_word_embeddings))
-        runtime = {"history", "pos", "prompt_len", "block_table", "prefill_pos", "prefill_tokens"}
+        runtime = {"history", "pos", "prompt_len", "block_table", "prefill_pos", "prefill_tokens", "sampling", "seed"}
         assert set(weights) == set(g.inputs) - runtime, f"{name}, rank {rank}"
         for input_name, tensor in weights.items():
             assert tuple(tensor.shape) == tuple(g.inputs[input_name].shape), f"{name}, rank {rank}: {input_name}"
