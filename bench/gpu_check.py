@@ -20,7 +20,9 @@
    batch 1, 8 and 32 with the rows at positions of their own, and a 512-token prefill chunk in one launch;
 9. the Llama-3-8B-shaped layer with its projections in Q4_K (``quantized``), dequantized in the tiles,
    against eager float32 over the dequantized weights, with its fraction of the bandwidth floor of the
-   bytes it reads.
+   bytes it reads;
+10. sampling: the ``sample`` tile over 8 rows of the layer's vocabulary, greedy and with temperature,
+   top-k, top-p and min-p, its tokens against the host twin, and the launch time of each.
 
 A section named ``NAME:spin`` runs NAME with the old wait/signal protocol (``MEGAKERNEL_PROTOCOL=spin``:
 every thread spinning on scalar atomics, system-scope signals) instead of the default ``poll``, so one
@@ -572,6 +574,46 @@ def check_quantized(s: Setup) -> list[Row]:
             floor / run.device_s >= 0.75, timing=True)]
 
 
+# -- 10. sampling on the device -----------------------------------------------------------------------------
+SAMPLED = (0.8, 50, 0.9, 0.05)  # temperature, top_k, top_p, min_p: every filter on, both bisections run
+
+
+def check_sampling(s: Setup) -> list[Row]:
+    """``sample`` over a batch of 8 rows of the layer's vocabulary (bfloat16 logits, as the decode step
+    gathers them), greedy and with every filter on: the tokens against the host twin (``drawn``) and
+    the launch time of each, one task per row."""
+    from megakernel.tasks.sampling import PARAMS, drawn
+
+    batch, vocab, positions = 8, s.layer.vocab, 64
+    g = mk.Graph(world_size=1, rank=0)
+    logits = g.input("logits", (batch, vocab), torch.bfloat16)
+    history = g.input("history", (batch, positions), torch.int64)
+    pos, prompt_len = g.input("pos", (batch,), torch.int64), g.input("prompt_len", (batch,), torch.int64)
+    params, seed = g.input("params", (batch, len(PARAMS)), torch.float32), g.input("seed", (batch,), torch.int64)
+    logprobs = g.new_tensor((batch, positions), torch.float32, name="logprobs")
+    g.output("history", g.sample(logits, history, pos, prompt_len, params, seed, logprobs))
+    gen = torch.Generator().manual_seed(5)
+    values = {"logits": (torch.randn(batch, vocab, generator=gen) * 4).to(torch.bfloat16),
+              "history": torch.zeros(batch, positions, dtype=torch.int64), "pos": torch.arange(batch) + 3,
+              "prompt_len": torch.ones(batch, dtype=torch.int64), "seed": torch.arange(batch) * 7919}
+    rows, seconds = [], {}
+    with mk.Megakernel(g, backend=s.backend, timeout=s.timeout) as kernel:
+        for name, row in (("greedy", (0.0, 0, 1.0, 0.0)), ("sampled", SAMPLED)):
+            kernel.bind({**values, "params": torch.tensor([row] * batch)})
+            seconds[name], _ = median_launch(kernel, s.repeats)
+            tokens = kernel.run()["history"][torch.arange(batch), values["pos"] + 1].cpu()
+            z = values["logits"].float()
+            expected = (z.argmax(dim=1) if name == "greedy" else
+                        torch.stack([drawn(z[b], torch.tensor(row), int(values["seed"][b]), [int(values["pos"][b]) + 1])[0]
+                                     for b in range(batch)]))
+            agree = int((tokens == expected).sum())
+            rows.append(Row(f"sampling: {name} tokens of {batch} rows (vocabulary {vocab:,}) vs the host twin",
+                            f"{agree}/{batch} equal", f"{batch}/{batch}", agree == batch))
+    rows.append(Row(f"sampling: launch time, greedy vs T/top-k/top-p/min-p {SAMPLED} ({batch} rows)",
+                    f"{seconds['greedy'] * 1e6:.0f} us vs {seconds['sampled'] * 1e6:.0f} us"))
+    return rows
+
+
 # -- 4. dispatch overhead --------------------------------------------------------------------------------
 def _touch_graph(workers: int, per_worker: int) -> mk.Graph:
     g = mk.Graph(world_size=1, rank=0)
@@ -652,14 +694,14 @@ def check_virtual_ranks(s: Setup) -> list[Row]:
 
 SECTIONS = {"types": check_task_types, "decode": check_decode, "layer": check_layer, "dispatch": check_dispatch,
             "virtual": check_virtual_ranks, "moe": check_moe, "steps": check_steps, "serving": check_serving,
-            "quantized": check_quantized}
+            "quantized": check_quantized, "sampling": check_sampling}
 SPIN = ":spin"  # a section with the old protocol
 DEFAULT = ["types", "decode", "layer", "quantized", "moe", "steps", "dispatch", "dispatch" + SPIN, "virtual",
-           "virtual" + SPIN, "serving"]
+           "virtual" + SPIN, "serving", "sampling"]
 # Seconds each section may take in its own process (a CUDA fault poisons the process that hit it, a
 # hang must not eat the GPU's time): all of them within BUDGET.
 LIMITS = {"types": 90, "decode": 90, "layer": 240, "quantized": 150, "moe": 150, "steps": 150, "dispatch": 60,
-          "virtual": 90, "serving": 150}
+          "virtual": 90, "serving": 150, "sampling": 60}
 BUDGET = 540
 
 
