@@ -118,13 +118,16 @@ def test_the_filters_keep_what_they_say():
     assert kept(z, 0, 1.0, math.exp(-1.5)).tolist() == [True, False, True, True, False]
 
 
-def _seeded(model, rows: int, per_launch, params, order, world=1):
-    """The tokens of ``params`` requests in the given batch rows (others greedy), one model per rank."""
+def _seeded(model, rows: int, per_launch, params, order, world=1, chunk=0):
+    """The tokens of ``params`` requests in the given batch rows, one model per rank; ``chunk``: prompts
+    prefilled in chunks by continuous batching (``generate`` of a list) instead of a batch in one."""
     def job():
-        m = from_hf(model, max_seq_len=16, max_batch=rows, workers=1)
+        m = from_hf(model, max_seq_len=16, max_batch=rows, prefill_chunk=chunk, workers=1)
         try:
             sampling = [params[i] for i in order]
             prompts = prompt(rows, 4)[list(order)]
+            if chunk:
+                return torch.stack(m.generate(list(prompts), max_new_tokens=8, sampling=sampling))
             return m.generate(prompts, max_new_tokens=8, tokens_per_launch=per_launch, sampling=sampling)
         finally:
             m.close()
@@ -136,9 +139,10 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_its_row_launch_or_ranks
     model = hf_model("llama", layers=1)
     params = [SamplingParams(temperature=1.0, seed=17), SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=4)]
     base = _seeded(model, 2, None, params, (0, 1))
-    for per_launch, order, world in ((1, (0, 1), 1), (3, (1, 0), 1), (None, (1, 0), 2)):
-        tokens = _seeded(model, 2, per_launch, params, order, world)
-        assert torch.equal(tokens[list(order)], base), (per_launch, order, world)
+    for per_launch, order, world, chunk in ((1, (0, 1), 1, 0), (3, (1, 0), 1, 0), (None, (1, 0), 2, 0),
+                                            (None, (1, 0), 1, 16), (None, (0, 1), 2, 16)):
+        tokens = _seeded(model, 2, per_launch, params, order, world, chunk)
+        assert torch.equal(tokens[list(order)], base), (per_launch, order, world, chunk)
     greedy = _seeded(model, 2, None, [SamplingParams(), SamplingParams(temperature=0.0, seed=3)], (0, 1))
     with torch.no_grad():
         expected = model.generate(prompt(2, 4), max_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -152,3 +156,23 @@ def test_sampling_params_are_checked():
                 dict(min_p=2), dict(seed=1.5), dict(temperature=True)):
         with pytest.raises(mk.GraphError, match=next(iter(bad))):
             SamplingParams(**bad)
+
+
+@pytest.mark.usefixtures("torch_backend")
+def test_several_stop_ids_end_a_sequence_at_the_first_of_them():
+    model = hf_model("llama", layers=1)
+    ids = prompt(1, 3)
+    with torch.no_grad():
+        free = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0]
+    stop = [int(free[3 + 4]), int(free[3 + 2])]
+    end = next(i for i in range(3, 11) if int(free[i]) in stop) + 1
+    m = from_hf(model, max_seq_len=16, max_batch=2, workers=1)
+    try:
+        assert torch.equal(m.generate([ids[0]], 8, eos_token_id=stop)[0], free[:end])
+        assert torch.equal(m.generate(torch.cat([ids, ids]), 8, eos_token_id=stop)[0], free[:end])
+        sequence = m.add(ids[0], 8, eos_token_id=stop)
+        while m.sequence(sequence) is not None:
+            m.step(3)
+        assert torch.equal(m.finished[sequence], free[:end])
+    finally:
+        m.close()

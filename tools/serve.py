@@ -484,14 +484,13 @@ def _load(state: State, server, group) -> None:
     from ..models.text import Text
 
     try:
-        text = Text.load(state.options.model)
-        model = load_model(state.options)
-    except Exception as error:
+        state.model = load_model(state.options)  # first: it says what is wrong with a path that is not a model
+        state.text = Text.load(state.options.model)
+    except Exception as error:  # anything: the server must stop and say why
         state.failure = f"the model did not load: {type(error).__name__}: {error}"
         server.should_exit = True
         return
-    state.text, state.model = text, model
-    scheduler = Scheduler(model, text, state.options.steps_per_launch, group)
+    scheduler = Scheduler(state.model, state.text, state.options.steps_per_launch, group)
     state.engine = threading.Thread(target=scheduler.run, name="megakernel-engine")
     state.engine.start()
     state.scheduler = scheduler

@@ -73,8 +73,8 @@ class Text:
 @dataclass
 class Streamer:
     """A sequence's text as its tokens come: ``add`` returns what can be shown now. Text that might still
-    change (an unfinished UTF-8 character) or become the start of a stop string is held back until it
-    cannot; at a stop string the text ends before it (``stopped``). The pieces returned, with ``finish``'s,
+    change (an unfinished UTF-8 character) or that ends with the beginning of a stop string is held back
+    until it cannot be one; at a stop string the text ends before it (``stopped``). The pieces returned, with ``finish``'s,
     are the whole text."""
 
     text: Text
@@ -98,8 +98,8 @@ class Streamer:
         if not self.stopped:
             if full.endswith("\ufffd"):  # a character whose bytes are still coming
                 showable -= 1
-            held = max((len(s) - 1 for s in self.stop), default=0)
-            showable = min(showable, len(full) - held)
+            showable -= max((n for stop in self.stop for n in range(1, len(stop))
+                             if full[:showable].endswith(stop[:n])), default=0)  # what may begin a stop string
         piece = full[self.sent:max(self.sent, showable)]
         self.sent += len(piece)
         return piece
