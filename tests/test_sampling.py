@@ -11,7 +11,7 @@ from megakernel.tasks.sampling import PARAMS, drawn, kept, philox_uniform
 
 from test_decode import hf_model, prompt
 
-VOCAB, POSITIONS, TOP = 300, 12, 3
+VOCAB, POSITIONS, TOP = 300, 8, 3
 # rows of one launch: (temperature, top_k, top_p, min_p); the first is greedy
 ROWS = [(0.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 5, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (0.9, 0, 1.0, 0.05),
         (0.8, 40, 0.9, 0.02), (2.0, 1, 1.0, 0.0), (1.0, 0, 1e-6, 0.0)]
@@ -46,7 +46,7 @@ def sampling_inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
             "params": torch.tensor(ROWS), "seed": torch.tensor([5, -3, 2**62, 11, 0, 99, 123456789, 8])}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16])  # as the decode step gathers logits
 def test_the_tile_draws_what_its_host_twin_draws(dtype):
     """Every row's tokens, log-probabilities and most likely tokens over the launch's steps, under the
     interpreter: the same tokens as the host twin (``drawn``, the torch backend's tile), bit for bit."""

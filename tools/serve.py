@@ -268,6 +268,11 @@ def _start(state: State, body, ids: list[int], max_tokens: int, top: int) -> Run
     if len(ids) + max_tokens > options.max_seq_len:
         raise RequestError(f"max_tokens: the prompt's {len(ids)} tokens and {max_tokens} new ones exceed the "
                            f"context of {options.max_seq_len} tokens", "max_tokens")
+    pool = state.model.pool
+    if pool.pages_for(len(ids) + max_tokens - 1) > pool.pages:  # it would wait for pages forever
+        raise RequestError(f"max_tokens: the prompt's {len(ids)} tokens and {max_tokens} new ones need "
+                           f"{pool.pages_for(len(ids) + max_tokens - 1)} KV pages; the pool has {pool.pages} "
+                           f"(--kv-pages)", "max_tokens")
     if top > options.max_logprobs:
         raise RequestError(f"logprobs: at most {options.max_logprobs} most likely tokens (--max-logprobs)", "logprobs")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])

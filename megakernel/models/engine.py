@@ -483,8 +483,10 @@ class DecodeModel:
         """``eos_token_id`` (None, an id or several) as a 1-D int64 tensor of ids in the vocabulary."""
         if eos_token_id is None:
             return torch.zeros(0, dtype=torch.int64)
-        ids = self._token_ids([eos_token_id] if is_int(eos_token_id) else list(eos_token_id), what, "eos_token_id")
-        return ids.reshape(-1)
+        if not is_int(eos_token_id) and not isinstance(eos_token_id, (list, tuple, set, frozenset, torch.Tensor)):
+            raise GraphError(f"{what}: eos_token_id must be a token id or several, got {eos_token_id!r}")
+        ids = [eos_token_id] if is_int(eos_token_id) else list(eos_token_id)
+        return self._token_ids(ids, what, "eos_token_id").reshape(-1)
 
     def _per_row(self, sampling, rows: int, what: str) -> list[SamplingParams]:
         """``sampling`` (None: greedy, one ``SamplingParams`` for all, or a list of ``rows``) as one per row."""
