@@ -80,53 +80,33 @@ def argmax_logsumexp(base, logits, cols, DTYPE: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def count_at_least(base, logits, cols, temperature, key, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """How many z = logits / T have an ordered key of at least ``key``."""
-    n = tl.full((), 0, tl.int32)
+def weight_at_least(base, logits, cols, temperature, z_top, key, MASS: tl.constexpr, DTYPE: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """How many z = logits / T have an ordered key of at least ``key`` or, with ``MASS``, the sum of their
+    exp(z - z_top); float32 (a count is exact below 2^24)."""
+    total = tl.full((), 0.0, tl.float32)
     for c0 in range(0, cols, BLOCK_N):
         block, c = logits_block(base, logits, c0, cols, DTYPE, BLOCK_N)
         z = tl.math.div_rn(block, temperature)
-        n += tl.sum(((ordered_key(z) >= key) & (c < cols)).to(tl.int32), axis=0)
-    return n
+        reach = (ordered_key(z) >= key) & (c < cols)
+        if MASS:
+            total += tl.sum(tl.where(reach, tl.exp(z - z_top), 0.0), axis=0)
+        else:
+            total += tl.sum(reach.to(tl.float32), axis=0)
+    return total
 
 
 @triton.jit
-def mass_at_least(base, logits, cols, temperature, z_top, key, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The sum of exp(z - z_top) over the z = logits / T whose ordered key is at least ``key``."""
-    mass = tl.full((), 0.0, tl.float32)
-    for c0 in range(0, cols, BLOCK_N):
-        block, c = logits_block(base, logits, c0, cols, DTYPE, BLOCK_N)
-        z = tl.math.div_rn(block, temperature)
-        mass += tl.sum(tl.where((ordered_key(z) >= key) & (c < cols), tl.exp(z - z_top), 0.0), axis=0)
-    return mass
-
-
-@triton.jit
-def top_k_key(base, logits, cols, temperature, k, z_top, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The ordered key of the k-th largest z: the largest key that at least k z's reach (bisection)."""
-    lo = tl.full((), -2147483648, tl.int64)  # every z reaches it
-    hi = ordered_key(z_top).to(tl.int64)
-    for _ in range(32):
-        if lo < hi:
-            mid = lo + (hi - lo + 1) // 2
-            if count_at_least(base, logits, cols, temperature, mid, DTYPE, BLOCK_N) >= k:
-                lo = mid
-            else:
-                hi = mid - 1
-    return lo.to(tl.int32)
-
-
-@triton.jit
-def top_p_key(base, logits, cols, temperature, top_p, z_top, floor, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The largest key at or above ``floor`` whose z's hold at least ``top_p`` of the mass of the z's at or
-    above ``floor`` (bisection)."""
-    need = top_p * mass_at_least(base, logits, cols, temperature, z_top, floor, DTYPE, BLOCK_N)
+def threshold_key(base, logits, cols, temperature, z_top, floor, need, MASS: tl.constexpr, DTYPE: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """The largest ordered key at or above ``floor`` whose z's (those reaching it) weigh at least ``need``
+    (``weight_at_least``): bisection over [floor, key(z_top)], a pass over the logits per halving."""
     lo = floor.to(tl.int64)
     hi = ordered_key(z_top).to(tl.int64)
     for _ in range(32):
         if lo < hi:
             mid = lo + (hi - lo + 1) // 2
-            if mass_at_least(base, logits, cols, temperature, z_top, mid, DTYPE, BLOCK_N) >= need:
+            if weight_at_least(base, logits, cols, temperature, z_top, mid, MASS, DTYPE, BLOCK_N) >= need:
                 lo = mid
             else:
                 hi = mid - 1
@@ -143,10 +123,12 @@ def draw(base, logits, cols, params, seed, position, top, DTYPE: tl.constexpr, B
     min_p = tl.load(params + 3)
     z_top = tl.math.div_rn(top, temperature)
     floor = tl.full((), -2147483648, tl.int32)  # the least ordered key kept: all of them
-    if (top_k > 0) & (top_k < cols):
-        floor = top_k_key(base, logits, cols, temperature, top_k, z_top, DTYPE, BLOCK_N)
-    if top_p < 1.0:
-        floor = top_p_key(base, logits, cols, temperature, top_p, z_top, floor, DTYPE, BLOCK_N)
+    if (top_k > 0) & (top_k < cols):  # the k-th largest z: the largest key that k z's reach
+        floor = threshold_key(base, logits, cols, temperature, z_top, floor, top_k.to(tl.float32), False, DTYPE,
+                              BLOCK_N)
+    if top_p < 1.0:  # the largest key whose z's hold top_p of the mass of those top-k kept
+        need = top_p * weight_at_least(base, logits, cols, temperature, z_top, floor, True, DTYPE, BLOCK_N)
+        floor = threshold_key(base, logits, cols, temperature, z_top, floor, need, True, DTYPE, BLOCK_N)
     z_min = z_top + tl.log(min_p)  # min_p 0: -inf
     best = tl.full((), float("-inf"), tl.float32)
     best_index = tl.full((), 0, tl.int64)
