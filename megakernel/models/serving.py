@@ -125,7 +125,7 @@ class Scheduler:
             with self.wake:
                 if not (self.stopping or self.waiting or self.running or self.cancelled):
                     self.wake.wait(HEARTBEAT)
-                if self.stopping:
+                if self.stopping or self.failure:
                     break
                 cancelled, self.cancelled = self.cancelled, []
             commands = self._cancel(cancelled) + self._admit()
@@ -134,8 +134,9 @@ class Scheduler:
             self._send(commands)
             if self.running:
                 self._launch(commands[-1][1])
-        self._end_all("the server is shutting down")
-        self._send([("stop",)])
+        if self.failure is None:  # (after a failure the followers are past hearing)
+            self._end_all("the server is shutting down")
+            self._send([("stop",)])
 
     def _cancel(self, requests: list[Request]) -> list[tuple]:
         commands = []
@@ -185,7 +186,7 @@ class Scheduler:
             apply(self.model, ("step", steps))
         except Exception as error:  # the kernel failed: nothing more can be served
             self.failure = f"the engine failed: {type(error).__name__}: {error}"
-            self._end_all(self.failure)
+            self._end_all(self.failure, followers=False)  # theirs failed too: their ranks' errors end the job
             return
         self.metrics.launched(time.monotonic() - start)
         for sequence_id, request in list(self.running.items()):
@@ -210,7 +211,8 @@ class Scheduler:
         self.metrics.generated_tokens += len(new)
         if request.streamer.stopped:  # a stop string: the sequence ends here, its slot freed next turn
             if not s.done:
-                self.cancelled.append(request)
+                with self.wake:
+                    self.cancelled.append(request)
             update.finish = "stop"
         elif s.done:
             update.text += request.streamer.finish()
@@ -225,16 +227,18 @@ class Scheduler:
         self.metrics.requests[outcome] += 1
         request.emit(update)
 
-    def _end_all(self, why: str) -> None:
-        """End every request waiting or running with ``why``; cancel the running ones' sequences."""
+    def _end_all(self, why: str, followers: bool = True) -> None:
+        """End every request waiting or running with ``why``; cancel the running ones' sequences (on the
+        followers too, unless they are past hearing)."""
         for request in [*self.waiting, *self.running.values()]:
             if not request.ended:
                 self._end(request, Update(error=why), "error")
         self.waiting.clear()
-        for sequence_id in list(self.running):
-            if self.model.sequence(sequence_id) is not None:
-                self._send([("cancel", sequence_id)])
-                apply(self.model, ("cancel", sequence_id))
+        cancels = [("cancel", i) for i in self.running if self.model.sequence(i) is not None]
+        if followers:
+            self._send(cancels)
+        for command in cancels:
+            apply(self.model, command)
         self.running.clear()
 
     def _send(self, commands: list[tuple]) -> None:
