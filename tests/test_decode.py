@@ -229,8 +229,10 @@ def test_any_tensor_parallel_degree_pads_what_does_not_divide(world, heads, kv_h
         assert_close(logits, first, 1e-4, f"rank {rank} of {world}")
 
 
-def tensor_parallel_generation(family: str, batch: int):
-    model = hf_model(family, kv_heads=1 if family == "llama" else 2)
+def tensor_parallel_generation(family: str, batch: int, model=None):
+    """One rank's tokens and logits; ``model``: the one model virtual ranks share (threads must not make
+    their own: torch's seeded generator is the process's)."""
+    model = model or hf_model(family, kv_heads=1 if family == "llama" else 2)
     m = from_hf(model, max_seq_len=24, max_batch=batch, workers=1)
     try:
         tokens = m.generate(prompt(batch), max_new_tokens=12)
@@ -239,7 +241,8 @@ def tensor_parallel_generation(family: str, batch: int):
         m.close()
 
 
-# (llama at 4 ranks: test_generation_on_the_device_matches_transformers, on virtual ranks)
+# (llama at 4 ranks: test_generation_on_the_device_matches_transformers, on virtual ranks). Process ranks
+# take seconds each to start: 2 ranks as processes, 4 as threads (virtual ranks)
 @pytest.mark.parametrize("family,world,batch", [("llama", 2, 1), ("qwen3", 2, 2), ("qwen3", 4, 1)])
 def test_tensor_parallel_generation_matches_transformers(family, world, batch):
     model = hf_model(family, kv_heads=1 if family == "llama" else 2)
@@ -248,7 +251,9 @@ def test_tensor_parallel_generation_matches_transformers(family, world, batch):
         expected = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
         # position 3 recomputed with the generated tokens as context: the cache keeps every step
         reference = model(expected[:, :4]).logits[:, 3].float()
-    results = mk.launch(functools.partial(tensor_parallel_generation, family, batch), world_size=world, timeout=600)
+    virtual = world > 2
+    results = mk.launch(functools.partial(tensor_parallel_generation, family, batch, model if virtual else None),
+                        world_size=world, timeout=600, virtual=virtual)
     for rank, (tokens, logits) in enumerate(results):
         assert torch.equal(tokens, expected), f"rank {rank} of {world}"
         assert_close(logits, reference, 1e-4, f"rank {rank} of {world}")

@@ -83,7 +83,9 @@ def server():
     try:
         yield s
     finally:
-        stop(s)
+        workers = _children(s.process.pid)
+        assert stop(s) == 0, open(s.log).read()  # SIGTERM: a clean exit, its worker processes gone with it
+        assert not _alive(workers, within=10), workers
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +275,14 @@ def small_llama(tmp_path_factory, tokenizer):
     return model, str(path)
 
 
+def _alive(pids: list[int], within: float) -> list[int]:
+    """Those of ``pids`` still running after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while [pid for pid in pids if os.path.exists(f"/proc/{pid}")] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+
+
 def test_tensor_parallel_server_stops_cleanly_on_sigterm(small_llama, tokenizer):
     """Two process ranks: transformers' greedy text; SIGTERM mid-stream ends the stream with an error, and
     leaves no process or shared memory behind."""
@@ -295,9 +305,6 @@ def test_tensor_parallel_server_stops_cleanly_on_sigterm(small_llama, tokenizer)
         assert stop(server) == 0
     finally:
         stop(server)
-    deadline = time.monotonic() + 10
-    while [pid for pid in ranks if os.path.exists(f"/proc/{pid}")] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert len(ranks) >= 2 and not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")], ranks
+    assert len(ranks) >= 2 and not _alive(ranks, within=10), ranks
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("megakernel-") and
                 int(n.split("-")[1]) in ranks + [server.process.pid]]
