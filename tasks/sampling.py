@@ -175,9 +175,9 @@ def sample_tile(base,
                 history_cols,  # positions of the history
                 DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SAMPLED: tl.constexpr, LOGPROBS: tl.constexpr,
                 TOP_N: tl.constexpr):
-    """At ``target = pos + 1``, when ``prompt_len <= target < history_cols``: ``history[target]`` = the argmax
-    of the logits, or without ``SAMPLED`` or at temperature 0, a token drawn with the row's params and seed
-    (``draw``); with ``LOGPROBS`` its log-probability into ``logprobs[target]`` and the ``TOP_N`` most
+    """At ``target = pos + 1``, when ``prompt_len <= target < history_cols``: ``history[target]`` = a token
+    drawn with the row's params and seed (``draw``), or the argmax of the logits without ``SAMPLED`` or at
+    temperature 0; with ``LOGPROBS`` its log-probability into ``logprobs[target]`` and the ``TOP_N`` most
     likely tokens' into ``top_*[target * TOP_N ...]``. Position 0 is the prompt's: a row of no sequence
     (-1) writes nothing."""
     target = tl.load(heap_ptr(base, pos, tl.int64)) + 1
