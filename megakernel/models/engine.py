@@ -84,7 +84,7 @@ class Sequence:
     prompt: torch.Tensor
     max_new: int
     stop: frozenset[int]                           # token ids that end it (included in its tokens)
-    sampling: SamplingParams = GREEDY
+    sampling: SamplingParams = GREEDY              # its seed set: the one drawn for it where it brought none
     pos: int = 0                                   # the position its row is at (the device's, mirrored)
     prefilled: int = 0                             # prompt positions whose KV the prefill rows wrote
     tokens: list[int] = field(default_factory=list)

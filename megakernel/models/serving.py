@@ -52,7 +52,6 @@ class Request:
     emit: Callable[[Update], None]
     sampling: SamplingParams = SamplingParams()
     stop: list[str] = field(default_factory=list)       # stop strings (the text ends before them)
-    stop_ids: frozenset[int] = frozenset()              # besides the model's end-of-sequence ids
     # filled by the loop
     sequence: Sequence | None = None
     streamer: Streamer | None = None
@@ -159,7 +158,7 @@ class Scheduler:
             sampling = request.sampling
             if sampling.seed is None:  # drawn here: the followers get it with the command
                 sampling = replace(sampling, seed=secrets.randbits(SEED_BITS))
-            command = ("add", request.prompt, request.max_tokens, sorted(self.text.stop_ids | request.stop_ids), sampling)
+            command = ("add", request.prompt, request.max_tokens, sorted(self.text.stop_ids), sampling)
             try:
                 sequence_id = apply(self.model, command)
             except Exception as error:  # the request's own fault (the server checked it): nothing changed
