@@ -264,15 +264,16 @@ def _no_sequence(heap, offset: int) -> bool:
     return heap.word(offset) == NO_SEQUENCE.value
 
 
-def kv_append(g, cache, x, pos, batch: int, table=None, page_size: int | None = None):
+def kv_append(g, cache, x, pos, batch: int, table=None, page_size: int | None = None, rows_per_sequence: int = 1):
     """Write row b of ``x`` [batch, cols] at the cache row of position ``*pos`` of batch row b (``pos``: one
     position, or one per row, ``common.row_positions``): contiguous, row ``b * max_seq + *pos``; paged
-    (``table`` [batch, max_pages] int64 and ``page_size``), through the block table (module docstring).
+    (``table`` [batch, max_pages] int64 and ``page_size``), through the block table (module docstring);
+    with ``rows_per_sequence`` R, rows ``b * R ..`` are one sequence's, at block table row b.
     Returns ``cache``."""
     g.require(cache.ndim == 2 and x.ndim == 2 and x.rows == batch and cache.cols == x.cols and cache.dtype == x.dtype,
               f"kv_append: cache {cache.shape} {cache.dtype} and x {x.shape} {x.dtype} do not match for batch {batch}")
     require_float(g, "kv_append", x=x)
-    paging = Paging.checked(g, "kv_append", cache, batch, table, page_size)
+    paging = Paging.checked(g, "kv_append", cache, batch, table, page_size, rows_per_sequence)
     opcode = g.opcode(KV_APPEND, DTYPE=x.dtype, BLOCK_N=min(next_power_of_2(x.cols), 1024), PAGE=paging.page)
     for b, (position, position_region) in enumerate(row_positions(g, "kv_append", pos, batch)):
         g.add_task(opcode, cache=cache.addr(paging.first_row(b), 0), x=x.addr(b, 0), pos=position,
@@ -293,20 +294,25 @@ class Paging:
     page: int          # rows per page; 0: contiguous
     pages: int         # pages in the pool (paged)
     table: Any         # the block table (paged), else None
+    group: int = 1     # rows per block table row (paged: a sequence's verification rows share its row)
 
     @classmethod
-    def checked(cls, g, op: str, cache, batch: int, table, page_size: int | None) -> "Paging":
+    def checked(cls, g, op: str, cache, batch: int, table, page_size: int | None, group: int = 1) -> "Paging":
         """The paging of ``cache`` for ``batch`` rows: contiguous without a block ``table``, else pages of
-        ``page_size`` rows; refused (``GraphError``) when the shapes do not fit."""
+        ``page_size`` rows, ``group`` rows to a block table row; refused (``GraphError``) when the shapes
+        do not fit."""
         if table is None:
             g.require(page_size is None, f"{op}: page_size {page_size} without a block table")
             g.require(cache.rows % batch == 0, f"{op}: cache of {cache.rows} rows is not {batch} batch rows")
             return cls(cache.rows // batch, 0, 0, None)
         g.require(is_count(page_size) and cache.rows % page_size == 0,
                   f"{op}: page_size must be a positive int dividing the pool's {cache.rows} rows, got {page_size!r}")
-        g.require(table.ndim == 2 and table.rows == batch and table.dtype == torch.int64,
-                  f"{op}: the block table must be int64 [batch {batch}, max_pages], got {table.shape} {table.dtype}")
-        return cls(table.cols * page_size, page_size, cache.rows // page_size, table)
+        g.require(is_count(group) and batch % group == 0,
+                  f"{op}: rows_per_sequence must be a positive int dividing the {batch} rows, got {group!r}")
+        g.require(table.ndim == 2 and table.rows * group == batch and table.dtype == torch.int64,
+                  f"{op}: the block table must be int64 [{batch // group} sequences, max_pages], got {table.shape} "
+                  f"{table.dtype}")
+        return cls(table.cols * page_size, page_size, cache.rows // page_size, table, group)
 
     def block(self, most: int) -> int:
         """Positions per step of a tile: ``most`` (a power of two), or in a paged cache the largest power
@@ -317,10 +323,10 @@ class Paging:
         return 0 if self.page else b * self.max_seq
 
     def table_row(self, b: int) -> int:
-        return self.table.addr(b, 0) if self.page else 0
+        return self.table.addr(b // self.group, 0) if self.page else 0
 
     def table_region(self, b: int) -> tuple:
-        return (self.table.region(b, 1, 0, self.table.cols),) if self.page else ()
+        return (self.table.region(b // self.group, 1, 0, self.table.cols),) if self.page else ()
 
     def readable(self, cache, b: int, col: int, cols: int):
         """The region of ``cache`` batch row b may read: its block, or the whole pool."""

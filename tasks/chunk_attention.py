@@ -113,12 +113,14 @@ def _reference(heap, task) -> None:
 
 
 def chunk_attention(g, q, k_cache, v_cache, pos, head_dim: int, window: int | None = None, table=None,
-                    page_size: int | None = None):
+                    page_size: int | None = None, rows_per_sequence: int | None = None):
     """Causal attention of a prefill chunk's rows ``q`` [rows, heads * head_dim] at positions ``pos``
     ([rows] int64, -1: an unused row, which gets zeros) over their sequence's cache: contiguous
     (``k_cache`` [max_seq, ...], one sequence) or paged (``table`` [rows, max_pages], ``page_size``).
     Every block of BLOCK_ROWS rows holds one sequence's rows: its first row's block table row serves
-    the block. ``window``: keys ``p - window < key <= p``."""
+    the block; with ``rows_per_sequence`` R (at most BLOCK_ROWS), every block of R rows, and the table
+    has a row per block (a sequence's verification rows, ``tasks.speculation``). ``window``: keys
+    ``p - window < key <= p``."""
     heads, kv_heads = q.cols // head_dim, k_cache.cols // head_dim
     g.require(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0,
               f"chunk_attention: q {q.shape} and cache {k_cache.shape} are not whole heads of {head_dim} with "
@@ -127,7 +129,11 @@ def chunk_attention(g, q, k_cache, v_cache, pos, head_dim: int, window: int | No
     g.require(window is None or is_count(window),
               f"chunk_attention: window must be None or a positive integer, got {window!r}")
     chunk_rows = q.rows
-    paging = Paging.checked(g, "chunk_attention", k_cache, chunk_rows if table is not None else 1, table, page_size)
+    g.require(rows_per_sequence is None or (isinstance(rows_per_sequence, int) and 1 <= rows_per_sequence <= BLOCK_ROWS),
+              f"chunk_attention: rows_per_sequence must be None or an int in [1, {BLOCK_ROWS}], got {rows_per_sequence!r}")
+    block = rows_per_sequence or BLOCK_ROWS
+    paging = Paging.checked(g, "chunk_attention", k_cache, chunk_rows if table is not None else 1, table, page_size,
+                            rows_per_sequence or 1)
     positions = row_positions(g, "chunk_attention", pos, chunk_rows)
     g.require(pos.block().cols == chunk_rows,
               f"chunk_attention: pos must have one position per row ({chunk_rows},), got {pos.shape}")
@@ -139,8 +145,8 @@ def chunk_attention(g, q, k_cache, v_cache, pos, head_dim: int, window: int | No
     opcode = g.opcode(CHUNK_ATTENTION, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim,
                       SCALE=1.0 / math.sqrt(head_dim), BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS,
                       BLOCK_D=max(BLOCK_KEYS, triton.next_power_of_2(head_dim)), ALIGNED=aligned, PAGE=paging.page)
-    for r0 in range(0, chunk_rows, BLOCK_ROWS):
-        block_rows = min(BLOCK_ROWS, chunk_rows - r0)
+    for r0 in range(0, chunk_rows, block):
+        block_rows = min(block, chunk_rows - r0)
         for h in range(kv_heads):
             q_col = h * group * head_dim
             g.add_task(opcode, out=out.addr(r0, q_col), q=q.addr(r0, q_col), k=k_cache.addr(0, h * head_dim),

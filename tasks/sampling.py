@@ -264,7 +264,7 @@ def _sample_reference(heap, task) -> None:
 
 
 def sample(g, logits, history, pos, prompt_len, params=None, seed=None, logprobs=None, top=None,
-           vocab: int | None = None):
+           vocab: int | None = None, rows_per_sequence: int = 1):
     """Per batch row b, once past the prompt (``pos_b + 1 >= prompt_len_b``) and inside the history:
     ``history[b, pos_b + 1]`` = a token of ``logits[b, :vocab]``: drawn with the row's ``params[b]``
     (float32 [batch, 4]: ``PARAMS``) and ``seed[b]`` (int64 [batch]), the argmax where the temperature
@@ -272,10 +272,16 @@ def sample(g, logits, history, pos, prompt_len, params=None, seed=None, logprobs
     ``pos_b + 1``; ``top`` = (ids int64, logprobs float32), both [batch, positions * N]: the N most
     likely tokens at columns ``N * (pos_b + 1) ...``. ``pos``, ``prompt_len``: one int64 element or one
     per row (``common.row_positions``); ``vocab``: the logits to consider (the first ones; all by
-    default: tensor-parallel logits may end with padding). Returns ``history``."""
+    default: tensor-parallel logits may end with padding). With ``rows_per_sequence`` R, logits row r is
+    a verification row of sequence r // R (``tasks.speculation``): ``pos`` has one position per logits
+    row, the rest a row per sequence. Returns ``history``."""
     require_float(g, "sample", logits=logits)
     vocab = logits.cols if vocab is None else vocab
-    batch = logits.rows
+    g.require(isinstance(rows_per_sequence, int) and rows_per_sequence >= 1 and logits.rows % rows_per_sequence == 0,
+              f"sample: rows_per_sequence must be a positive int dividing the logits' {logits.rows} rows, got "
+              f"{rows_per_sequence!r}")
+    group = rows_per_sequence
+    batch = logits.rows // group
     g.require(logits.ndim == 2 and history.ndim == 2 and history.dtype == torch.int64 and history.rows == batch,
               f"sample: logits must be [batch, vocab] and history int64 [batch, positions], got {logits.shape} "
               f"and {history.shape} {history.dtype}")
@@ -298,23 +304,34 @@ def sample(g, logits, history, pos, prompt_len, params=None, seed=None, logprobs
     if logprobs is not None:
         g.require(logprobs.shape == history.shape and logprobs.dtype == torch.float32,
                   f"sample: logprobs must be float32 {history.shape}, got {logprobs.shape} {logprobs.dtype}")
-    positions = row_positions(g, "sample", pos, batch)
+    positions = row_positions(g, "sample", pos, logits.rows)
     lengths = row_positions(g, "sample", prompt_len, batch)
     opcode = g.opcode(SAMPLE, DTYPE=logits.dtype, BLOCK_N=min(triton.next_power_of_2(vocab), MAX_BLOCK_N),
                       SAMPLED=params is not None, LOGPROBS=logprobs is not None, TOP_N=top_n)
-    for b, ((position, position_region), (length, length_region)) in enumerate(zip(positions, lengths)):
-        reads, writes = [logits.region(b, 1, 0, vocab), position_region, length_region], [history.region(b, 1, 0, history.cols)]
+
+    def written(t, r: int):
+        """The region row r declares it writes in ``t`` (a row per sequence): the sequence's row; of R rows
+        per sequence, the column numbered like r among them, a stand-in for the one it writes (pos + 1,
+        known only on the device): the rows of a sequence write distinct columns, and a reader declares
+        the whole row, so it comes after all of them."""
+        b = r // group
+        return t.region(b, 1, 0, t.cols) if group == 1 else t.region(b, 1, r % group, 1)
+
+    for r, (position, position_region) in enumerate(positions):
+        b = r // group
+        length, length_region = lengths[b]
+        reads, writes = [logits.region(r, 1, 0, vocab), position_region, length_region], [written(history, r)]
         words = dict(params=0, seed=0, logprobs=0, top_ids=0, top_logprobs=0)
         if params is not None:
             words.update(params=params.addr(b, 0), seed=seed.addr(0, b))
             reads += [params.region(b, 1, 0, len(PARAMS)), seed.region(0, 1, b, 1)]
         if logprobs is not None:
             words.update(logprobs=logprobs.addr(b, 0))
-            writes.append(logprobs.region(b, 1, 0, logprobs.cols))
+            writes.append(written(logprobs, r))
         if top_n:
             words.update(top_ids=ids.addr(b, 0), top_logprobs=values.addr(b, 0))
-            writes += [ids.region(b, 1, 0, ids.cols), values.region(b, 1, 0, values.cols)]
-        g.add_task(opcode, history=history.addr(b, 0), logits=logits.addr(b, 0), pos=position, prompt_len=length,
+            writes += [written(ids, r), written(values, r)]
+        g.add_task(opcode, history=history.addr(b, 0), logits=logits.addr(r, 0), pos=position, prompt_len=length,
                    cols=vocab, history_cols=history.cols, **words, reads=tuple(reads), writes=tuple(writes),
                    bytes=vocab * logits.element_size * (3 + top_n), flops=vocab * (3 + top_n))
     return history

@@ -247,7 +247,7 @@ class Checkpoint:
 
 
 def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
-                    prefill_chunk: int = 0, max_logprobs: int = 0, dequantize: bool = False,
+                    prefill_chunk: int = 0, max_logprobs: int = 0, draft_tokens: int = 0, dequantize: bool = False,
                     parallelism: int | str = "auto", **kernel_options) -> DecodeModel:
     """Load a checkpoint directory (``config.json`` + ``*.safetensors``, one file or shards, as
     ``save_pretrained`` writes it; an FP8 one's weights stay FP8, ``FP8Weights``), or a GGUF file
@@ -263,7 +263,8 @@ def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: in
     path = Path(path)
     if path.suffix == ".gguf" and path.is_file():
         return from_gguf(path, max_seq_len=max_seq_len, max_batch=max_batch, page_size=page_size, kv_pages=kv_pages,
-                         prefill_chunk=prefill_chunk, max_logprobs=max_logprobs, dequantize=dequantize,
+                         prefill_chunk=prefill_chunk, max_logprobs=max_logprobs, draft_tokens=draft_tokens,
+                         dequantize=dequantize,
                          parallelism=parallelism, **kernel_options)
     if not (path / "config.json").is_file():
         raise GraphError(f"{path}: no config.json: not a checkpoint directory as save_pretrained writes one")
@@ -278,7 +279,8 @@ def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: in
         skeleton = AutoModelForCausalLM.from_config(config)
     checkpoint = Checkpoint(path, {key: tuple(t.shape) for key, t in skeleton.state_dict().items()})
     skeleton.to(checkpoint["model.embed_tokens.weight"].dtype)  # the dtype the weights are stored in
-    decoder = config_of(skeleton, max_seq_len, max_batch, page_size, kv_pages, prefill_chunk, max_logprobs)
+    decoder = config_of(skeleton, max_seq_len, max_batch, page_size, kv_pages, prefill_chunk, max_logprobs,
+                        draft_tokens)
     tied = bool(config.tie_word_embeddings)
     tensors = checkpoint
     if fp8 is not None:

@@ -10,6 +10,8 @@ decode step, and a step feeds the next (it embeds ``history[pos]``, writes its g
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,7 @@ import torch
 from ..graph import Graph, Tensor
 from ..tasks.quantized import FORMATS, Format, Quantized, quantized_input, rows_of
 from ..tasks.sampling import PARAMS
+from ..tasks.speculation import STATS
 from .packed import concat
 from .schema import EMBED, HEAD, NORM, Weight, head_in_embedding, layer_weights, part_name
 
@@ -53,6 +56,7 @@ class DecoderConfig:
     max_logprobs: int = 0      # the most likely tokens whose log-probabilities a step writes per row (0: none)
     formats: tuple[tuple[str, str], ...] = ()  # (weight input, format) of the weights kept quantized (tasks.quantized)
     tied: bool = False         # the LM head is the embedding: read from its rows where a rank's share allows
+    draft_tokens: int = 0      # tokens drafted per batch row and step, verified in it (tasks.speculation; 0: none)
 
     def format_of(self, name: str) -> Format | None:
         """The format weight input ``name`` is kept in on the heap; None: elements of ``dtype``."""
@@ -69,8 +73,18 @@ class DecoderConfig:
         return self.kv_pages or self.batch * self.max_pages
 
     @property
+    def batch_rows(self) -> int:
+        """Rows a step runs for its batch: one per batch row, or ``draft_tokens + 1`` verification rows."""
+        return self.batch * (self.draft_tokens + 1)
+
+    @property
     def rows(self) -> int:
         """Rows of a step: the batch's, then the prefill chunk's (biases are inputs of this many rows)."""
+        return self.batch_rows + self.prefill_chunk
+
+    @property
+    def table_rows(self) -> int:
+        """Block table rows: a batch row's (its verification rows share it), then each prefill row's."""
         return self.batch + self.prefill_chunk
 
 
@@ -138,12 +152,14 @@ class Shard:
 
 @dataclass(frozen=True)
 class KVCache:
-    """A layer's KV cache: pools of ``page_size``-position pages and the block table of each row."""
+    """A layer's KV cache: pools of ``page_size``-position pages and the block table of each row (of each
+    ``rows_per_sequence`` rows: a sequence's verification rows)."""
 
     k: Tensor
     v: Tensor
     table: Tensor
     page_size: int
+    rows_per_sequence: int = 1
 
 
 def layer_inputs(g: Graph, c: DecoderConfig, s: Shard, i: int) -> dict[str, Tensor]:
@@ -207,6 +223,8 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
         paging = {}
     else:
         k_cache, v_cache, paging = kv.k, kv.v, {"table": kv.table, "page_size": kv.page_size}
+        if kv.rows_per_sequence > 1:
+            paging["rows_per_sequence"] = kv.rows_per_sequence
     k_cache = g.kv_append(k_cache, k, pos, x.rows, **paging)
     v_cache = g.kv_append(v_cache, v, pos, x.rows, **paging)
     if kv_only:
@@ -255,6 +273,14 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     are off (-1) after the step: one launch prefills up to C prompt tokens, the last prompt token of a
     sequence then runs in its batch row.
 
+    With ``draft_tokens`` K > 0 (``tasks.speculation``), each batch row runs K + 1 verification rows
+    instead of one: ``draft`` gives them positions ``pos_b ..`` and the known or drafted tokens, they run
+    through every layer as a prefill chunk of their sequence (block table row b) into logits [batch *
+    (K + 1), vocab], ``sample`` writes each row's token into "verified", and ``accept`` keeps the run the
+    model agrees with, advancing ``pos_b`` by 1 .. K + 1; a row whose position reaches ``end_b`` (the
+    input "end", [batch]) ends (-1), and a step where no batch row runs skips all but its draft and
+    prefill tasks. The int64 input "draft_stats" counts (``speculation.STATS``).
+
     Built into ``g``, or a new ``Graph(parallelism=parallelism)``: the number of workers the step is
     meant for, which sizes its tiles (split-K linears, attention splits).
     """
@@ -263,19 +289,28 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     history = g.input("history", (c.batch, c.max_seq_len), torch.int64)
     pos = g.input("pos", (c.batch,), torch.int64)
     prompt_len = g.input("prompt_len", (c.batch,), torch.int64)
-    table = g.input("block_table", (c.rows, c.max_pages), torch.int64)
+    table = g.input("block_table", (c.table_rows, c.max_pages), torch.int64)
     inv_freq = g.input("inv_freq", (c.head_dim // 2,), torch.float32)
     embed = weight_input(g, c, s, EMBED)
     scale = g.input("embed_scale", (c.rows, c.hidden), c.dtype) if c.gemma else None  # sqrt(hidden) in the dtype
-    x = g.embedding(history, embed, pos=pos)
-    if scale is not None:
-        x = g.mul(x, scale[:c.batch])
+    rows_per_sequence = c.draft_tokens + 1
+    if c.draft_tokens:
+        end = g.input("end", (c.batch,), torch.int64)
+        with g.scope("draft"):
+            tokens, rows_pos, live = g.draft(history, pos, prompt_len, end, rows_per_sequence)
+        batch_part = functools.partial(g.guarded, live)  # the batch rows' tasks: skipped once every row ended
+    else:
+        rows_pos, batch_part = pos, contextlib.nullcontext
+    with batch_part():
+        x = g.embedding(tokens, embed) if c.draft_tokens else g.embedding(history, embed, pos=pos)
+        if scale is not None:
+            x = g.mul(x, scale[:c.batch_rows])
     if c.prefill_chunk:
         prefill_pos = g.input("prefill_pos", (c.prefill_chunk,), torch.int64)
         with g.guarded(prefill_pos[0]):
             chunk = g.embedding(g.input("prefill_tokens", (c.prefill_chunk,), torch.int64), embed)
             if scale is not None:
-                chunk = g.mul(chunk, scale[c.batch:])
+                chunk = g.mul(chunk, scale[c.batch_rows:])
     pool_rows = (c.pool_pages + 1) * c.page_size
     for i in range(c.layers):
         with g.scope(f"layer{i}"):
@@ -285,10 +320,13 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
             if c.prefill_chunk:
                 with g.scope("prefill"), g.guarded(prefill_pos[0]):
                     chunk = decoder_layer(g, c, s, chunk, prefill_pos, inv_freq, i, w,
-                                          KVCache(kv.k, kv.v, table[c.batch:], c.page_size), row0=c.batch,
+                                          KVCache(kv.k, kv.v, table[c.batch:], c.page_size), row0=c.batch_rows,
                                           chunk=True, kv_only=i == c.layers - 1)
-            x = decoder_layer(g, c, s, x, pos, inv_freq, i, w, KVCache(kv.k, kv.v, table[:c.batch], c.page_size))
-    with g.scope("head"):
+            with batch_part():
+                x = decoder_layer(g, c, s, x, rows_pos, inv_freq, i, w,
+                                  KVCache(kv.k, kv.v, table[:c.batch], c.page_size, rows_per_sequence),
+                                  chunk=bool(c.draft_tokens))
+    with g.scope("head"), batch_part():
         h = g.rms_norm(x, weight_input(g, c, s, NORM), c.eps, unit_offset=c.gemma)
         head = rows_of(embed, s.lm.start, s.lm.size) if head_in_embedding(c, s) else weight_input(g, c, s, HEAD)
         logits = g.linear(h, head)
@@ -301,12 +339,21 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
         top = tuple(g.new_tensor((c.batch, c.max_seq_len * c.max_logprobs), dtype, name=name)
                     for name, dtype in (("top_ids", torch.int64), ("top_logprobs", torch.float32))) \
             if c.max_logprobs else None
-        g.output("history", g.sample(logits, history, pos, prompt_len, sampling, seed, logprobs, top, vocab=c.vocab))
+        if c.draft_tokens:
+            verified = g.new_tensor((c.batch, c.max_seq_len), torch.int64, name="verified")
+            stats = g.input("draft_stats", (len(STATS),), torch.int64)
+            with batch_part():
+                g.sample(logits, verified, rows_pos, prompt_len, sampling, seed, logprobs, top, vocab=c.vocab,
+                         rows_per_sequence=rows_per_sequence)
+                g.output("history", g.accept(history, verified, tokens, rows_pos, pos, prompt_len, end, stats))
+        else:
+            g.output("history", g.sample(logits, history, pos, prompt_len, sampling, seed, logprobs, top,
+                                         vocab=c.vocab))
+            g.advance(pos, limit=c.max_seq_len)
         g.output("logprobs", logprobs)
         if top is not None:
             g.output("top_ids", top[0])
             g.output("top_logprobs", top[1])
-        g.advance(pos, limit=c.max_seq_len)
         if c.prefill_chunk:
             g.advance(prefill_pos, limit=0)  # the chunk is done: off until the host gives another
     return g

@@ -21,6 +21,7 @@ from ..graph import Graph
 from ..runtime import Megakernel
 from ..tasks.chunk_attention import BLOCK_ROWS
 from ..tasks.sampling import PARAMS
+from ..tasks.speculation import STATS
 from .decoder import DecoderConfig, decode_step
 from .pages import KVCacheFull, PagePool
 
@@ -113,6 +114,9 @@ class DecodeModel:
         by building once; on the cpu backend 1, few large tiles for the interpreter; on torch the workers,
         at least 2). ``rope_at(pos)``: the inverse frequencies for the step at ``pos``, for rope types whose
         frequencies follow the sequence length (rebound when they change)."""
+        if config.draft_tokens and rope_at is not None:
+            raise GraphError("draft_tokens: rope types whose frequencies follow the position (dynamic, longrope) "
+                             "need one position per launch; a step with drafts advances each row by its own count")
         self.config = config
         self.rope_at = rope_at
         self.bytes_read = 0  # of a checkpoint, by this rank (from_pretrained)
@@ -132,7 +136,7 @@ class DecodeModel:
             self.graph = decode_step(config, Graph(parallelism=self.kernel.workers))
             self.kernel = Megakernel(self.graph, **kernel_options)
         self.kernel.bind(weights)
-        self.pool = PagePool(config.pool_pages, config.page_size, config.rows, config.max_pages)
+        self.pool = PagePool(config.pool_pages, config.page_size, config.table_rows, config.max_pages)
         self.kernel.bind({"history": torch.zeros(config.batch, config.max_seq_len, dtype=torch.int64),
                           "pos": torch.full((config.batch,), -1), "prompt_len": torch.zeros(config.batch, dtype=torch.int64),
                           "block_table": self.pool.table})
@@ -140,12 +144,17 @@ class DecodeModel:
                           "seed": torch.zeros(config.batch, dtype=torch.int64)})
         # seeds for sequences that bring none: from rank 0's base, so that every rank draws the same tokens
         self._seed_base, self._seeds_drawn = self.kernel.group.all_gather(secrets.randbits(SEED_BITS))[0], 0
+        if config.draft_tokens:  # every row off until it is given an end; the counters from zero
+            self.kernel.bind({"end": torch.zeros(config.batch, dtype=torch.int64),
+                              "draft_stats": torch.zeros(len(STATS), dtype=torch.int64)})
+        self._steps_launched = 0
         if config.prefill_chunk:
             self.kernel.bind({"prefill_pos": torch.full((config.prefill_chunk,), -1),
                               "prefill_tokens": torch.zeros(config.prefill_chunk, dtype=torch.int64)})
         self.slots: list[Sequence | None] = [None] * config.batch  # the sequences of add(), by batch row
         self.finished: dict[int, torch.Tensor] = {}  # sequence id -> prompt + new tokens, once it ended
-        # float32 [batch, vocab]: the last step's (of ``step``, by slot, or of ``generate``, by row)
+        # float32 [batch, vocab]: the last step's (of ``step``, by slot, or of ``generate``, by row); with
+        # drafts [batch * (draft_tokens + 1), vocab], each slot's verification rows
         self.logits: torch.Tensor | None = None
         self._next_id = 0
         self.lock = threading.RLock()  # held by every public method (``serialized``)
@@ -169,8 +178,9 @@ class DecodeModel:
                 self.pool.grow(row, pos + 1, f"batch row {row}")
         self.kernel.tensor(self.graph.inputs["history"])[:, pos] = tokens  # the host's write, between launches
         inputs = {"pos": torch.full((c.batch,), pos), "prompt_len": torch.full((c.batch,), c.max_seq_len),
-                  "block_table": self.pool.table}
-        logits = self.kernel.run({**inputs, **self._frequencies(pos)})["logits"][:, :c.vocab].float()
+                  "block_table": self.pool.table, **self._ends(pos + 1)}
+        self._launch({**inputs, **self._frequencies(pos)}, 1)
+        logits = self.logits[::c.draft_tokens + 1]  # with drafts: each batch row's first verification row
         self.kernel.bind({"pos": torch.full((c.batch,), -1)})  # every row free again
         return logits
 
@@ -230,7 +240,8 @@ class DecodeModel:
         history = torch.zeros(c.batch, c.max_seq_len, dtype=torch.int64)
         history[:, :prompt] = ids
         self.kernel.bind({"history": history, "pos": torch.zeros(c.batch, dtype=torch.int64),
-                          "prompt_len": torch.full((c.batch,), prompt), "block_table": self.pool.table})
+                          "prompt_len": torch.full((c.batch,), prompt), "block_table": self.pool.table,
+                          **self._ends(steps)})
         pos = 0
         while pos < steps:
             count = min(tokens_per_launch or steps, steps - pos)
@@ -238,9 +249,8 @@ class DecodeModel:
             if self.rope_at is not None:  # the steps of one launch share the frequencies bound for its first
                 count = next((k for k in range(1, count) if not torch.equal(self.rope_at(pos + k), self.inv_freq)),
                              count)
-            out = self.kernel.run(frequencies, steps=count)
-            history, self.logits = out["history"], out["logits"][:, :c.vocab].float()
-            pos += count
+            history = self._launch(frequencies, count)["history"]
+            pos = min(self._positions(range(c.batch), steps)) if c.draft_tokens else pos + count
             if stop.numel() and pos >= prompt and bool(torch.isin(history[:, prompt:pos + 1], stop).any(dim=1).all()):
                 break
         tokens = history[:, :pos + 1].clone()
@@ -286,6 +296,8 @@ class DecodeModel:
         self.kernel.tensor(self.graph.inputs["history"])[slot, :ids.numel()] = ids  # between launches
         self.kernel.tensor(self.graph.inputs["prompt_len"])[slot] = ids.numel()
         self.kernel.tensor(self.graph.inputs["pos"])[slot] = -1 if sequence.prefilling else sequence.pos
+        if c.draft_tokens:
+            self.kernel.tensor(self.graph.inputs["end"])[slot] = sequence.last_position + 1
         return sequence.id
 
     @serialized
@@ -310,19 +322,22 @@ class DecodeModel:
         with self.pool.transaction():
             for s, first, count, _ in chunk.parts:
                 self.pool.grow(s.slot, first + count, f"sequence {s.id}")
-            for s in running:
-                self.pool.grow(s.slot, min(s.pos + steps, s.last_position + 1), f"sequence {s.id}")
+            for s in running:  # a step advances a row by up to draft_tokens + 1 positions
+                self.pool.grow(s.slot, min(s.pos + steps * (self.config.draft_tokens + 1), s.last_position + 1),
+                               f"sequence {s.id}")
         self._bind_prefill(chunk)
         for s in running:  # a sequence whose prefill ends in this launch starts in its batch row
             self.kernel.tensor(self.graph.inputs["pos"])[s.slot] = s.pos
-        out = self.kernel.run({"block_table": self.pool.table}, steps=steps)
-        history, self.logits = out["history"], out["logits"][:, :self.config.vocab].float()
+        out = self._launch({"block_table": self.pool.table}, steps)
+        history = out["history"]
+        moved = (self._positions([s.slot for s in running], [s.last_position + 1 for s in running])
+                 if self.config.draft_tokens else [s.pos + steps for s in running])
         top_n = self.config.max_logprobs
         for s, first, count, _ in chunk.parts:
             s.prefilled = first + count
         new: dict[int, list[int]] = {}
-        for s in running:
-            start, s.pos = s.pos, s.pos + steps
+        for s, reached in zip(running, moved):
+            start, s.pos = s.pos, reached
             first = max(start + 1, s.prompt.numel())  # the first position this launch sampled into
             made = history[s.slot, first:s.pos + 1].tolist()[:s.max_new - len(s.tokens)]
             end = next((i for i, token in enumerate(made) if token in s.stop), None)
@@ -444,7 +459,7 @@ class DecodeModel:
         return out
 
     def _release_rows(self) -> None:
-        for row in range(self.config.rows):
+        for row in range(self.config.table_rows):
             self.pool.release(row)
 
     def _admissible(self, prompt_ids, max_new_tokens: int, what: str) -> torch.Tensor:
@@ -508,6 +523,36 @@ class DecodeModel:
         self.kernel.tensor(self.graph.inputs["seed"])[row] = (params.seed + (1 << 63)) % (1 << 64) - (1 << 63)
         return params
 
+    def _launch(self, inputs: dict[str, torch.Tensor], steps: int) -> dict[str, torch.Tensor]:
+        """One launch of ``steps`` steps; keeps the last step's logits (float32, the vocabulary's)."""
+        out = self.kernel.run(inputs, steps=steps)
+        self._steps_launched += steps
+        self.logits = out["logits"][:, :self.config.vocab].float()
+        return out
+
+    def _ends(self, end: int) -> dict[str, torch.Tensor]:
+        """With drafts, the input that ends every batch row at position ``end``."""
+        return {"end": torch.full((self.config.batch,), end)} if self.config.draft_tokens else {}
+
+    def _positions(self, rows, ended) -> list[int]:
+        """The device's positions of batch ``rows`` after a launch with drafts, a row that ended (-1) at
+        its ``ended`` (one for all, or one per row)."""
+        ended = list(ended) if isinstance(ended, (list, tuple)) else [ended] * len(rows)
+        device = self.kernel.tensor(self.graph.inputs["pos"]).tolist()
+        return [device[row] if device[row] >= 0 else end for row, end in zip(rows, ended)]
+
+    @property
+    def steps_run(self) -> int:
+        """Device steps since the model was built: those of every launch (with drafts, a step in which every
+        batch row had ended skips its work and is not counted)."""
+        return self.statistics().steps if self.config.draft_tokens else self._steps_launched
+
+    def statistics(self) -> "Statistics":
+        """The counters of decoding with drafts since the model was built (``Statistics``)."""
+        if not self.config.draft_tokens:
+            return Statistics(self._steps_launched, 0, 0, 0, 0)
+        return Statistics(*self.kernel.tensor(self.graph.inputs["draft_stats"]).tolist())
+
     def _require_no_sequences(self, what: str) -> None:
         busy = [s.id for s in self.slots if s is not None]
         if busy:
@@ -536,3 +581,26 @@ class Chunk:
     parts: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
     finishing: set[int] = field(default_factory=set)
 
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """Counters of decoding on the device (``DecodeModel.statistics``): ``steps`` run, and with drafts
+    (``tasks.speculation``) the batch rows' steps (``row_steps``), the tokens they made, the drafted
+    tokens they verified and those accepted."""
+
+    steps: int
+    row_steps: int
+    tokens: int
+    drafted: int
+    accepted: int
+
+    @property
+    def tokens_per_row_step(self) -> float:
+        """Tokens a running sequence made per step: 1 without drafts, up to ``draft_tokens + 1``."""
+        return self.tokens / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """The share of drafted tokens the model agreed with."""
+        return self.accepted / self.drafted if self.drafted else 0.0

@@ -157,7 +157,8 @@ def _parse(path: Path, size: int, mtime_ns: int):
 
 
 def from_gguf(path: Path, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
-              prefill_chunk: int = 0, max_logprobs: int = 0, dequantize: bool = False, parallelism: int | str = "auto",
+              prefill_chunk: int = 0, max_logprobs: int = 0, draft_tokens: int = 0, dequantize: bool = False,
+              parallelism: int | str = "auto",
               **kernel_options):
     """``from_pretrained`` of a ``.gguf`` file: see the module docstring. ``dequantize``: every weight as
     float32 elements instead (what transformers' GGUF loading makes; for the torch backend, whose
@@ -167,7 +168,8 @@ def from_gguf(path: Path, *, max_seq_len: int, max_batch: int = 1, page_size: in
     reader, config = parsed(path)
     with torch.device("meta"):
         skeleton = auto_classes()[1].from_config(config)
-    c = config_of(skeleton.float(), max_seq_len, max_batch, page_size, kv_pages, prefill_chunk, max_logprobs)
+    c = config_of(skeleton.float(), max_seq_len, max_batch, page_size, kv_pages, prefill_chunk, max_logprobs,
+                  draft_tokens)
     file = GGUFFile(path, reader, c, dequantize)
     tied = "lm_head.weight" not in file
     c = replace(c, formats=stored_formats(file.format, c, tied, path))

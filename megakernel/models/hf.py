@@ -25,6 +25,7 @@ import torch
 
 from ..bootstrap import current_world
 from ..errors import GraphError, is_count, is_int
+from ..tasks.chunk_attention import BLOCK_ROWS
 from .decoder import DecoderConfig, Shard
 from .engine import DecodeModel
 from .schema import shard_weights
@@ -35,6 +36,7 @@ MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")  # frequencies that follow the sequence length
 MAX_BATCH, MAX_PREFILL_CHUNK = 4096, 65536  # rows of a decode step: each has tiles in every layer
+MAX_DRAFT_TOKENS = BLOCK_ROWS - 1  # a sequence's verification rows are one block of chunk attention
 MAX_LOGPROBS = 20  # the most likely tokens a step can report per row (OpenAI's top_logprobs allows 20)
 
 # Config fields that change the math but that the decode step builds one way only: field -> (its value when
@@ -71,7 +73,7 @@ def auto_classes():
 
 
 def config_of(model, max_seq_len: int, max_batch: int, page_size: int = 16, kv_pages: int | None = None,
-              prefill_chunk: int = 0, max_logprobs: int = 0) -> DecoderConfig:
+              prefill_chunk: int = 0, max_logprobs: int = 0, draft_tokens: int = 0) -> DecoderConfig:
     name = type(model).__name__
     if name not in SUPPORTED:
         raise GraphError(f"from_hf supports {', '.join(SUPPORTED)}, got {name}")
@@ -102,7 +104,7 @@ def config_of(model, max_seq_len: int, max_batch: int, page_size: int = 16, kv_p
                          qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
                          windows=windows if any(windows) else (), gemma=name == "GemmaForCausalLM",
                          **_serving(max_seq_len, max_batch, page_size, kv_pages, prefill_chunk, max_logprobs,
-                                    cfg.vocab_size))
+                                    draft_tokens, cfg.vocab_size))
 
 
 def _check_rope(model, name: str, head_dim: int, max_seq_len: int) -> None:
@@ -127,8 +129,9 @@ def _check_rope(model, name: str, head_dim: int, max_seq_len: int) -> None:
                          f"factors there, the decode step keeps them); supported: max_seq_len <= {original}")
 
 
-def _serving(max_seq_len: int, max_batch: int, page_size, kv_pages, prefill_chunk, max_logprobs, vocab: int) -> dict:
-    """The KV cache's, the prefill chunk's and the log-probabilities' fields of a ``DecoderConfig``, checked
+def _serving(max_seq_len: int, max_batch: int, page_size, kv_pages, prefill_chunk, max_logprobs, draft_tokens,
+             vocab: int) -> dict:
+    """The KV cache's, the prefill chunk's, the log-probabilities' and the drafts' fields of a ``DecoderConfig``, checked
     (before anything is built: the graph's tiles grow with max_batch and prefill_chunk, its buffers with
     the rest)."""
     for name, value in (("max_seq_len", max_seq_len), ("max_batch", max_batch), ("page_size", page_size)):
@@ -140,10 +143,15 @@ def _serving(max_seq_len: int, max_batch: int, page_size, kv_pages, prefill_chun
         raise GraphError(f"prefill_chunk must be a non-negative int, got {prefill_chunk!r}")
     if not (is_int(max_logprobs) and 0 <= max_logprobs <= min(MAX_LOGPROBS, vocab)):
         raise GraphError(f"max_logprobs must be an int in [0, {min(MAX_LOGPROBS, vocab)}], got {max_logprobs!r}")
-    for name, value, most in (("max_batch", max_batch, MAX_BATCH), ("prefill_chunk", prefill_chunk, MAX_PREFILL_CHUNK)):
+    if not (is_int(draft_tokens) and 0 <= draft_tokens <= MAX_DRAFT_TOKENS):
+        raise GraphError(f"draft_tokens must be an int in [0, {MAX_DRAFT_TOKENS}] (0: no drafts), got {draft_tokens!r}")
+    for name, value, most in (("max_batch", max_batch * (draft_tokens + 1), MAX_BATCH),
+                              ("prefill_chunk", prefill_chunk, MAX_PREFILL_CHUNK)):
         if value > most:
-            raise GraphError(f"{name}={value:,} is more than a decode step holds; at most {most:,}")
-    return dict(page_size=page_size, kv_pages=kv_pages or 0, prefill_chunk=prefill_chunk, max_logprobs=max_logprobs)
+            raise GraphError(f"{name}={value:,} is more than a decode step holds; at most {most:,}"
+                             + (" batch rows x (draft_tokens + 1)" if name == "max_batch" else ""))
+    return dict(page_size=page_size, kv_pages=kv_pages or 0, prefill_chunk=prefill_chunk, max_logprobs=max_logprobs,
+                draft_tokens=draft_tokens)
 
 
 def _moe_config(model) -> dict:
@@ -161,17 +169,19 @@ def _moe_config(model) -> dict:
 
 
 def from_hf(model, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
-            prefill_chunk: int = 0, max_logprobs: int = 0, parallelism: int | str = "auto",
+            prefill_chunk: int = 0, max_logprobs: int = 0, draft_tokens: int = 0, parallelism: int | str = "auto",
             **kernel_options) -> DecodeModel:
     """Shard ``model`` (already in memory; nothing is downloaded) for this rank and compile its decode step.
 
     The KV cache is a pool of ``kv_pages`` pages of ``page_size`` positions (None: enough for every batch
     row at ``max_seq_len``); ``prefill_chunk``: prompt tokens a launch prefills besides the batch rows
     (0: a prompt goes through its batch row a token per step); ``max_logprobs``: the most likely tokens
-    whose log-probabilities each step reports (``Sequence.top``). ``parallelism``: the number of workers
+    whose log-probabilities each step reports (``Sequence.top``); ``draft_tokens`` K: each step drafts up
+    to K tokens per sequence from its own history and verifies them (``tasks.speculation``: the same
+    tokens, in fewer steps where the text repeats itself; 0: none). ``parallelism``: the number of workers
     the step's tiles are sized for; "auto" (see ``DecodeModel``).
     """
-    config = config_of(model, max_seq_len, max_batch, page_size, kv_pages, prefill_chunk, max_logprobs)
+    config = config_of(model, max_seq_len, max_batch, page_size, kv_pages, prefill_chunk, max_logprobs, draft_tokens)
     # a copy: following the sequence length updates the rotary module's frequencies, not the model's
     rotary = copy.deepcopy(model.model.rotary_emb)
     return decode_model(config, model.state_dict(), rotary, bool(model.config.tie_word_embeddings), parallelism,
