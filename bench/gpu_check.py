@@ -22,7 +22,9 @@
    against eager float32 over the dequantized weights, with its fraction of the bandwidth floor of the
    bytes it reads;
 10. sampling: the ``sample`` tile over 8 rows of the layer's vocabulary, greedy and with temperature,
-   top-k, top-p and min-p, its tokens against the host twin, and the launch time of each.
+   top-k, top-p and min-p, its tokens against the host twin, and the launch time of each;
+11. speculation: a random Llama (on a GPU 4 layers of hidden 2048, bf16) fed a prompt that repeats a
+   piece, with ``draft_tokens`` 4 and without: the same tokens, device steps and time per token of each.
 
 A section named ``NAME:spin`` runs NAME with the old wait/signal protocol (``MEGAKERNEL_PROTOCOL=spin``:
 every thread spinning on scalar atomics, system-scope signals) instead of the default ``poll``, so one
@@ -614,6 +616,45 @@ def check_sampling(s: Setup) -> list[Row]:
     return rows
 
 
+SPECULATION_LLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
+                         num_key_value_heads=4, vocab_size=32000, max_position_embeddings=512)
+
+
+def check_speculation(s: Setup) -> list[Row]:
+    """Speculative decoding (``draft_tokens``): a random Llama on a prompt that repeats a piece, 64 new
+    tokens with 4 drafted tokens a step and without: the same tokens, the device steps of each (a step
+    reads every weight once) and the time per token, after a warm-up generation."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megakernel.models import from_hf
+    from megakernel.tools.demo import random_llama
+
+    if s.device == "cuda":
+        torch.manual_seed(3)
+        hf = LlamaForCausalLM(LlamaConfig(**SPECULATION_LLAMA)).eval().to(torch.bfloat16).to(s.device)
+    else:
+        hf = random_llama(seed=3)
+    prompt, new = torch.tensor([[11, 12, 13, 14, 15, 16] * 4]), 64 if s.device == "cuda" else 16
+    runs = {}
+    for draft_tokens in (0, 4):
+        model = from_hf(hf, max_seq_len=prompt.shape[1] + new, draft_tokens=draft_tokens, backend=s.backend,
+                        timeout=s.timeout)
+        try:
+            model.generate(prompt, new)  # compiles
+            steps = model.steps_run
+            start = time.perf_counter()
+            tokens = model.generate(prompt, new)  # on the host when it returns
+            runs[draft_tokens] = tokens, model.steps_run - steps, (time.perf_counter() - start) / new
+        finally:
+            model.close()
+    (plain, plain_steps, plain_time), (drafted, steps, seconds) = runs[0], runs[4]
+    return [Row(f"speculation: {new} tokens with 4 drafts a step vs none ({prompt.shape[1]}-token prompt)",
+                "identical" if torch.equal(plain, drafted) else "DIFFERENT", "identical", torch.equal(plain, drafted)),
+            Row("speculation: device steps (prompt + new tokens), drafts vs none", f"{steps} vs {plain_steps}"),
+            Row("speculation: time per generated token, drafts vs none",
+                f"{seconds * 1e3:.2f} ms vs {plain_time * 1e3:.2f} ms")]
+
+
 # -- 4. dispatch overhead --------------------------------------------------------------------------------
 def _touch_graph(workers: int, per_worker: int) -> mk.Graph:
     g = mk.Graph(world_size=1, rank=0)
@@ -694,14 +735,14 @@ def check_virtual_ranks(s: Setup) -> list[Row]:
 
 SECTIONS = {"types": check_task_types, "decode": check_decode, "layer": check_layer, "dispatch": check_dispatch,
             "virtual": check_virtual_ranks, "moe": check_moe, "steps": check_steps, "serving": check_serving,
-            "quantized": check_quantized, "sampling": check_sampling}
+            "quantized": check_quantized, "sampling": check_sampling, "speculation": check_speculation}
 SPIN = ":spin"  # a section with the old protocol
 DEFAULT = ["types", "decode", "layer", "quantized", "moe", "steps", "dispatch", "dispatch" + SPIN, "virtual",
-           "virtual" + SPIN, "serving", "sampling"]
+           "virtual" + SPIN, "serving", "sampling", "speculation"]
 # Seconds each section may take in its own process (a CUDA fault poisons the process that hit it, a
 # hang must not eat the GPU's time): all of them within BUDGET.
 LIMITS = {"types": 90, "decode": 90, "layer": 240, "quantized": 150, "moe": 150, "steps": 150, "dispatch": 60,
-          "virtual": 90, "serving": 150, "sampling": 60}
+          "virtual": 90, "serving": 150, "sampling": 60, "speculation": 150}
 BUDGET = 540
 
 

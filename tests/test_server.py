@@ -284,10 +284,10 @@ def _alive(pids: list[int], within: float) -> list[int]:
 
 
 def test_tensor_parallel_server_stops_cleanly_on_sigterm(small_llama, tokenizer):
-    """Two process ranks: transformers' greedy text; SIGTERM mid-stream ends the stream with an error, and
-    leaves no process or shared memory behind."""
+    """Two process ranks, 2 tokens drafted a step: transformers' greedy text; SIGTERM mid-stream ends the
+    stream with an error, and leaves no process or shared memory behind."""
     model, path = small_llama
-    server = start(path, "--tp", "2")
+    server = start(path, "--tp", "2", "--draft-tokens", "2")
     try:
         ranks = _children(server.process.pid)
         client = server.client()

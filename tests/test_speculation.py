@@ -1,6 +1,5 @@
 """Speculative decoding (``tasks.speculation``): drafts from each sequence's own history, verified and
 accepted on the device, give exactly the tokens of decoding without drafts, in fewer steps."""
-import functools
 
 import pytest
 import torch

@@ -187,6 +187,8 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens a launch prefills (0: none)")
     p.add_argument("--max-logprobs", type=int, default=5, help="the most likely tokens a request may ask "
                                                                  "log-probabilities of (at most 20)")
+    p.add_argument("--draft-tokens", type=int, default=0, help="tokens drafted per sequence and step from its own "
+                                                               "history, verified in the step (0: none; at most 15)")
     p.add_argument("--steps-per-launch", type=_count, default=4, help="decode steps per launch at most")
     p.add_argument("--workers", type=_count, help="workers per rank (default: the backend's)")
     p.add_argument("--dequantize", action="store_true", help="a GGUF file's weights as float32 (for the torch "

@@ -55,6 +55,7 @@ class Options:
     kv_pages: int | None = None
     prefill_chunk: int = 64
     max_logprobs: int = 5
+    draft_tokens: int = 0
     steps_per_launch: int = 4
     workers: int | None = None
     dequantize: bool = False
@@ -75,7 +76,8 @@ def load_model(options: Options):
     extra = {"dequantize": True} if options.dequantize else {}
     return from_pretrained(options.model, max_seq_len=options.max_seq_len, max_batch=options.max_batch,
                            page_size=options.page_size, kv_pages=options.kv_pages,
-                           prefill_chunk=options.prefill_chunk, max_logprobs=options.max_logprobs, **extra, **kernel)
+                           prefill_chunk=options.prefill_chunk, max_logprobs=options.max_logprobs,
+                           draft_tokens=options.draft_tokens, **extra, **kernel)
 
 
 # -- the HTTP API ---------------------------------------------------------------------------------------

@@ -200,6 +200,10 @@ class DecodeModel:
         of prompts (1-D, of any lengths, as many as you like) runs them by continuous batching
         (``add``/``step``: each in a slot at a position of its own, a waiting one joining as a slot frees)
         and returns one tensor per prompt, prompt + new tokens, what each would get alone.
+
+        With ``draft_tokens`` a step advances a row by 1 .. draft_tokens + 1 positions (``tasks.speculation``):
+        ``tokens_per_launch`` is then the steps a launch holds, and fewer launches may do; the tokens are
+        the same.
         """
         if not (is_int(max_new_tokens) and max_new_tokens >= 0):
             raise GraphError(f"generate: max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
@@ -305,7 +309,8 @@ class DecodeModel:
         """One launch of ``steps`` steps, or fewer: it ends when every sequence in it has all its tokens. Its
         first step prefills up to ``prefill_chunk`` prompt tokens of the sequences still in their prompts (in
         the order they were added); every other sequence advances a position a step (one still in its
-        prompt without prefill rows reads the next prompt token; the others sample one token each).
+        prompt without prefill rows reads the next prompt token; the others sample one token each; with
+        ``draft_tokens``, up to draft_tokens + 1 prompt tokens or tokens a step, ``tasks.speculation``).
         Returns the new tokens of each sequence that made some. A sequence that has all its tokens, or
         ends with its eos token, frees its slot and its KV pages (tokens it sampled past its end in the
         same launch are dropped). Out of KV pages: ``KVCacheFull``, nothing run or changed."""
