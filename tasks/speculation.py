@@ -81,7 +81,9 @@ def draft_tile(base,
         q = p + j
         # masks of blocks only: the interpreter broadcasts a scalar bool into an int32 block, no mask
         row_on = (j < ROWS) & (lanes(p, BLOCK_R) >= 0) & (q < stop) & ((q <= known) | (lanes(match, BLOCK_R) >= 0))
-        source = tl.where(q <= known, q, match + 1 + (q - known - 1) % tl.maximum(known - match, 1))
+        # the remainder in 32 bits (positions are): a 64-bit one is a subroutine call on NVIDIA GPUs
+        period = tl.maximum(known - match, 1).to(tl.int32)
+        source = tl.where(q <= known, q, match + 1 + (q - known - 1).to(tl.int32) % period)
         token = tl.load(row + source, mask=row_on, other=0)
         tl.store(heap_ptr(base, tokens, tl.int64) + b * ROWS + j, token, mask=j < ROWS)
         tl.store(heap_ptr(base, positions, tl.int64) + b * ROWS + j, tl.where(row_on, q, -1), mask=j < ROWS)

@@ -254,7 +254,7 @@ class DecodeModel:
                 count = next((k for k in range(1, count) if not torch.equal(self.rope_at(pos + k), self.inv_freq)),
                              count)
             history = self._launch(frequencies, count)["history"]
-            pos = min(self._positions(range(c.batch), steps)) if c.draft_tokens else pos + count
+            pos = min(self._positions(list(range(c.batch)), [steps] * c.batch)) if c.draft_tokens else pos + count
             if stop.numel() and pos >= prompt and bool(torch.isin(history[:, prompt:pos + 1], stop).any(dim=1).all()):
                 break
         tokens = history[:, :pos + 1].clone()
@@ -539,10 +539,9 @@ class DecodeModel:
         """With drafts, the input that ends every batch row at position ``end``."""
         return {"end": torch.full((self.config.batch,), end)} if self.config.draft_tokens else {}
 
-    def _positions(self, rows, ended) -> list[int]:
+    def _positions(self, rows: list[int], ended: list[int]) -> list[int]:
         """The device's positions of batch ``rows`` after a launch with drafts, a row that ended (-1) at
-        its ``ended`` (one for all, or one per row)."""
-        ended = list(ended) if isinstance(ended, (list, tuple)) else [ended] * len(rows)
+        its ``ended`` position."""
         device = self.kernel.tensor(self.graph.inputs["pos"]).tolist()
         return [device[row] if device[row] >= 0 else end for row, end in zip(rows, ended)]
 
@@ -585,7 +584,6 @@ class Chunk:
 
     parts: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
     finishing: set[int] = field(default_factory=set)
-
 
 
 @dataclass(frozen=True)
