@@ -37,7 +37,8 @@ kernel), ask for it with ``--only``.
     python bench/gpu_check.py --smoke --backend torch  # the same on the torch backend (the tests run this)
 
 Each section runs in a process of its own under a time limit (a GPU fault poisons its process; a
-hang must not use up the machine's time), all within BUDGET seconds.
+hang must not use up the machine's time), all within BUDGET seconds; ``--smoke`` runs the sections of
+each protocol in one process.
 
 Times are device times of the launch (CUDA events) unless a row says wall.
 """
@@ -640,7 +641,8 @@ def check_speculation(s: Setup) -> list[Row]:
         model = from_hf(hf, max_seq_len=prompt.shape[1] + new, draft_tokens=draft_tokens, backend=s.backend,
                         timeout=s.timeout)
         try:
-            model.generate(prompt, new)  # compiles
+            if s.device == "cuda":
+                model.generate(prompt, new)  # compiles
             steps = model.steps_run
             start = time.perf_counter()
             tokens = model.generate(prompt, new)  # on the host when it returns
@@ -746,23 +748,25 @@ LIMITS = {"types": 90, "decode": 90, "layer": 240, "quantized": 150, "moe": 150,
 BUDGET = 540
 
 
-def run_child(name: str, smoke: str | None, limit: float) -> list[Row]:
-    """Run section ``name`` in a process of its own (``smoke``: small, on that host backend); its rows, or one
-    FAILED row."""
-    base, spin = name.removesuffix(SPIN), name.endswith(SPIN)
-    command = [sys.executable, __file__, "--child", "--only", base, *(["--smoke", "--backend", smoke] if smoke else [])]
+def run_child(names: list[str], smoke: str | None, limit: float) -> list[Row]:
+    """Run sections ``names`` (all with the default protocol, or all ``:spin``) in a process of their own
+    (``smoke``: small, on that host backend); their rows, or one FAILED row."""
+    bases, spin = [name.removesuffix(SPIN) for name in names], names[0].endswith(SPIN)
+    command = [sys.executable, __file__, "--child", "--only", ",".join(bases),
+               *(["--smoke", "--backend", smoke] if smoke else [])]
     env = dict(os.environ, **({"MEGAKERNEL_PROTOCOL": "spin"} if spin else {}))
+    what = ",".join(names)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=limit, env=env)
     except subprocess.TimeoutExpired as expired:
         tail = expired.stderr or ""  # bytes here even with text=True
         sys.stderr.write((tail.decode(errors="replace") if isinstance(tail, bytes) else tail)[-4000:])
-        return [Row(name, f"FAILED: timed out after {limit:.0f} s", "", False)]
+        return [Row(what, f"FAILED: timed out after {limit:.0f} s", "", False)]
     sys.stderr.write(done.stderr[-8000:])
     lines = [line for line in done.stdout.splitlines() if line.startswith("ROWS ")]
     if not lines:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1][:160]
-        return [Row(name, f"FAILED (exit {done.returncode}): {last}", "", False)]
+        return [Row(what, f"FAILED (exit {done.returncode}): {last}", "", False)]
     rows = [Row(**row) for row in json.loads(lines[-1][5:])]
     for row in rows if spin else []:
         row.check += " [spin protocol]"
@@ -805,15 +809,19 @@ def main(argv: list[str] | None = None) -> int:
           f"python {platform.python_version()}", flush=True)
     rows: list[Row] = []
     deadline = time.monotonic() + BUDGET * (3 if args.smoke else 1)
-    for name in chosen:
+    # on a GPU a process per section (a fault poisons only its own); the smoke run shares one per protocol
+    groups = [[name] for name in chosen] if not args.smoke else [
+        group for group in ([n for n in chosen if not n.endswith(SPIN)], [n for n in chosen if n.endswith(SPIN)])
+        if group]
+    for group in groups:
         start = time.perf_counter()
         left = deadline - time.monotonic()
         if left < 10:
-            rows.append(Row(name, "FAILED: not run, the time budget is spent", "", False))
+            rows.append(Row(",".join(group), "FAILED: not run, the time budget is spent", "", False))
             continue
-        limit = min(LIMITS[name.removesuffix(SPIN)] * (3 if args.smoke else 1), left)
-        rows += run_child(name, args.backend if args.smoke else None, limit)
-        print(f"# {name}: {time.perf_counter() - start:.1f} s", flush=True)
+        limit = min(sum(LIMITS[name.removesuffix(SPIN)] for name in group) * (3 if args.smoke else 1), left)
+        rows += run_child(group, args.backend if args.smoke else None, limit)
+        print(f"# {','.join(group)}: {time.perf_counter() - start:.1f} s", flush=True)
     if args.smoke:  # the CPU is no GPU: time targets do not apply
         for row in rows:
             if row.timing:

@@ -49,27 +49,27 @@ def expected(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 # -- 1. interrupts ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_an_interrupted_run_leaves_the_kernel_and_the_pool_correct(backend):
-    """Ctrl-C in the middle of a run (about 1 s here): the workers are stopped before the interrupt goes
+    """Ctrl-C in the middle of a run (0.3 s into it): the workers are stopped before the interrupt goes
     on, so no late reply is taken for a later run's, of this kernel or of a new one."""
-    g = linear_graph()
+    g = linear_graph(512)
     with mk.Megakernel(g, workers=2) as kernel:
-        kernel.run(linear_inputs(0))  # warm: the interrupt lands in a launch, not in a first compile
+        kernel.run(linear_inputs(0, 512))  # warm: the interrupt lands in a launch, not in a first compile
         timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
         # Python's own handler, whatever this process inherited (a shell starts background jobs ignoring SIGINT)
         inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
         timer.start()
         try:
             with pytest.raises(KeyboardInterrupt):
-                kernel.run(linear_inputs(1))
+                kernel.run(linear_inputs(1, 512))
                 time.sleep(5)  # a run that finished before the signal: let it land here, not elsewhere
         finally:
             timer.cancel()
             signal.signal(signal.SIGINT, inherited)
-        inputs = linear_inputs(2)
+        inputs = linear_inputs(2, 512)
         kernel.poison()
         assert_close(kernel.run(inputs)["y"], expected(inputs), 1e-5, "the interrupted kernel, next run")
-    inputs = linear_inputs(3)
-    with mk.Megakernel(linear_graph(), workers=2) as fresh:
+    inputs = linear_inputs(3, 512)
+    with mk.Megakernel(linear_graph(512), workers=2) as fresh:
         assert_close(fresh.run(inputs)["y"], expected(inputs), 1e-5, "a new kernel on the same pool")
 
 

@@ -38,12 +38,13 @@ class Server:
         return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))}
 
 
-def start(model: str, *options: str, timeout: float = 400) -> Server:
-    """A ``megakernel serve`` process of ``model`` on a free port, once its /health says 200."""
+def start(model: str, logs, *options: str, timeout: float = 400) -> Server:
+    """A ``megakernel serve`` process of ``model`` on a free port, once its /health says 200; its output in a
+    file in the folder ``logs``."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    log = f"/tmp/megakernel-serve-{port}.log"
+    log = str(logs / f"serve-{port}.log")
     command = [sys.executable, "-m", "megakernel.tools.cli", "serve", model, "--port", str(port),
                "--backend", "torch", "--max-batch", "3", "--max-seq-len", str(MAX_SEQ_LEN),
                "--page-size", "16", "--prefill-chunk", "32", "--workers", "2", *options]
@@ -78,8 +79,9 @@ def stop(server: Server, timeout: float = 60) -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = start(smollm2_path(), "--dequantize")  # float32 weights: the torch backend unpacks packed ones every step
+def server(tmp_path_factory):
+    # float32 weights: the torch backend unpacks packed ones every step
+    s = start(smollm2_path(), tmp_path_factory.mktemp("serve"), "--dequantize")
     try:
         yield s
     finally:
@@ -283,11 +285,11 @@ def _alive(pids: list[int], within: float) -> list[int]:
     return [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
 
 
-def test_tensor_parallel_server_stops_cleanly_on_sigterm(small_llama, tokenizer):
+def test_tensor_parallel_server_stops_cleanly_on_sigterm(small_llama, tokenizer, tmp_path):
     """Two process ranks, 2 tokens drafted a step: transformers' greedy text; SIGTERM mid-stream ends the
     stream with an error, and leaves no process or shared memory behind."""
     model, path = small_llama
-    server = start(path, "--tp", "2", "--draft-tokens", "2")
+    server = start(path, tmp_path, "--tp", "2", "--draft-tokens", "2")
     try:
         ranks = _children(server.process.pid)
         client = server.client()
