@@ -140,8 +140,9 @@ def tensor_parallel_mlp(hidden: int, inter: int):
 def test_tensor_parallel_mlp_equals_single_rank(torch_backend):
     hidden, inter = 64, 96
     single = tensor_parallel_mlp(hidden, inter)  # no process group: world size 1, here
-    for world in (2, 3):
-        results = mk.launch(functools.partial(tensor_parallel_mlp, hidden, inter), world_size=world, timeout=300)
+    for world, virtual in ((2, True), (3, False)):  # threads, and processes at a world that divides nothing
+        results = mk.launch(functools.partial(tensor_parallel_mlp, hidden, inter), world_size=world, timeout=300,
+                            virtual=virtual)
         for run in range(3):
             for me in range(world):
                 assert_close(results[me][run], single[run], 1e-5, f"rank {me} of {world}, run {run}")
@@ -295,7 +296,7 @@ def test_same_code_runs_under_torchrun(tmp_path):
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              str(script)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    launched = mk.launch(functools.partial(collectives, 1), world_size=2, timeout=300)
+    launched = mk.launch(functools.partial(collectives, 1), world_size=2, timeout=300, virtual=True)
     torchrun = torch.load(out)
     for me in range(2):
         for run in range(2):
