@@ -132,7 +132,7 @@ def accept_tile(base,
             made += tl.sum(kept.to(tl.int64), axis=0)
             drafted += tl.sum(guessed.to(tl.int64), axis=0)
             accepted += tl.sum((guessed & (j <= a)).to(tl.int64), axis=0)
-    k = tl.arange(0, 8)
+    k = tl.arange(0, 8)  # a lane per counter of STATS (5)
     counters = heap_ptr(base, stats, tl.int64) + k
     added = tl.where(k == 0, steps, tl.where(k == 1, row_steps, tl.where(k == 2, made, tl.where(k == 3, drafted,
                                                                                                   accepted))))
