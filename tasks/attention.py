@@ -273,6 +273,8 @@ def kv_append(g, cache, x, pos, batch: int, table=None, page_size: int | None = 
     g.require(cache.ndim == 2 and x.ndim == 2 and x.rows == batch and cache.cols == x.cols and cache.dtype == x.dtype,
               f"kv_append: cache {cache.shape} {cache.dtype} and x {x.shape} {x.dtype} do not match for batch {batch}")
     require_float(g, "kv_append", x=x)
+    g.require(rows_per_sequence == 1 or table is not None,
+              f"kv_append: rows_per_sequence {rows_per_sequence!r} needs a block table (a paged cache)")
     paging = Paging.checked(g, "kv_append", cache, batch, table, page_size, rows_per_sequence)
     opcode = g.opcode(KV_APPEND, DTYPE=x.dtype, BLOCK_N=min(next_power_of_2(x.cols), 1024), PAGE=paging.page)
     for b, (position, position_region) in enumerate(row_positions(g, "kv_append", pos, batch)):
@@ -335,8 +337,8 @@ class Paging:
 
     def written(self, cache, b: int):
         """The region a ``kv_append`` of batch row b declares it writes: its block; in a pool, the pool row
-        numbered like b's block table row (modulo the pool), a stand-in for the row it writes, which is
-        known only on the device. Sequences have pages of their own and a sequence's rows write distinct
+        numbered like the block table's first row plus b (modulo the pool), a stand-in for the row it
+        writes, which is known only on the device. Sequences have pages of their own and a sequence's rows write distinct
         positions, so appends of different rows need no order between them (the spill page takes only
         writes no one reads); every reader declares the whole pool, so it comes after every append of
         its step and before those of the next."""

@@ -315,7 +315,7 @@ def sample(g, logits, history, pos, prompt_len, params=None, seed=None, logprobs
         known only on the device): the rows of a sequence write distinct columns, and a reader declares
         the whole row, so it comes after all of them."""
         b = r // group
-        return t.region(b, 1, 0, t.cols) if group == 1 else t.region(b, 1, r % group, 1)
+        return t.region(b, 1, 0, t.cols) if group == 1 else t.region(b, 1, r % group % t.cols, 1)
 
     for r, (position, position_region) in enumerate(positions):
         b = r // group

@@ -15,8 +15,11 @@ and advances ``pos`` past them, 1 .. K + 1 positions a step.
 
 The tokens are those of decoding without drafts: a kept token is the model's given exactly the tokens
 before it, and so is a drawn one, since a draw is a function of the logits, the seed and the position
-alone (``tasks.sampling``). The KV cache written by rows past the kept ones is never read: the row that
-next reaches such a position writes it again first (``kv_append`` before ``chunk_attention``).
+alone (``tasks.sampling``) — up to floating-point rounding: a verification row computes its logits with
+another summation order than a decode row (``chunk_attention``, linears tiled for more rows), within a
+few float32 ulps (bfloat16: a rounding step), so a token can differ only where two logits tie that
+closely. The KV cache written by rows past the kept ones is never read: the row that next reaches such
+a position writes it again first (``kv_append`` before ``chunk_attention``).
 """
 from __future__ import annotations
 
@@ -38,14 +41,13 @@ def prompt_lookup(row, last, NGRAM: tl.constexpr, BLOCK_N: tl.constexpr):
     largest ``n <= NGRAM`` that has one, or -1. ``row``: a pointer to a history row's int64 tokens."""
     found = tl.full((), -1, tl.int64)
     for n in tl.static_range(NGRAM, 0, -1):
-        best = tl.full((), -1, tl.int64)
-        for i0 in range(0, last, BLOCK_N):
-            i = i0 + tl.arange(0, BLOCK_N)
-            same = (i >= n - 1) & (i < last)
-            for t in tl.static_range(n):
-                same = same & (tl.load(row + i - t, mask=same, other=-1) == tl.load(row + tl.maximum(last - t, 0)))
-            best = tl.maximum(best, tl.max(tl.where(same, i, -1), axis=0))
-        found = tl.where(found < 0, best, found)
+        if found < 0:  # a shorter suffix only where the longer ones never occurred
+            for i0 in range(0, last, BLOCK_N):
+                i = i0 + tl.arange(0, BLOCK_N)
+                same = (i >= n - 1) & (i < last)
+                for t in tl.static_range(n):
+                    same = same & (tl.load(row + i - t, mask=same, other=-1) == tl.load(row + tl.maximum(last - t, 0)))
+                found = tl.maximum(found, tl.max(tl.where(same, i, -1), axis=0))
     return found
 
 

@@ -1,5 +1,7 @@
 """Speculative decoding (``tasks.speculation``): drafts from each sequence's own history, verified and
-accepted on the device, give exactly the tokens of decoding without drafts, in fewer steps."""
+accepted on the device, give the tokens of decoding without drafts, in fewer steps. (Verification rows
+round differently from decode rows, by a few float32 ulps: a token could differ only at a tie that close,
+which the models and prompts here do not have.)"""
 
 import pytest
 import torch

@@ -310,7 +310,8 @@ class DecodeModel:
         first step prefills up to ``prefill_chunk`` prompt tokens of the sequences still in their prompts (in
         the order they were added); every other sequence advances a position a step (one still in its
         prompt without prefill rows reads the next prompt token; the others sample one token each; with
-        ``draft_tokens``, up to draft_tokens + 1 prompt tokens or tokens a step, ``tasks.speculation``).
+        ``draft_tokens``, up to draft_tokens + 1 prompt tokens or tokens a step, ``tasks.speculation``, and
+        the steps after every sequence has its tokens skip their work).
         Returns the new tokens of each sequence that made some. A sequence that has all its tokens, or
         ends with its eos token, frees its slot and its KV pages (tokens it sampled past its end in the
         same launch are dropped). Out of KV pages: ``KVCacheFull``, nothing run or changed."""
@@ -547,8 +548,9 @@ class DecodeModel:
 
     @property
     def steps_run(self) -> int:
-        """Device steps since the model was built: those of every launch (with drafts, a step in which every
-        batch row had ended skips its work and is not counted)."""
+        """Device steps since the model was built: those of every launch; with drafts, the steps in which a
+        batch row ran (a step whose batch rows had all ended, or that only prefilled, is not counted: its
+        batch-row tasks skip their work)."""
         return self.statistics().steps if self.config.draft_tokens else self._steps_launched
 
     def statistics(self) -> "Statistics":
