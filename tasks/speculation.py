@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..device import NO_SEQUENCE, heap_ptr
+from ..errors import is_count
 from .common import TaskType, next_power_of_2
 
 NGRAM = 3          # the longest suffix looked up (then shorter ones, down to one token)
@@ -217,7 +218,7 @@ def _whole(t):
 
 
 def draft(g, history, pos, prompt_len, end, rows: int):
-    """The verification rows of a step (module docstring): ``rows`` (K + 1, at most 16) per batch row of
+    """The verification rows of a step (module docstring): ``rows`` (K + 1) per batch row of
     ``history`` (int64 [batch, positions]) at ``pos`` (int64 [batch], -1: no sequence) with ``prompt_len``
     and ``end`` (int64 [batch]: a row whose position reaches it is off). Returns (tokens, positions),
     int64 [batch * rows] each, and ``live``: an int64 [1] flag for ``Graph.guarded``, -1 in a step where
@@ -225,7 +226,7 @@ def draft(g, history, pos, prompt_len, end, rows: int):
     batch = history.rows
     g.require(history.ndim == 2 and history.dtype == torch.int64,
               f"draft: history must be int64 [batch, positions], got {history.shape} {history.dtype}")
-    g.require(isinstance(rows, int) and 1 <= rows <= 16, f"draft: rows must be an int in [1, 16], got {rows!r}")
+    g.require(is_count(rows), f"draft: rows must be a positive int, got {rows!r}")
     _rows_of(g, "draft", batch, pos=pos, prompt_len=prompt_len, end=end)
     tokens, positions = (g.new_tensor((batch * rows,), torch.int64) for _ in range(2))
     live = g.new_tensor((1,), torch.int64)
