@@ -14,6 +14,7 @@ import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
+from itertools import repeat
 from operator import itemgetter
 from typing import Any, Callable
 
@@ -328,6 +329,31 @@ class Graph:
         if self._guard is not None:
             guard, reads = self._guard[0], (*reads, self._guard[1])
         self.tasks.append(opcode, args, reads, writes, task_cost(bytes, flops), len(self.op_names) - 1, remote, guard)
+
+    def add_tasks(self, opcode: int, /, *, reads: list[tuple[Region, ...]], writes: list[tuple[Region, ...]],
+                  bytes: list[int], flops: list[int], **words: int | range | list[int]) -> None:
+        """A run of tasks of ``opcode``, as ``add_task`` for each in turn: ``reads``, ``writes``, ``bytes``
+        and ``flops`` hold one entry per task, and each argument word is one int for all of them or a
+        list (or range) of one per task. For ops of many tiles: a call with keywords per tile is most of
+        a big graph's build, and here the argument tuples are made by ``zip``."""
+        count = len(writes)
+        names = self.specs[opcode].arg_names
+        if len(words) != len(names):
+            self._bad_words(opcode, words)
+        try:
+            columns = [words[name] for name in names]
+        except KeyError:
+            self._bad_words(opcode, words)
+        columns = [c if isinstance(c, (list, range)) else repeat(c, count) for c in columns]
+        if any(len(c) != count for c in (reads, bytes, flops, *columns) if not isinstance(c, repeat)):
+            raise GraphError(f"add_tasks: {count} tasks' writes, but reads, bytes, flops or an argument word "
+                             f"of another length")
+        args = list(zip(*columns)) if columns else [()] * count
+        if self._guard is not None:
+            reads = [(*r, self._guard[1]) for r in reads]
+        guard = NO_GUARD if self._guard is None else self._guard[0]
+        self.tasks.extend(opcode, args, reads, writes, list(map(task_cost, bytes, flops)), len(self.op_names) - 1,
+                          guard)
 
     def _bad_words(self, opcode: int, words: dict) -> None:
         spec = self.specs[opcode]

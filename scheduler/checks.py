@@ -36,6 +36,10 @@ def find_cycle(producers: list[tuple[int, ...]]) -> list[int] | None:
 
 
 def check_acyclic(producers: list[tuple[int, ...]], describe=str) -> None:
+    """Refuse a dependency cycle, naming its tasks. Where every task waits only for earlier ones (as
+    inferred dependencies do), program order is topological: there is no cycle to look for."""
+    if all(max(ps) < tid for tid, ps in enumerate(producers) if ps):
+        return
     cycle = find_cycle(producers)
     if cycle is not None:
         names = " -> ".join(describe(t) for t in cycle + cycle[:1])

@@ -4,71 +4,56 @@ Tasks arrive in program order. A task depends on every earlier task whose region
 its own in a conflicting way: read-after-write, write-after-read, write-after-write. Overlap is
 decided on rectangles of the underlying buffer, so views and slices are handled exactly.
 
-To stay linear in the number of tasks, every buffer is cut into a grid of cells; each cell remembers
-the accesses that touched it since the last write that covered it whole. A new access only looks at
-the cells it touches. Buffers that no task writes (weights, inputs) create no dependency and are
-never indexed.
+To stay linear in the number of tasks, every buffer is cut into a grid of cells; an access looks only
+at the accesses in the cells it touches since the last write that covered that cell whole (the
+*window* of the access in the cell). Buffers that no task writes (weights, inputs) create no
+dependency and are never indexed.
 
 Tiles of one op often read the very same rectangle (every GEMV tile of a linear reads the whole
-input row), so consecutive reads of one rectangle with no write to its buffer in between form one
-*read group*: the cells hold the group once, and each later member costs O(1) instead of a visit to
-every cell. The dependencies come out the same as with one entry per read.
+input row), so consecutive reads of one rectangle of a buffer, with no other access to it in between,
+form one *read group*: the cells hold the group once, by its first member, and every member has the
+producers the group found. A write after the group depends on all its members.
 
-A graph that runs again and again is a loop: ``infer_periodic`` carries the analysis on into a
-second copy of the program, and the second copy's dependencies on the first are the ones that cross
-from step ``e`` to step ``e + 1``. Two copies are enough: the same task runs on the same worker in
-every step, so a dependency on step ``e - 1`` is implied by one on step ``e``. The second copy only
-looks up what the first left in the cells (``_across_wrap``): its own accesses are of its own step.
+A graph that runs again and again is a loop: ``infer_periodic`` also finds the dependencies that cross
+from step ``e`` to step ``e + 1``, by letting a second copy of the program look into the cells as the
+first left them (each cell's last window). Two copies are enough: the same task runs on the same worker
+in every step, so a dependency on step ``e - 1`` is implied by one on step ``e``. The second copy only
+looks: its own accesses are of its own step, and a cell it writes whole hides the first copy's accesses
+from the accesses after that write.
+
+The passes are array programs over (access, cell) pairs, sorted by cell and then program order, rather
+than a walk of the tasks: a million-task graph has a few million pairs, and a loop in Python over them
+would take several seconds.
 """
 from __future__ import annotations
 
-from bisect import bisect_right
-from dataclasses import dataclass, field
+from array import array
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
 
 from ..errors import GraphError
 from .task import Tasks
 
 CELL_ROWS = 16
 CELL_COLS = 256
-MAX_CELLS = 1 << 24  # cells of the written buffers: each costs a Python object when a write covers it
+FLATTEN_CHUNK = 1 << 16  # tasks whose regions are flattened at a time
+MAX_CELLS = 1 << 24  # cells of the written buffers: one access may touch all of them, each an array entry
 
-Rect = tuple[int, int, int, int]  # row0, row1, col0, col1
-
-
-class _Cell:
-    """Accesses since the last covering write: writers as (task id, *rect), readers as (read group's task
-    ids, *rect). Plain tuples, compared inline, because this is the innermost loop of the scheduler; columns
-    first, because the tiles sharing a cell are most often side by side along a row."""
-
-    __slots__ = ("writers", "readers")
-
-    def __init__(self) -> None:
-        self.writers: list[tuple[int, int, int, int, int]] = []
-        self.readers: list[tuple[list[int], int, int, int, int]] = []
+Producers = list[tuple[int, ...]]
 
 
-class _ReadGroup:
-    """Consecutive reads of one rectangle of a buffer, with no write to that buffer in between."""
-
-    __slots__ = ("rect", "tids", "producers")
-
-    def __init__(self, rect: Rect, tid: int) -> None:
-        self.rect = rect
-        self.tids = [tid]                  # shared with the cells' reader entries: a member joins in O(1)
-        self.producers: set[int] = set()   # the writers the rectangle waits for, the same for every member
-
-
-def infer_dependencies(tasks: Tasks, shapes: dict[int, tuple[int, int]]) -> list[tuple[int, ...]]:
+def infer_dependencies(tasks: Tasks, shapes: dict[int, tuple[int, int]]) -> Producers:
     """For each task, the sorted ids of the earlier tasks it must wait for.
 
     ``shapes`` maps each buffer to its (rows, cols), so that a cell on the buffer's edge counts as
     covered by a write that reaches the edge.
     """
-    return _within_step(tasks.reads, tasks.writes, shapes)[0]
+    return _Cells.of(tasks, shapes).within_step()
 
 
-def infer_periodic(tasks: Tasks, shapes: dict[int, tuple[int, int]]
-                   ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+def infer_periodic(tasks: Tasks, shapes: dict[int, tuple[int, int]]) -> tuple[Producers, Producers]:
     """For each task, its producers within a step (``infer_dependencies``) and the tasks of the previous
     step it must wait for (read-after-write, write-after-read, write-after-write across the wrap).
 
@@ -76,170 +61,200 @@ def infer_periodic(tasks: Tasks, shapes: dict[int, tuple[int, int]]
     is ordered before ``t`` in every step (directly or through the writes between them), and ``t`` of
     step e + 1 runs after ``t`` of step e, on the same worker.
     """
-    producers, grid = _within_step(tasks.reads, tasks.writes, shapes)
-    return producers, _across_wrap(tasks.reads, tasks.writes, shapes, grid)
+    cells = _Cells.of(tasks, shapes)
+    return cells.within_step(), cells.across_wrap()
+
+
+def _flatten(regions_of: list, buffers: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Every task's regions (of ``buffers`` only, when given) as rows of ``[buffer, row0, row1, col0, col1]``,
+    in program order, and the task of each. A chunk of tasks at a time: the arrays of a whole
+    million-task graph would each be new memory to fault in, a chunk's reuse the last one's."""
+    regions, owners = [], []
+    for first in range(0, len(regions_of), FLATTEN_CHUNK):
+        chunk = regions_of[first:first + FLATTEN_CHUNK]
+        counts = np.fromiter(map(len, chunk), np.int64, len(chunk))
+        total = int(counts.sum())
+        flat = np.fromiter(chain.from_iterable(chain.from_iterable(chunk)), np.int64, 5 * total).reshape(total, 5)
+        tid = np.repeat(np.arange(first, first + len(chunk)), counts)
+        if buffers is not None:
+            keep = np.isin(flat[:, 0], buffers)
+            flat, tid = flat[keep], tid[keep]
+        regions.append(flat)
+        owners.append(tid)
+    return np.concatenate([np.empty((0, 5), np.int64), *regions]), np.concatenate([np.empty(0, np.int64), *owners])
+
+
+def _spans(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ranges ``[starts[q], starts[q] + counts[q])``: every member, and the range ``q`` it is of."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return starts[owner] + offsets, owner
+
+
+def _as_tuples(task: np.ndarray, dep: np.ndarray, ids: np.ndarray) -> Producers:
+    """Pairs (task, dep) -> for each task, its sorted deps (no task waits for itself). ``ids``: the task
+    ids as Python ints, shared by every tuple rather than made anew for each (millions at 1M tasks)."""
+    n = len(ids)
+    keep = task != dep
+    pairs = _distinct(task[keep] * n + dep[keep])
+    deps = ids[pairs % n].tolist()
+    ends = array("q", np.cumsum(np.bincount(pairs // n, minlength=n)).tobytes())
+    return [tuple(deps[a:b]) for a, b in zip(chain((0,), ends), ends)]
 
 
 @dataclass
-class _Grid:
-    """The cells of the written buffers as the step leaves them, and when each buffer was last touched.
+class _Cells:
+    """The entries of the written buffers' cells: each write, and each read group by its first member,
+    once per cell it touches; sorted by cell, then program order."""
 
-    Cell (buffer b, row cell cr, column cell cc) has the integer key ``first[b] + cr * grid_cols[b] + cc``:
-    each written buffer owns a disjoint range of keys (regions lie inside their buffer, as tensor views
-    do), so no key tuple is built per visit.
-    """
+    n: int                 # tasks
+    task: np.ndarray       # the entry's task (a read group's first member)
+    group: np.ndarray      # a read group's index, -1 for a write
+    rect: tuple[np.ndarray, ...]  # row0, row1, col0, col1
+    covers: np.ndarray     # a write that covers the cell whole
+    cell_start: np.ndarray  # where the entry's cell begins and ends in this order
+    cell_end: np.ndarray
+    members: np.ndarray    # read groups' member tasks, group after group, each in program order
+    member_start: np.ndarray  # where each group's members begin in ``members`` (one more: the end)
+    ids: np.ndarray        # the task ids, as Python ints
 
-    first: dict[int, int]
-    grid_cols: dict[int, int]
-    cells: dict[int, _Cell] = field(default_factory=dict)
-    last_write: dict[int, int] = field(default_factory=dict)  # buffer -> the step's last task that writes it
-    last_touch: dict[int, int] = field(default_factory=dict)  # buffer -> the step's last task that reads or writes it
+    @classmethod
+    def of(cls, tasks: Tasks, shapes: dict[int, tuple[int, int]]) -> "_Cells":
+        n = len(tasks)
+        writes, write_tid = _flatten(tasks.writes)
+        written = np.unique(writes[:, 0])
+        first, grid_cols, rows, cols = _key_ranges(written, shapes)
+        reads, read_tid = _flatten(tasks.reads, written)
+        access = np.concatenate([reads, writes])
+        tid = np.concatenate([read_tid, write_tid])
+        is_write = np.concatenate([np.zeros(len(reads), bool), np.ones(len(writes), bool)])
+        del reads, writes, read_tid, write_tid  # the biggest arrays here: their memory serves the next ones
+        order = np.argsort(tid * 2 + is_write, kind="stable")  # program order: a task's reads, then its writes
+        tid, is_write = tid[order], is_write[order]
+        buffer, r0, r1, c0, c1 = (access[order, column] for column in range(5))
+        del access
+
+        # Read groups: a read whose buffer's previous access is a read of the same rectangle joins its group.
+        by_buffer = np.argsort(buffer, kind="stable")
+        w = is_write[by_buffer]
+        joins = np.zeros(len(by_buffer), bool)
+        joins[1:] = ~w[1:] & ~w[:-1]
+        for column in (buffer, r0, r1, c0, c1):
+            same = column[by_buffer]
+            joins[1:] &= same[1:] == same[:-1]
+        starts_group = ~w & ~joins
+        group_of = np.cumsum(starts_group) - 1
+        members = tid[by_buffer][~w]
+        member_start = np.append(np.flatnonzero(starts_group[~w]), len(members))
+        entry = np.sort(by_buffer[w | starts_group])  # writes and groups' first members, in program order
+        group = np.full(len(tid), -1)
+        group[by_buffer[starts_group]] = group_of[starts_group]
+        tid, group, buffer, r0, r1, c0, c1 = (a[entry] for a in (tid, group, buffer, r0, r1, c0, c1))
+
+        # Each entry once per cell it touches.
+        b = np.searchsorted(written, buffer)
+        cr0, cc0 = r0 // CELL_ROWS, c0 // CELL_COLS
+        height, width = (r1 - 1) // CELL_ROWS + 1 - cr0, (c1 - 1) // CELL_COLS + 1 - cc0
+        at, e = _spans(np.zeros(len(tid), np.int64), height * width)
+        cr, cc = cr0[e] + at // width[e], cc0[e] + at % width[e]
+        key = first[b[e]] + cr * grid_cols[b[e]] + cc
+        order = np.lexsort((e, key))
+        key, e, cr, cc = key[order], e[order], cr[order], cc[order]
+        rect = tuple(a[e] for a in (r0, r1, c0, c1))
+        covers = ((group[e] < 0) & (rect[0] <= cr * CELL_ROWS) & (np.minimum((cr + 1) * CELL_ROWS, rows[b[e]]) <= rect[1])
+                  & (rect[2] <= cc * CELL_COLS) & (np.minimum((cc + 1) * CELL_COLS, cols[b[e]]) <= rect[3]))
+        cell_start = np.searchsorted(key, key, side="left")
+        cell_end = np.searchsorted(key, key, side="right")
+        return cls(n, tid[e], group[e], rect, covers, cell_start, cell_end, members, member_start,
+                   np.arange(n).astype(object))
+
+    def within_step(self) -> Producers:
+        """Each entry against the entries of its window: a write against all, a read group against writes."""
+        entry = np.arange(len(self.task))
+        covering = np.where(self.covers, entry, -1)
+        before = np.maximum.accumulate(np.concatenate([[-1], covering[:-1]]))  # the cell's last covering write
+        return self._pairs(entry, np.maximum(before, self.cell_start), entry, across=False)
+
+    def across_wrap(self) -> Producers:
+        """The second step's entries against the last windows the first step left in their cells, where no
+        write of the second step covered the cell before them: the first step's later tasks."""
+        entry = np.arange(len(self.task))
+        last = np.maximum.accumulate(np.where(self.covers, entry, -1))
+        looks = np.concatenate([[-1], last[:-1]]) < self.cell_start
+        entry = entry[looks]
+        cell_start, cell_end = self.cell_start[entry], self.cell_end[entry]
+        last_window = np.maximum(last[cell_end - 1], cell_start)
+        cell_task = self.cell_start * self.n + self.task  # ascending: cells in order, tasks in order within one
+        # The cell's first entry of a later task. No read group before it has members after the task: a write
+        # of the task ends the group, and an entry that reads only looks at writes.
+        later = np.searchsorted(cell_task, cell_task[entry], side="right")
+        return self._pairs(entry, np.maximum(last_window, later), cell_end, across=True)
+
+    def _pairs(self, entry: np.ndarray, start: np.ndarray, stop: np.ndarray, across: bool) -> Producers:
+        """The dependencies of each ``entry`` on the overlapping entries in ``[start, stop)`` of its cell: for
+        a write, all of them; for a read group, the writes. ``across``: only on later tasks."""
+        is_write = self.group[entry] < 0
+        writes = np.flatnonzero(self.group < 0)
+        other, of_write = _spans(start[is_write], stop[is_write] - start[is_write])
+        lo, hi = np.searchsorted(writes, start[~is_write]), np.searchsorted(writes, stop[~is_write])
+        at, of_read = _spans(lo, hi - lo)
+        mine = np.concatenate([entry[is_write][of_write], entry[~is_write][of_read]])
+        other = np.concatenate([other, writes[at]])
+        overlap = np.ones(len(mine), bool)
+        for low, high in ((self.rect[0], self.rect[1]), (self.rect[2], self.rect[3])):
+            overlap &= (low[other] < high[mine]) & (low[mine] < high[other])
+        mine, other = mine[overlap], other[overlap]
+        my_group, other_group = self.group[mine], self.group[other]
+        my_task, other_task = self.task[mine], self.task[other]
+        plain = (my_group < 0) & (other_group < 0)
+        task, dep = [my_task[plain]], [other_task[plain]]
+        # A read group's members have its producers; a write waits for every member of a group it overlaps.
+        groups, writer = _unique_pairs(my_group[my_group >= 0], other_task[my_group >= 0])
+        members, owner = self._members(groups)
+        task += [members]
+        dep += [writer[owner]]
+        writer, groups = _unique_pairs(my_task[other_group >= 0], other_group[other_group >= 0])
+        members, owner = self._members(groups)
+        task += [writer[owner]]
+        dep += [members]
+        task, dep = np.concatenate(task), np.concatenate(dep)
+        if across:
+            task, dep = task[dep > task], dep[dep > task]
+        return _as_tuples(task, dep, self.ids)
+
+    def _members(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The members of each of ``groups``, and the index in ``groups`` of each."""
+        at, owner = _spans(self.member_start[groups], self.member_start[groups + 1] - self.member_start[groups])
+        return self.members[at], owner
 
 
-def _key_ranges(writes_of: list, shapes: dict[int, tuple[int, int]]) -> _Grid:
-    grid = _Grid({}, {})
+def _unique_pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct pairs ``(a[i], b[i])`` (non-negative ints), sorted."""
+    span = int(b.max()) + 1 if len(b) else 1
+    pairs = _distinct(a * span + b)
+    return pairs // span, pairs % span
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """The distinct values, sorted (``np.unique`` hashes first, several times slower on these arrays)."""
+    values = np.sort(values)
+    return values[np.concatenate([values[:1] == values[:1], values[1:] != values[:-1]])]
+
+
+def _key_ranges(written: np.ndarray, shapes: dict[int, tuple[int, int]]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For each written buffer: its first cell key, its cells per row of cells, its rows and columns.
+    Each buffer owns a disjoint range of keys (regions lie inside their buffer, as tensor views do)."""
+    first, grid_cols, rows, cols = [], [], [], []
     next_key = 0
-    for writes in writes_of:
-        for buffer, *_ in writes:
-            if buffer not in grid.first:
-                rows, cols = shapes[buffer]
-                grid.first[buffer] = next_key
-                grid.grid_cols[buffer] = -(-cols // CELL_COLS)
-                next_key += -(-rows // CELL_ROWS) * grid.grid_cols[buffer]
-                if next_key > MAX_CELLS:
-                    raise GraphError(f"the buffers tasks write span {next_key:,} dependency cells ({CELL_ROWS}x{CELL_COLS} "
-                                     f"elements each) with buffer {buffer} ({rows}x{cols}); at most {MAX_CELLS:,}")
-    return grid
-
-
-def _within_step(reads_of: list, writes_of: list, shapes: dict[int, tuple[int, int]]
-                 ) -> tuple[list[tuple[int, ...]], _Grid]:
-    grid = _key_ranges(writes_of, shapes)
-    first, grid_cols, cells = grid.first, grid.grid_cols, grid.cells
-    last_write, last_touch = grid.last_write, grid.last_touch
-    open_group: dict[int, _ReadGroup] = {}  # per buffer: the read group a read of the same rectangle joins
-    producers: list[tuple[int, ...]] = []
-    for tid, (reads, writes) in enumerate(zip(reads_of, writes_of)):
-        deps: set[int] = set()
-        for buffer, r0, r1, c0, c1 in reads:
-            base = first.get(buffer)
-            if base is None:
-                continue
-            last_touch[buffer] = tid
-            rect = (r0, r1, c0, c1)
-            group = open_group.get(buffer)
-            if group is not None and group.rect == rect:
-                group.tids.append(tid)
-                deps |= group.producers
-                continue
-            group = open_group[buffer] = _ReadGroup(rect, tid)
-            entry = (group.tids, r0, r1, c0, c1)
-            width = grid_cols[buffer]
-            cc0, cc1 = c0 // CELL_COLS, (c1 - 1) // CELL_COLS + 1
-            for cr in range(r0 // CELL_ROWS, (r1 - 1) // CELL_ROWS + 1):
-                row_key = base + cr * width
-                for key in range(row_key + cc0, row_key + cc1):
-                    cell = cells.get(key)
-                    if cell is None:
-                        cell = cells[key] = _Cell()
-                    for other, a0, a1, b0, b1 in cell.writers:
-                        if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1:
-                            group.producers.add(other)
-                    cell.readers.append(entry)
-            deps |= group.producers
-        for buffer, r0, r1, c0, c1 in writes:
-            open_group.pop(buffer, None)  # the cells change: later reads must look at them again
-            last_write[buffer] = last_touch[buffer] = tid
-            entry = (tid, r0, r1, c0, c1)
-            rows, cols = shapes[buffer]
-            base, width = first[buffer], grid_cols[buffer]
-            for cr in range(r0 // CELL_ROWS, (r1 - 1) // CELL_ROWS + 1):
-                row_key = base + cr * width
-                covers_rows = r0 <= cr * CELL_ROWS and min((cr + 1) * CELL_ROWS, rows) <= r1
-                for cc in range(c0 // CELL_COLS, (c1 - 1) // CELL_COLS + 1):
-                    cell = cells.get(row_key + cc)
-                    if cell is None:
-                        cell = cells[row_key + cc] = _Cell()
-                    for other, a0, a1, b0, b1 in cell.writers:
-                        if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1:
-                            deps.add(other)
-                    for readers, a0, a1, b0, b1 in cell.readers:
-                        if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1:
-                            deps.update(readers)
-                    if covers_rows and c0 <= cc * CELL_COLS and min((cc + 1) * CELL_COLS, cols) <= c1:
-                        cell.writers = [entry]
-                        cell.readers = []
-                    else:
-                        cell.writers.append(entry)
-        deps.discard(tid)  # a task that reads and writes one region, or writes it twice, needs no wait on itself
-        producers.append(tuple(sorted(deps)))
-    return producers, grid
-
-
-def _across_wrap(reads_of: list, writes_of: list, shapes: dict[int, tuple[int, int]], grid: _Grid
-                 ) -> list[tuple[int, ...]]:
-    """The second step's dependencies on later tasks of the first, from the cells the first left behind.
-
-    The accesses the second step adds never matter here (they are of its own step), so it only looks:
-    a task finds the first step's accesses in the cells it touches, until a write of the second step
-    covers a cell (the cell is then dropped). A buffer whose last access in the step (its last write,
-    for a read) comes no later than the task holds nothing later than it, and is not visited at all:
-    most reads of a step are of what was written before them. Consecutive reads of one rectangle of a
-    buffer, with no write to it in between, find the same writers, looked up once.
-    """
-    first, grid_cols, cells = grid.first, grid.grid_cols, grid.cells
-    last_write, last_touch = grid.last_write, grid.last_touch
-    read_writers: dict[int, tuple[Rect, list[int]]] = {}  # buffer -> (rect, its writers)
-    carried: list[tuple[int, ...]] = []
-    for tid, (reads, writes) in enumerate(zip(reads_of, writes_of)):
-        deps: set[int] = set()
-        for buffer, r0, r1, c0, c1 in reads:
-            if last_write.get(buffer, -1) <= tid:
-                continue
-            rect = (r0, r1, c0, c1)
-            found = read_writers.get(buffer)
-            if found is None or found[0] != rect:
-                writers: list[int] = []
-                base, width = first[buffer], grid_cols[buffer]
-                cc0, cc1 = c0 // CELL_COLS, (c1 - 1) // CELL_COLS + 1
-                for cr in range(r0 // CELL_ROWS, (r1 - 1) // CELL_ROWS + 1):
-                    row_key = base + cr * width
-                    for key in range(row_key + cc0, row_key + cc1):
-                        cell = cells.get(key)
-                        if cell is not None:
-                            writers.extend(other for other, a0, a1, b0, b1 in cell.writers
-                                           if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1)
-                found = read_writers[buffer] = (rect, writers)
-            deps.update(p for p in found[1] if p > tid)
-        for buffer, r0, r1, c0, c1 in writes:
-            read_writers.pop(buffer, None)  # the cells change: later reads must look at them again
-            if last_touch[buffer] <= tid:
-                continue
-            rows, cols = shapes[buffer]
-            base, width = first[buffer], grid_cols[buffer]
-            # The cells the write covers whole: inside the rectangle, or cut only by the buffer's edge.
-            whole_r0, whole_c0 = -(-r0 // CELL_ROWS), -(-c0 // CELL_COLS)
-            whole_r1 = r1 // CELL_ROWS if r1 < rows else -(-rows // CELL_ROWS)
-            whole_c1 = c1 // CELL_COLS if c1 < cols else -(-cols // CELL_COLS)
-            for cr in range(r0 // CELL_ROWS, (r1 - 1) // CELL_ROWS + 1):
-                for cc in range(c0 // CELL_COLS, (c1 - 1) // CELL_COLS + 1):
-                    key = base + cr * width + cc
-                    cell = cells.get(key)
-                    if cell is None:
-                        continue
-                    # A cell lists its accesses in program order (the read groups of one buffer follow
-                    # one another), so the ones later than the task are at the end.
-                    for other, a0, a1, b0, b1 in reversed(cell.writers):
-                        if other <= tid:
-                            break
-                        if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1:
-                            deps.add(other)
-                    for readers, a0, a1, b0, b1 in reversed(cell.readers):
-                        if readers[-1] <= tid:
-                            break
-                        if b0 < c1 and c0 < b1 and a0 < r1 and r0 < a1:
-                            deps.update(readers[bisect_right(readers, tid):])  # a group's ids are in order
-                    if whole_r0 <= cr < whole_r1 and whole_c0 <= cc < whole_c1:
-                        del cells[key]
-        carried.append(tuple(sorted(deps)))
-    return carried
+    for buffer in written.tolist():
+        r, c = shapes[buffer]
+        first.append(next_key)
+        grid_cols.append(-(-c // CELL_COLS))
+        rows.append(r)
+        cols.append(c)
+        next_key += -(-r // CELL_ROWS) * grid_cols[-1]
+        if next_key > MAX_CELLS:
+            raise GraphError(f"the buffers tasks write span {next_key:,} dependency cells ({CELL_ROWS}x{CELL_COLS} "
+                             f"elements each) with buffer {buffer} ({r}x{c}); at most {MAX_CELLS:,}")
+    return tuple(np.array(v, np.int64) for v in (first, grid_cols, rows, cols))

@@ -95,7 +95,7 @@ def encode_events(placement: Placement, producers: list[tuple[int, ...]], worker
     wait_event, fan_in = [NO_EVENT] * n, [0] * n
     for tid in placement.order:
         w = placement.worker[tid]
-        needed = _latest(producers[tid], known[w], placement.worker, position)
+        needed = _latest(producers[tid], known[w], placement.worker, position) if producers[tid] else []
         known[w][w] = position[tid]
         far = remote[tid] if remote else ()
         if needed or far:
@@ -114,7 +114,7 @@ def encode_events(placement: Placement, producers: list[tuple[int, ...]], worker
         seen = known[w]
         for p in producers[tid]:
             seen[placement.worker[p]] = whole_step
-        needed = _latest(carried[tid], seen, placement.worker, position)
+        needed = _latest(carried[tid], seen, placement.worker, position) if carried[tid] else []
         far = remote_carried[tid] if remote_carried else ()
         if needed or far:
             carry_event[tid] = event((True, *needed, *far), needed, far)

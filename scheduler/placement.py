@@ -8,6 +8,8 @@ global order can always run. Policies only choose each task's worker.
 from __future__ import annotations
 
 import heapq
+from array import array
+from itertools import chain
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,19 +65,19 @@ def _critical_path(tasks: Tasks, producers: list[tuple[int, ...]], workers: int)
     by_rank = np.argsort(-np.asarray(level, dtype=np.float64), kind="stable")
     rank = np.empty(n, dtype=np.int64)
     rank[by_rank] = np.arange(n)
-    by_rank, rank = by_rank.tolist(), rank.tolist()
     cost = tasks.cost
-    consumers: list[list[int]] = [[] for _ in range(n)]
-    missing = [0] * n
-    for tid, ps in enumerate(producers):
-        missing[tid] = len(ps)
-        for p in ps:
-            consumers[p].append(tid)
+    # Each task's consumers, one array cut by ``first_consumer``. The loop's int columns are typed
+    # arrays, not lists: at 1M tasks, lists would be millions of int objects to allocate.
+    missing = np.fromiter(map(len, producers), np.int64, n)
+    flat = np.fromiter(chain.from_iterable(producers), np.int64, int(missing.sum()))
+    consumers = _ints(np.repeat(np.arange(n), missing)[np.argsort(flat, kind="stable")])
+    first_consumer = _ints(np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=n))]))
+    by_rank, rank, missing = _ints(by_rank), _ints(rank), _ints(missing)
     ready = [rank[t] for t in range(n) if not missing[t]]
     heapq.heapify(ready)
     free_at = [0.0] * workers
     idle = [(0.0, w) for w in range(workers)]  # (free time, worker); stale entries are skipped
-    finish = [0.0] * n
+    finish = array("d", bytes(8 * n))  # raw doubles: a million float objects would be new memory to fault in
     worker = [0] * n
     scheduled = 0
     heappush, heappop = heapq.heappush, heapq.heappop
@@ -96,13 +98,17 @@ def _critical_path(tasks: Tasks, producers: list[tuple[int, ...]], workers: int)
         heappush(idle, (end, w))
         worker[tid] = w
         scheduled += 1
-        for c in consumers[tid]:
+        for c in consumers[first_consumer[tid]:first_consumer[tid + 1]]:
             missing[c] -= 1
             if not missing[c]:
                 heappush(ready, rank[c])
     if scheduled != n:
         raise GraphError("the task graph has a cycle; run scheduler.checks.find_cycle for the tasks on it")
     return Placement(list(range(n)), worker)
+
+
+def _ints(values: np.ndarray) -> array[int]:
+    return array("q", values.astype(np.int64).tobytes())
 
 
 DISPATCH_COST = 512.0   # a task's fixed cost, in bytes moved

@@ -4,6 +4,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field, fields
 from functools import partial
+from itertools import repeat
 from typing import NamedTuple
 
 
@@ -67,6 +68,20 @@ class Tasks:
         self.op.append(op)
         self.remote.append(remote)
         self.guard.append(guard)
+
+    def extend(self, opcode: int, args: list[tuple[int, ...]], reads: list[tuple[Region, ...]],
+               writes: list[tuple[Region, ...]], costs: list[float], op: int, guard: int = -1) -> None:
+        """Append a run of tasks of one opcode and op that write nothing on other ranks, one per entry of
+        ``args`` (``reads``, ``writes`` and ``costs`` alike)."""
+        count = len(args)
+        self.opcode.extend(repeat(opcode, count))
+        self.args.extend(args)
+        self.reads.extend(reads)
+        self.writes.extend(writes)
+        self.cost.extend(costs)
+        self.op.extend(repeat(op, count))
+        self.remote.extend(repeat((), count))
+        self.guard.extend(repeat(guard, count))
 
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` tasks (drops the tiles of an op that failed)."""

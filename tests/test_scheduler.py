@@ -135,3 +135,89 @@ def test_capacity_is_checked():
     t = schedule(g.tasks, g.buffer_shapes(), specs=g.specs, op_names=g.op_names, workers=2)
     with pytest.raises(mk.GraphError, match=f"needs {len(t.rows)} tasks; one kernel holds at most 3"):
         check_tables(t, Capacity(max_tasks=3))
+
+
+def _random_program(seed: int) -> tuple[Tasks, dict]:
+    """A random program on a few buffers: rectangles of every size (whole cells, cell edges, single
+    elements, the whole buffer), repeated reads of one rectangle (read groups), tasks that read and write."""
+    rng = np.random.default_rng(seed)
+    shapes = {b: (int(rng.choice([1, 2, 17, 40])), int(rng.choice([1, 100, 256, 600]))) for b in range(3)}
+
+    def region(b):
+        rows, cols = shapes[b]
+        if rng.random() < 0.2:
+            return (b, 0, rows, 0, cols)
+        r0, c0 = int(rng.integers(rows)), int(rng.integers(cols))
+        return (b, r0, int(rng.integers(r0, rows)) + 1, c0, int(rng.integers(c0, min(cols, c0 + 300))) + 1)
+
+    tasks, last = Tasks(), {}
+    for _ in range(int(rng.integers(1, 40))):
+        reads = []
+        for _ in range(int(rng.integers(0, 3))):
+            b = int(rng.integers(3))
+            last[b] = last[b] if b in last and rng.random() < 0.6 else region(b)
+            reads.append(last[b])
+        writes = [region(int(rng.integers(3))) for _ in range(int(rng.integers(0, 3)))]
+        tasks.append(0, (), tuple(reads), tuple(writes), 1.0, 0)
+    return tasks, shapes
+
+
+def _conflicts(tasks: Tasks, u: int, t: int) -> bool:
+    """Whether tasks u and t touch a common element, one of them writing it."""
+    def meet(x, y):
+        return x[0] == y[0] and x[1] < y[2] and y[1] < x[2] and x[3] < y[4] and y[3] < x[4]
+    return (any(meet(w, r) for w in tasks.writes[u] for r in (*tasks.reads[t], *tasks.writes[t]))
+            or any(meet(r, w) for r in tasks.reads[u] for w in tasks.writes[t]))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_inferred_dependencies_order_every_conflict_within_and_across_steps(seed):
+    """Soundness against the regions themselves, not the cells: in two consecutive steps, every pair of
+    conflicting tasks is ordered by the dependencies (within a step, carried across it) and by each
+    task following itself from one step to the next on its worker."""
+    from megakernel.scheduler import infer_periodic
+    tasks, shapes = _random_program(seed)
+    n = len(tasks)
+    within, carried = infer_periodic(tasks, shapes)
+    assert within == infer_dependencies(tasks, shapes)
+    assert all(p < t for t, ps in enumerate(within) for p in ps) and all(p > t for t, ps in enumerate(carried) for p in ps)
+    after = [set() for _ in range(2 * n)]  # task t of step 1 is node t, of step 2 node n + t
+    for t in range(n):
+        after[t] = set(within[t])
+        after[n + t] = {n + p for p in within[t]} | set(carried[t]) | {t}
+    reach = []
+    for node in range(2 * n):  # every edge points to a smaller node: one pass in node order closes them
+        reach.append(set().union(*({p} | reach[p] for p in after[node])) if after[node] else set())
+    for t in range(n):
+        for u in range(n):
+            if _conflicts(tasks, u, t):
+                if u < t:
+                    assert u in reach[t] and n + u in reach[n + t], (u, t)
+                elif u > t:
+                    assert u in reach[n + t], (u, t)
+
+
+def test_a_row_of_tasks_at_once_is_the_same_as_one_at_a_time():
+    g, h = mk.Graph(), mk.Graph()
+    rows = [(g.input("x", (4, 64), torch.float32), g.new_tensor((4, 64), torch.float32)),
+            (h.input("x", (4, 64), torch.float32), h.new_tensor((4, 64), torch.float32))]
+    from megakernel.tasks.elementwise import BINARY
+    for graph, (x, out) in zip((g, h), rows):
+        graph.op_names.append("rows")
+        opcode = graph.opcode(BINARY, OP="add", DTYPE=torch.float32, BLOCK_M=1, BLOCK_N=64)
+        words = dict(a=x.addr(0, 0), b=x.addr(0, 0), cols=64, out_stride=64, a_stride=64, b_stride=64)
+        regions = [((x.region(r, 1, 0, 64),), (out.region(r, 1, 0, 64),)) for r in range(4)]
+        if graph is g:
+            for r, (reads, writes) in enumerate(regions):
+                graph.add_task(opcode, out=out.addr(r, 0), rows=r + 1, reads=reads, writes=writes, bytes=768, flops=64,
+                               **words)
+        else:
+            graph.add_tasks(opcode, out=range(out.addr(0, 0), out.addr(4, 0), 256), rows=[1, 2, 3, 4],
+                            reads=[r for r, _ in regions], writes=[w for _, w in regions], bytes=[768] * 4,
+                            flops=[64] * 4, **words)
+    assert g.tasks == h.tasks and len(g.tasks) == 4
+    with pytest.raises(mk.GraphError, match="missing argument word 'rows'"):
+        h.add_tasks(opcode, out=[0], reads=[()], writes=[()], bytes=[0], flops=[0], **words)
+    with pytest.raises(mk.GraphError, match="2 tasks' writes, but reads, bytes, flops or an argument word"):
+        h.add_tasks(opcode, out=[0, 1, 2], rows=1, reads=[(), ()], writes=[(), ()], bytes=[0, 0], flops=[0, 0], **words)
+    assert len(h.tasks) == 4
