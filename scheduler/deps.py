@@ -34,11 +34,10 @@ from itertools import chain
 import numpy as np
 
 from ..errors import GraphError
-from .task import Tasks
+from .task import Records, Tasks
 
 CELL_ROWS = 16
 CELL_COLS = 256
-FLATTEN_CHUNK = 1 << 16  # tasks whose regions are flattened at a time
 MAX_CELLS = 1 << 24  # cells of the written buffers: one access may touch all of them, each an array entry
 
 Producers = list[tuple[int, ...]]
@@ -65,23 +64,15 @@ def infer_periodic(tasks: Tasks, shapes: dict[int, tuple[int, int]]) -> tuple[Pr
     return cells.within_step(), cells.across_wrap()
 
 
-def _flatten(regions_of: list, buffers: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _flatten(regions: Records, buffers: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Every task's regions (of ``buffers`` only, when given) as rows of ``[buffer, row0, row1, col0, col1]``,
-    in program order, and the task of each. A chunk of tasks at a time: the arrays of a whole
-    million-task graph would each be new memory to fault in, a chunk's reuse the last one's."""
-    regions, owners = [], []
-    for first in range(0, len(regions_of), FLATTEN_CHUNK):
-        chunk = regions_of[first:first + FLATTEN_CHUNK]
-        counts = np.fromiter(map(len, chunk), np.int64, len(chunk))
-        total = int(counts.sum())
-        flat = np.fromiter(chain.from_iterable(chain.from_iterable(chunk)), np.int64, 5 * total).reshape(total, 5)
-        tid = np.repeat(np.arange(first, first + len(chunk)), counts)
-        if buffers is not None:
-            keep = np.isin(flat[:, 0], buffers)
-            flat, tid = flat[keep], tid[keep]
-        regions.append(flat)
-        owners.append(tid)
-    return np.concatenate([np.empty((0, 5), np.int64), *regions]), np.concatenate([np.empty(0, np.int64), *owners])
+    in program order, and the task of each."""
+    flat = regions.table()
+    tid = np.repeat(np.arange(len(regions)), regions.counts())
+    if buffers is None:
+        return flat, tid
+    keep = np.isin(flat[:, 0], buffers)
+    return flat[keep], tid[keep]
 
 
 def _spans(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

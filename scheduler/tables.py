@@ -121,7 +121,7 @@ def build_tables(tasks: Tasks, placement: Placement, events: Events, *, specs: l
     order = np.asarray(placement.order, dtype=np.int64)  # row -> task id
     row_of = np.empty(n, dtype=np.int64)                 # task id -> row
     row_of[order] = np.arange(n)
-    arg_counts = np.fromiter(map(len, tasks.args), dtype=np.int64, count=n)
+    arg_counts = tasks.args.counts()
     rows = np.zeros((n, ARG0 + (int(arg_counts.max()) if n else 0)), dtype=np.int64)
     rows[:, OPCODE] = np.asarray(tasks.opcode, dtype=np.int64)[order]
     rows[:, WAIT_EVENT] = np.asarray(events.wait_event, dtype=np.int64)[order]
@@ -134,11 +134,10 @@ def build_tables(tasks: Tasks, placement: Placement, events: Events, *, specs: l
     rows[:, GUARD] = np.frombuffer(tasks.guard, dtype=np.int64)[order]
     # Argument words, one block per argument count (a graph has a handful): the block's tasks' words
     # in one array, reshaped to [tasks, count] and stored into those tasks' rows.
+    words, first_word = tasks.args.table()[:, 0], np.cumsum(arg_counts) - arg_counts
     for count in np.unique(arg_counts[arg_counts > 0]).tolist():
         ids = np.flatnonzero(arg_counts == count)
-        words = np.fromiter(chain.from_iterable(tasks.args[tid] for tid in ids.tolist()), dtype=np.int64,
-                            count=len(ids) * count)
-        rows[row_of[ids], ARG0:ARG0 + count] = words.reshape(-1, count)
+        rows[row_of[ids], ARG0:ARG0 + count] = words[first_word[ids, None] + np.arange(count)]
     signal_rows = np.fromiter(chain.from_iterable(chain.from_iterable(events.signals[tid] for tid in placement.order)),
                               dtype=np.int64, count=SIGNAL_WORDS * int(signal_counts.sum())).reshape(-1, SIGNAL_WORDS)
     task_op = np.asarray(tasks.op, dtype=np.int64)[order]

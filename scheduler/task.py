@@ -4,8 +4,10 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field, fields
 from functools import partial
-from itertools import repeat
-from typing import NamedTuple
+from itertools import accumulate, chain, islice, repeat
+from typing import Iterator, NamedTuple
+
+import numpy as np
 
 
 Region = tuple[int, int, int, int, int]
@@ -37,6 +39,75 @@ class Task(NamedTuple):
     guard: int = -1   # heap offset of the int64 whose -1 makes the task skip its tile (``Graph.guarded``); -1: none
 
 
+class Records:
+    """A column of tuples of fixed-width records (``width`` ints each; width 1: tuples of ints), one tuple
+    per task, kept flat in two typed arrays: every record's ints, and where each task's records end.
+
+    Not a list of tuples, for a million-task graph: the tuples would be millions of objects to allocate
+    and keep, and each full pass of CPython's cyclic garbage collector would visit every one of them
+    through the list. ``column[tid]`` makes the task's tuple on demand; the scheduler's passes read the
+    flat arrays (``ints``, ``ends``) whole.
+    """
+
+    __slots__ = ("width", "ints", "ends")
+
+    def __init__(self, width: int = 1) -> None:
+        self.width = width
+        self.ints = array("q")   # the records' ints, task after task
+        self.ends = array("q")   # per task: the number of records up to and including it
+
+    def append(self, item: tuple) -> None:
+        self.ints.extend(item if self.width == 1 else chain.from_iterable(item))
+        self.ends.append((self.ends[-1] if self.ends else 0) + len(item))
+
+    def extend(self, items: list[tuple]) -> None:
+        self.ends.extend(islice(accumulate(map(len, items), initial=self.ends[-1] if self.ends else 0), 1, None))
+        flat = chain.from_iterable(items)
+        self.ints.extend(flat if self.width == 1 else chain.from_iterable(flat))
+
+    def __getitem__(self, tid: int) -> tuple:
+        n = len(self.ends)
+        if tid < 0:
+            tid += n
+        if not 0 <= tid < n:
+            raise IndexError(f"task {tid} of {n}")
+        w = self.width
+        values = self.ints[(self.ends[tid - 1] if tid else 0) * w:self.ends[tid] * w]
+        return tuple(values) if w == 1 else tuple(zip(*[iter(values)] * w))
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __iter__(self) -> Iterator[tuple]:
+        return map(self.__getitem__, range(len(self.ends)))
+
+    def counts(self) -> np.ndarray:
+        """Each task's number of records."""
+        ends = np.frombuffer(self.ends, np.int64)
+        return np.diff(ends, prepend=0) if len(ends) else np.zeros(0, np.int64)
+
+    def table(self) -> np.ndarray:
+        """Every record, task after task, as a ``[records, width]`` array (a copy)."""
+        return np.frombuffer(self.ints, np.int64).reshape(-1, self.width).copy() if self.ints else \
+            np.zeros((0, self.width), np.int64)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tasks' tuples."""
+        del self.ints[(self.ends[n - 1] if n else 0) * self.width:]
+        del self.ends[n:]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Records) and (self.width, self.ints, self.ends) == (other.width, other.ints, other.ends)
+
+    def __copy__(self) -> "Records":
+        twin = Records(self.width)
+        twin.ints, twin.ends = array("q", self.ints), array("q", self.ends)
+        return twin
+
+    def __repr__(self) -> str:
+        return f"Records({list(self)})"
+
+
 @dataclass
 class Tasks:
     """Tile tasks in program order, stored by column: one sequence per ``Task`` field, indexed by task id.
@@ -44,15 +115,14 @@ class Tasks:
     Columns rather than a ``Task`` object per task, because of CPython's cyclic garbage collector: while
     a graph is built, each full collection visits everything that a tracked container holds, and a
     ``Task`` per task would be millions of tracked objects. Here the numeric columns are typed arrays,
-    which hold raw numbers that the collector never visits, and the other columns are lists of tuples
-    of ints, which the collector stops tracking once it has seen them. The scheduler's passes each read
-    one or two columns, in task id order.
+    and the argument words and regions ``Records``: raw numbers that the collector never visits. The
+    scheduler's passes each read one or two columns, in task id order.
     """
 
     opcode: array[int] = field(default_factory=partial(array, "q"))
-    args: list[tuple[int, ...]] = field(default_factory=list)
-    reads: list[tuple[Region, ...]] = field(default_factory=list)
-    writes: list[tuple[Region, ...]] = field(default_factory=list)
+    args: Records = field(default_factory=Records)
+    reads: Records = field(default_factory=partial(Records, 5))
+    writes: Records = field(default_factory=partial(Records, 5))
     cost: array[float] = field(default_factory=partial(array, "d"))
     op: array[int] = field(default_factory=partial(array, "q"))
     remote: list[tuple[tuple[int, Region], ...]] = field(default_factory=list)
@@ -86,7 +156,11 @@ class Tasks:
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` tasks (drops the tiles of an op that failed)."""
         for column in fields(self):
-            del getattr(self, column.name)[n:]
+            values = getattr(self, column.name)
+            if isinstance(values, Records):
+                values.truncate(n)
+            else:
+                del values[n:]
 
     def __len__(self) -> int:
         return len(self.opcode)
