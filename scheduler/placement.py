@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -108,6 +108,7 @@ def _critical_path(tasks: Tasks, producers: list[tuple[int, ...]], workers: int)
 
 
 def _ints(values: np.ndarray) -> array[int]:
+    """A numpy int column as a typed array, for a Python loop that reads it an element at a time."""
     return array("q", values.astype(np.int64).tobytes())
 
 

@@ -14,8 +14,8 @@ Region = tuple[int, int, int, int, int]
 """``(buffer, row0, row1, col0, col1)``: the rectangle ``[row0, row1) x [col0, col1)`` of one heap buffer,
 in the buffer's element coordinates.
 
-A plain tuple of ints, not a class: a big graph has millions of regions, and exact tuples of ints
-are what CPython's cyclic garbage collector stops tracking, so that building a graph stays linear.
+A plain tuple of ints, not a class, where builders make it: a big graph has millions of regions.
+``Tasks`` keeps them flat (``Records``).
 """
 
 
@@ -59,11 +59,17 @@ class Records:
     def append(self, item: tuple) -> None:
         self.ints.extend(item if self.width == 1 else chain.from_iterable(item))
         self.ends.append((self.ends[-1] if self.ends else 0) + len(item))
+        self._check()
 
     def extend(self, items: list[tuple]) -> None:
         self.ends.extend(islice(accumulate(map(len, items), initial=self.ends[-1] if self.ends else 0), 1, None))
         flat = chain.from_iterable(items)
         self.ints.extend(flat if self.width == 1 else chain.from_iterable(flat))
+        self._check()
+
+    def _check(self) -> None:
+        if len(self.ints) != (self.ends[-1] if self.ends else 0) * self.width:
+            raise ValueError(f"a record of other than {self.width} ints: the column would be misaligned")
 
     def __getitem__(self, tid: int) -> tuple:
         n = len(self.ends)

@@ -11,7 +11,8 @@ A task type is an opcode's meaning, declared once by its tile's signature::
 (the table of every rank's heap base, for a remote store: the tile is a communication tile) and
 ``status`` (the worker's status record, for ``device.checked_index``: a tile that reads an index
 from the heap bounds it). The plain parameters after them are the argument words of the task's table row, in order: code generation loads them, builders pass them
-by name (``g.add_task(opcode, out=..., x=..., ...)``), the disassembler prints them by name. The
+by name (``g.add_task(opcode, out=..., x=..., ...)``, or ``g.add_tasks`` for a run of tiles with a list per
+word that changes along it), the disassembler prints them by name. The
 ``tl.constexpr`` parameters are the compile-time constants of an opcode; names ending in ``DTYPE``
 hold a dtype name ("float32", "bfloat16", "float16", "int64"). Argument words arrive as int64 (heap
 offsets need it); a tile divides by a count only as int32 (``n.to(tl.int32)``): a 64-bit division is

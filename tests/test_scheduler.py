@@ -221,3 +221,17 @@ def test_a_row_of_tasks_at_once_is_the_same_as_one_at_a_time():
     with pytest.raises(mk.GraphError, match="2 tasks' writes, but reads, bytes, flops or an argument word"):
         h.add_tasks(opcode, out=[0, 1, 2], rows=1, reads=[(), ()], writes=[(), ()], bytes=[0, 0], flops=[0, 0], **words)
     assert len(h.tasks) == 4
+
+
+def test_a_region_of_the_wrong_width_is_refused_and_truncating_restores_the_columns():
+    g = mk.Graph()
+    x = g.input("x", (4, 64), torch.float32)
+    g.add(x, x)
+    before = (list(g.tasks.reads), list(g.tasks.writes), len(g.tasks))
+    from megakernel.tasks.elementwise import BINARY
+    opcode = g.opcode(BINARY, OP="add", DTYPE=torch.float32, BLOCK_M=1, BLOCK_N=64)
+    with pytest.raises(ValueError, match="other than 5 ints"):
+        g.add_task(opcode, out=0, a=0, b=0, rows=1, cols=64, out_stride=64, a_stride=64, b_stride=64,
+                   reads=((0, 0, 1, 0),), writes=(), bytes=0, flops=0)
+    g.tasks.truncate(before[2])
+    assert (list(g.tasks.reads), list(g.tasks.writes), len(g.tasks)) == before
