@@ -98,7 +98,6 @@ class _Cells:
     """The entries of the written buffers' cells: each write, and each read group by its first member,
     once per cell it touches; sorted by cell, then program order."""
 
-    n: int                 # tasks
     task: np.ndarray       # the entry's task (a read group's first member)
     group: np.ndarray      # a read group's index, -1 for a write
     rect: tuple[np.ndarray, ...]  # row0, row1, col0, col1
@@ -107,7 +106,7 @@ class _Cells:
     cell_end: np.ndarray
     members: np.ndarray    # read groups' member tasks, group after group, each in program order
     member_start: np.ndarray  # where each group's members begin in ``members`` (one more: the end)
-    ids: np.ndarray        # the task ids, as Python ints
+    ids: np.ndarray        # the task ids, as Python ints (one per task)
 
     @classmethod
     def of(cls, tasks: Tasks, shapes: dict[int, tuple[int, int]]) -> "_Cells":
@@ -156,7 +155,7 @@ class _Cells:
                   & (rect[2] <= cc * CELL_COLS) & (np.minimum((cc + 1) * CELL_COLS, cols[b[e]]) <= rect[3]))
         cell_start = np.searchsorted(key, key, side="left")
         cell_end = np.searchsorted(key, key, side="right")
-        return cls(n, tid[e], group[e], rect, covers, cell_start, cell_end, members, member_start,
+        return cls(tid[e], group[e], rect, covers, cell_start, cell_end, members, member_start,
                    np.arange(n).astype(object))
 
     def within_step(self) -> Producers:
@@ -175,7 +174,7 @@ class _Cells:
         entry = entry[looks]
         cell_start, cell_end = self.cell_start[entry], self.cell_end[entry]
         last_window = np.maximum(last[cell_end - 1], cell_start)
-        cell_task = self.cell_start * self.n + self.task  # ascending: cells in order, tasks in order within one
+        cell_task = self.cell_start * len(self.ids) + self.task  # ascending: cells in order, tasks in order within one
         # The cell's first entry of a later task. No read group before it has members after the task: a write
         # of the task ends the group, and an entry that reads only looks at writes.
         later = np.searchsorted(cell_task, cell_task[entry], side="right")

@@ -95,7 +95,7 @@ def encode_events(placement: Placement, producers: list[tuple[int, ...]], worker
     wait_event, fan_in = [NO_EVENT] * n, [0] * n
     for tid in placement.order:
         w = placement.worker[tid]
-        needed = _latest(producers[tid], known[w], placement.worker, position) if producers[tid] else []
+        needed = _latest(producers[tid], known[w], placement.worker, position)
         known[w][w] = position[tid]
         far = remote[tid] if remote else ()
         if needed or far:
@@ -114,7 +114,7 @@ def encode_events(placement: Placement, producers: list[tuple[int, ...]], worker
         seen = known[w]
         for p in producers[tid]:
             seen[placement.worker[p]] = whole_step
-        needed = _latest(carried[tid], seen, placement.worker, position) if carried[tid] else []
+        needed = _latest(carried[tid], seen, placement.worker, position)
         far = remote_carried[tid] if remote_carried else ()
         if needed or far:
             carry_event[tid] = event((True, *needed, *far), needed, far)
@@ -124,6 +124,8 @@ def encode_events(placement: Placement, producers: list[tuple[int, ...]], worker
 
 def _latest(producers: tuple[int, ...], seen: list[int], worker: list[int], position: list[int]) -> list[int]:
     """Per other worker, the last of ``producers`` not yet ``seen`` finished, sorted; marks them seen."""
+    if not producers:
+        return []
     if len(producers) == 1:  # most tasks: no dictionary, no sort
         p = producers[0]
         if position[p] <= seen[worker[p]]:

@@ -89,13 +89,11 @@ class Records:
 
     def counts(self) -> np.ndarray:
         """Each task's number of records."""
-        ends = np.frombuffer(self.ends, np.int64)
-        return np.diff(ends, prepend=0) if len(ends) else np.zeros(0, np.int64)
+        return np.diff(np.frombuffer(self.ends, np.int64), prepend=0)
 
     def table(self) -> np.ndarray:
         """Every record, task after task, as a ``[records, width]`` array (a copy)."""
-        return np.frombuffer(self.ints, np.int64).reshape(-1, self.width).copy() if self.ints else \
-            np.zeros((0, self.width), np.int64)
+        return np.frombuffer(self.ints, np.int64).reshape(-1, self.width).copy()
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tasks' tuples."""

@@ -338,10 +338,10 @@ class Paging:
     def written(self, cache, b: int):
         """The region a ``kv_append`` of batch row b declares it writes: its block; in a pool, the pool row
         numbered like the block table's first row plus b (modulo the pool), a stand-in for the row it
-        writes, which is known only on the device. Sequences have pages of their own and a sequence's rows write distinct
-        positions, so appends of different rows need no order between them (the spill page takes only
-        writes no one reads); every reader declares the whole pool, so it comes after every append of
-        its step and before those of the next."""
+        writes, which is known only on the device. Sequences have pages of their own and a sequence's rows
+        write distinct positions, so appends of different rows need no order between them (the spill page
+        takes only writes no one reads); every reader declares the whole pool, so it comes after every
+        append of its step and before those of the next."""
         if not self.page:
             return self.readable(cache, b, 0, cache.cols)
         return cache.region((self.table.row0 + b) % cache.rows, 1, 0, cache.cols)

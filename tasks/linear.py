@@ -363,21 +363,18 @@ def linear(g, x, w, split_k: int | None = None, out=None):
     starts = range(0, n_total, tile_rows)
     widths = [min(tile_rows, n_total - c0) for c0 in starts]
     w_step = tile_rows * w_stride * w_size  # bytes from one tile's w rows to the next tile's
-    w_buffer, y_buffer = w.buffer.index, target.buffer.index
     for s, (k0, k) in enumerate(k_ranges):
-        wr, wc = w.row0, w.col0 + k0  # w.region(c0, n, k0, k), without a call per tile
-        w_tiles = [(w_buffer, wr + c0, wr + c0 + n, wc, wc + k) for c0, n in zip(starts, widths)]
+        w_tiles = [w.region(c0, n, k0, k) for c0, n in zip(starts, widths)]
         for r0 in range(0, m_total, block_m):
             m = min(block_m, m_total - r0)
             row = s * m_total + r0
             x_tile = x.region(r0, m, k0, k)
             y_addr = target.addr(row, 0)
-            yr, yc = target.row0 + row, target.col0  # target.region(row, m, c0, n)
             g.add_tasks(opcode, y=range(y_addr, y_addr + n_total * y_size, tile_rows * y_size), x=x.addr(r0, k0),
                         w=range(w.addr(0, k0), w.addr(0, k0) + len(starts) * w_step, w_step), m=m,
                         n=widths, k=k, y_stride=y_stride, x_stride=x_stride, w_stride=w_stride,
                         reads=[(x_tile, w_tile) for w_tile in w_tiles],
-                        writes=[((y_buffer, yr, yr + m, yc + c0, yc + c0 + n),) for c0, n in zip(starts, widths)],
+                        writes=[(target.region(row, m, c0, n),) for c0, n in zip(starts, widths)],
                         bytes=[m * k * x_size + n * k * w_size + m * n * y_size for n in widths],
                         flops=[2 * m * n * k for n in widths])
     if target is y:
