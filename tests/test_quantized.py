@@ -361,7 +361,7 @@ def _load(path):
                                 r"several formats must have every part quantized"),
     ("unknown block type", r"tensor blk\.0\.ffn_gate\.weight is Q5_1; supported: Q8_0"),
     ("missing tensor", r"no tensor blk\.1\.ffn_down\.weight"),
-    ("truncated", "not a readable GGUF file"),
+    ("truncated", r"tensor blk\.1\.ffn_down\.weight \(Q4_K, \(256, 512\)\) lies past the end of the file .*: a truncated"),
 ])
 def test_bad_gguf_files_are_errors_naming_the_tensor(tmp_path, torch_backend, case, match):
     path = tmp_path / "model.gguf"
@@ -382,6 +382,9 @@ def test_bad_gguf_files_are_errors_naming_the_tensor(tmp_path, torch_backend, ca
     ("scales of the wrong shape", r"FP8 tensor model\.layers\.0\.mlp\.down_proj\.weight \(160 x 256\) needs scales "
                                   r"model\.layers\.0\.mlp\.down_proj\.weight_scale_inv of shape \(2, 2\), got \(2, 1\)"),
     ("missing scales", r"needs scales model\.layers\.0\.mlp\.down_proj\.weight_scale_inv .* got none"),
+    ("NaN scales", r"FP8 scales model\.layers\.0\.mlp\.down_proj\.weight_scale_inv hold nan at \(1, 0\): a corrupt"),
+    ("infinite scales", r"FP8 scales model\.layers\.0\.mlp\.down_proj\.weight_scale_inv hold -inf at \(1, 0\)"),
+    ("integer scales", r"FP8 scales model\.layers\.0\.mlp\.down_proj\.weight_scale_inv are torch\.int64; supported"),
     ("another method", r"quant_method 'awq' is not supported; supported: fp8, fbgemm_fp8"),
     ("another block size", r"weight_block_size \[64, 64\] is not supported"),
 ])
@@ -391,10 +394,14 @@ def test_bad_fp8_checkpoints_are_errors_naming_the_tensor(tmp_path, torch_backen
     from safetensors.torch import load_file, save_file
     fp8_llama(tmp_path, "fp8")
     key = "model.layers.0.mlp.down_proj.weight_scale_inv"
-    if case in ("scales of the wrong shape", "missing scales"):
+    if "scales" in case:
         tensors = load_file(str(tmp_path / "model.safetensors"))
         if case == "missing scales":
             del tensors[key]
+        elif case == "integer scales":
+            tensors[key] = tensors[key].to(torch.int64)
+        elif case in ("NaN scales", "infinite scales"):
+            tensors[key][1, 0] = float("nan") if case == "NaN scales" else -float("inf")
         else:
             tensors[key] = tensors[key][:, :1].contiguous()
         save_file(tensors, str(tmp_path / "model.safetensors"))
@@ -404,6 +411,24 @@ def test_bad_fp8_checkpoints_are_errors_naming_the_tensor(tmp_path, torch_backen
                                          {"quant_method": "fp8", "weight_block_size": [64, 64]})
         (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(mk.GraphError, match=match):
+        _load(tmp_path)
+
+
+def test_fp8_experts_stacked_in_one_tensor_are_refused_by_name(tmp_path, torch_backend):
+    """A Qwen3-MoE saved with its experts as transformers holds them in memory (one [experts, rows, cols]
+    tensor), that tensor in FP8: refused by name (FP8 scales are per matrix), not a raw unpacking error."""
+    import json
+
+    from safetensors.torch import save_file
+    from test_moe import moe_model
+    model = moe_model("qwen3_moe", 2)
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors[key] = tensors[key].to(torch.float8_e4m3fn)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({**model.config.to_dict(), "architectures": ["Qwen3MoeForCausalLM"],
+                                                      "quantization_config": {"quant_method": "fbgemm_fp8"}}))
+    with pytest.raises(mk.GraphError, match=rf"FP8 tensor {key} has shape \(8, 88, 64\); FP8 weights are matrices"):
         _load(tmp_path)
 
 

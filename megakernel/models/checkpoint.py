@@ -20,7 +20,7 @@ from ..errors import GraphError
 from ..tasks.quantized import FP8_BLOCK, FP8_CHANNEL, FP8_SCALE_BLOCK, Format
 from .engine import DecodeModel
 from .gguf import from_gguf
-from .hf import SUPPORTED, auto_classes, config_of, decode_model
+from .hf import CONFIG_ERRORS, CONFIG_SIZES, SUPPORTED, auto_classes, config_of_file, decode_model
 from .packed import Packed
 from .schema import stored_formats
 
@@ -30,13 +30,6 @@ SMALLEST_WEIGHT_BYTES = 2  # bf16/f16: the fewest bytes a weight of a checkpoint
 # FP8 checkpoints by quantization_config.quant_method: the suffix of a weight's scales (``*.weight`` ->
 # ``*.{suffix}``) and its format. transformers' "fp8": 128 x 128 block scales; "fbgemm_fp8": one per output row.
 FP8_SCHEMES = {"fp8": ("weight_scale_inv", FP8_BLOCK), "fbgemm_fp8": ("weight_scale", FP8_CHANNEL)}
-# Caps on a config's sizes, well past any released model, far below what would exhaust memory while the
-# model's modules are made (num_hidden_layers=1e6 grew a meta model by gigabytes): field -> (required, cap)
-CONFIG_SIZES = {"num_hidden_layers": (True, 1 << 10), "hidden_size": (True, 1 << 17), "vocab_size": (True, 1 << 23),
-                "num_attention_heads": (True, 1 << 10), "intermediate_size": (False, 1 << 20),
-                "num_key_value_heads": (False, 1 << 10), "head_dim": (False, 1 << 12),
-                "moe_intermediate_size": (False, 1 << 20), "num_experts": (False, 1 << 12),
-                "num_local_experts": (False, 1 << 12)}
 
 
 def read_config(path: Path) -> dict:
@@ -45,7 +38,7 @@ def read_config(path: Path) -> dict:
     file = path / "config.json"
     try:
         config = json.loads(_regular(file, "the config").read_text())
-    except (ValueError, UnicodeDecodeError) as error:
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:  # RecursionError: nested past Python's stack
         raise GraphError(f"{file}: not JSON: {error}") from None
     if not isinstance(config, dict):
         raise GraphError(f"{file}: not a JSON object")
@@ -110,6 +103,9 @@ class FP8Weights:
         if tensor is None or tensor.dtype != torch.float8_e4m3fn:
             return tensor
         scale_key = key.removesuffix("weight") + self.suffix
+        if len(tensor.shape) != 2:  # experts stacked as transformers holds them, not as it saves them
+            raise GraphError(f"{self.checkpoint.path}: FP8 tensor {key} has shape {tuple(tensor.shape)}; FP8 weights "
+                             f"are matrices (an expert's each), with their scales")
         scales = self.checkpoint.get(scale_key)
         rows, cols = tensor.shape
         block = self.format_kept is FP8_BLOCK
@@ -117,7 +113,14 @@ class FP8Weights:
         if scales is None or tuple(scales.shape) not in expected:
             raise GraphError(f"{self.checkpoint.path}: FP8 tensor {key} ({rows} x {cols}) needs scales {scale_key} of "
                              f"shape {expected[0]}, got {tuple(scales.shape) if scales is not None else 'none'}")
+        if not scales.dtype.is_floating_point or scales.dtype.itemsize == 1:
+            raise GraphError(f"{self.checkpoint.path}: FP8 scales {scale_key} are {scales.dtype}; supported: float32, "
+                             f"bfloat16, float16")
         scales = scales.load().float()
+        finite = scales.isfinite()
+        if not finite.all():  # every weight they scale would be NaN or infinite
+            raise GraphError(f"{self.checkpoint.path}: FP8 scales {scale_key} hold {scales[~finite][0].item()} at "
+                             f"{tuple(int(i) for i in (~finite).nonzero()[0])}: a corrupt checkpoint")
         scales = scales.repeat_interleave(FP8_SCALE_BLOCK, 0)[:rows] if block else scales.reshape(rows)
         return Packed(key, tensor, self.format_kept, cols, scales)
 
@@ -145,7 +148,7 @@ def shard_files(path: Path) -> dict[str, Path]:
     if index.exists():
         try:
             weight_map = json.loads(_regular(index, "the index").read_text()).get("weight_map")
-        except (ValueError, UnicodeDecodeError, AttributeError) as error:
+        except (ValueError, UnicodeDecodeError, AttributeError, RecursionError) as error:
             raise GraphError(f"{index}: not a JSON object: {error}") from None
         if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                        for k, v in weight_map.items()):
@@ -273,14 +276,14 @@ def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: in
         raise GraphError(f"{path}: dequantize applies to GGUF files; a checkpoint directory's weights load as stored")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, KeyError, TypeError, OSError) as error:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except CONFIG_ERRORS as error:
         raise GraphError(f"{path / 'config.json'}: transformers cannot read it: {type(error).__name__}: {error}") from None
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
     checkpoint = Checkpoint(path, {key: tuple(t.shape) for key, t in skeleton.state_dict().items()})
     skeleton.to(checkpoint["model.embed_tokens.weight"].dtype)  # the dtype the weights are stored in
-    decoder = config_of(skeleton, max_seq_len, max_batch, page_size, kv_pages, prefill_chunk, max_logprobs,
-                        draft_tokens)
+    decoder = config_of_file(path / "config.json", skeleton, max_seq_len, max_batch, page_size, kv_pages,
+                             prefill_chunk, max_logprobs, draft_tokens)
     tied = bool(config.tie_word_embeddings)
     tensors = checkpoint
     if fp8 is not None:

@@ -17,14 +17,16 @@ sequence length: before each step the module is asked for the frequencies at tha
 from __future__ import annotations
 
 import copy
+import math
 import threading
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from ..bootstrap import current_world
-from ..errors import GraphError, is_count, is_int
+from ..errors import GraphError, is_count, is_int, is_number
 from ..tasks.chunk_attention import BLOCK_ROWS
 from .decoder import DecoderConfig, Shard
 from .engine import DecodeModel
@@ -38,6 +40,19 @@ LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")  # frequencies that follow the s
 MAX_BATCH, MAX_PREFILL_CHUNK = 4096, 65536  # rows of a decode step: each has tiles in every layer
 MAX_DRAFT_TOKENS = BLOCK_ROWS - 1  # a sequence's verification rows are one block of chunk attention
 MAX_LOGPROBS = 20  # the most likely tokens a step can report per row (OpenAI's top_logprobs allows 20)
+# Caps on a config's sizes, well past any released model, far below what would exhaust memory while the
+# model's modules are made (num_hidden_layers=1e6 grew a meta model by gigabytes; head_dim=2**31 asks 8.6 GB
+# of RoPE frequencies): field -> (required, cap). A checkpoint's config.json and a GGUF file's metadata are
+# checked against them before transformers reads them.
+CONFIG_SIZES = {"num_hidden_layers": (True, 1 << 10), "hidden_size": (True, 1 << 17), "vocab_size": (True, 1 << 23),
+                "num_attention_heads": (True, 1 << 10), "intermediate_size": (False, 1 << 20),
+                "num_key_value_heads": (False, 1 << 10), "head_dim": (False, 1 << 12),
+                "moe_intermediate_size": (False, 1 << 20), "num_experts": (False, 1 << 12),
+                "num_local_experts": (False, 1 << 12)}
+# What transformers raises making a config, or a model of it, that it refuses: its strict dataclasses'
+# validation errors (hidden_size not a multiple of the heads, a field of the wrong type), and the plain errors
+# of a value of the wrong type or an unknown name (an unknown rope type is a KeyError)
+CONFIG_ERRORS = (ValueError, KeyError, TypeError, IndexError, OSError, StrictDataclassError)
 
 # Config fields that change the math but that the decode step builds one way only: field -> (its value when
 # the config lacks it, the values that mean what is built), per class. Any other value is refused by name
@@ -107,10 +122,24 @@ def config_of(model, max_seq_len: int, max_batch: int, page_size: int = 16, kv_p
                                     draft_tokens, cfg.vocab_size))
 
 
+def config_of_file(where, model, *args) -> DecoderConfig:
+    """``config_of`` for a loader of file or folder ``where``: a refusal names it."""
+    try:
+        return config_of(model, *args)
+    except GraphError as error:
+        raise GraphError(f"{where}: {error}") from None
+
+
 def _check_rope(model, name: str, head_dim: int, max_seq_len: int) -> None:
-    """Refuse what the rotary embedding of the decode step does not build: a rope type it does not know,
+    """Refuse what the rotary embedding of the decode step does not build: a base that is not a finite
+    positive number, a rope type it does not know,
     a partial rotary (the whole head is rotated), and a Phi-3 longrope sequence past the original context."""
     rotary, cfg = model.model.rotary_emb, model.config
+    # the base, not the frequencies: a loader's model is made on the meta device
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", None))
+    if not (is_number(theta) and math.isfinite(theta) and theta > 0):
+        raise GraphError(f"{name}: rope_theta={theta!r} is not supported; supported: a finite positive number "
+                         f"(the RoPE frequencies are not finite otherwise)")
     if rotary.rope_type not in ROPE_TYPES:
         raise GraphError(f"rope type {rotary.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     # the module's frequencies, not the config, say whether it is partial: most classes' default rope

@@ -24,16 +24,13 @@ def materialized(part: Any) -> torch.Tensor:
 @dataclass(frozen=True)
 class Packed:
     """Weight ``name`` [rows, cols] in ``format``: ``data`` its packed rows [rows, format.row_bytes(cols)]
-    (uint8), ``scales`` its FP8 scales ([rows] or [rows, ceil(cols / 128)], float32). ``head_rows``: the
-    rows are in llama.cpp's rotary order within heads of that many rows, put back in transformers' order
-    when read."""
+    (uint8), ``scales`` its FP8 scales ([rows] or [rows, ceil(cols / 128)], float32)."""
 
     name: str
     data: Any
     format: Format
     cols: int
     scales: Any = None
-    head_rows: int = 0
 
     @property
     def shape(self) -> torch.Size:
@@ -41,8 +38,6 @@ class Packed:
 
     def narrow(self, dim: int, start: int, length: int) -> "Packed":
         if dim == 0:
-            if self.head_rows and (start % self.head_rows or length % self.head_rows):
-                raise GraphError(f"{self.name}: rows {start}..{start + length} cut a head of {self.head_rows} rows")
             scales = self.scales.narrow(0, start, length) if self.scales is not None else None
             return replace(self, data=self.data.narrow(0, start, length), scales=scales)
         f = self.format
@@ -66,17 +61,11 @@ class Packed:
                       torch.zeros(scales_shape) if scales_shape else None)
 
     def contiguous(self) -> "Packed":
-        """This weight read: its payload as tensors, its rows in transformers' order."""
+        """This weight read: its payload as tensors."""
         data = materialized(self.data)
         data = data.view(torch.uint8).contiguous()  # FP8 checkpoints' float8 elements as their bytes
         scales = materialized(self.scales).float().contiguous() if self.scales is not None else None
-        if self.head_rows:
-            half = self.head_rows // 2
-            within = torch.arange(self.head_rows).reshape(half, 2).T.reshape(-1)  # llama.cpp's row 2a + b -> b * half + a
-            order = (torch.arange(0, data.shape[0], self.head_rows)[:, None] + within).reshape(-1)
-            data = data[order]
-            scales = scales[order] if scales is not None else None
-        return replace(self, data=data, scales=scales, head_rows=0)
+        return replace(self, data=data, scales=scales)
 
     def detach(self) -> "Packed":
         return self
