@@ -32,10 +32,11 @@ from .scheduler import tables
 
 # The status record and trace stamps (``layout``), as constexprs for the kernel.
 STATUS_WORDS, TRACE_WORDS = tl.constexpr(layout.STATUS_WORDS), tl.constexpr(layout.TRACE_WORDS)
-STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE, EPOCH, CLOCK_SLOT, FAULT, FAULT_AT, FAULT_VALUE, FAULT_BOUND = (
-    tl.constexpr(i) for i in (layout.STATE, layout.TASK, layout.EVENT, layout.OBSERVED, layout.EXPECTED, layout.DONE,
-                              layout.EPOCH, layout.CLOCK_SLOT, layout.FAULT, layout.FAULT_AT, layout.FAULT_VALUE,
-                              layout.FAULT_BOUND))
+(STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE, EPOCH, CLOCK_SLOT, FAULT, FAULT_AT, FAULT_KIND, FAULT_VALUE,
+ FAULT_BOUND) = (tl.constexpr(i) for i in (layout.STATE, layout.TASK, layout.EVENT, layout.OBSERVED, layout.EXPECTED,
+                                          layout.DONE, layout.EPOCH, layout.CLOCK_SLOT, layout.FAULT, layout.FAULT_AT,
+                                          layout.FAULT_KIND, layout.FAULT_VALUE, layout.FAULT_BOUND))
+INDEX, NOT_FINITE = tl.constexpr(layout.INDEX), tl.constexpr(layout.NOT_FINITE)  # kinds of fault
 TIMED_OUT, STOPPED, FAULTED = tl.constexpr(layout.TIMED_OUT), tl.constexpr(layout.STOPPED), tl.constexpr(layout.FAULTED)
 
 
@@ -132,6 +133,18 @@ def wait_spinning(counter, target, abort, timeout_ns, clock_slot, CLOCK: tl.cons
     return observed >= target
 
 
+if hasattr(tl, "atomic_load"):  # triton >= 3.9
+    @triton.jit
+    def aborted(abort):
+        """Whether a worker (or the host) stopped the run: the abort word, read at system scope."""
+        return tl.atomic_load(abort, sem="relaxed", scope="sys") != 0  # a load: no read-modify-write on AMD
+else:
+    @triton.jit
+    def aborted(abort):
+        """Whether a worker (or the host) stopped the run: the abort word, read at system scope."""
+        return tl.atomic_add(abort, 0, sem="relaxed", scope="sys") != 0
+
+
 POLL_SLICE_NS = tl.constexpr(20_000)  # one poll's budget: the abort word and the timeout are read between
 
 
@@ -182,19 +195,26 @@ def report_stall(status, abort, task, event, observed, target):
 
 
 @triton.jit
+def record_fault(status, kind, value, bound):
+    """Note in the worker's status record that the running task met data it cannot use (``layout``:
+    INDEX or NOT_FINITE, with a value and a bound): the first fault of a step is kept, with the task
+    (its queue position: the tasks the worker finished before it) and the step's epoch (FAULT; a later
+    step's fault overwrites an earlier one's); the host raises after the run."""
+    epoch = tl.load(status + EPOCH)
+    if tl.load(status + FAULT) < epoch:
+        tl.store(status + FAULT_KIND, kind)
+        tl.store(status + FAULT_VALUE, value)
+        tl.store(status + FAULT_BOUND, bound)
+        tl.store(status + FAULT_AT, tl.load(status + DONE))
+        tl.store(status + FAULT, epoch)
+
+
+@triton.jit
 def checked_index(status, index, bound):
     """``index`` clamped into [0, bound): a data-dependent index (a token id, a position) never leaves
-    its buffer. The first one out of range in a step takes note in the worker's status record: the
-    value, the bound, the task (its queue position: the tasks the worker finished before it) and the
-    step's epoch (FAULT; a later step's fault overwrites an earlier one's); the host raises after the
-    run."""
+    its buffer; one out of range is recorded (``record_fault``, INDEX)."""
     if (index < 0) | (index >= bound):
-        epoch = tl.load(status + EPOCH)
-        if tl.load(status + FAULT) < epoch:
-            tl.store(status + FAULT_VALUE, index)
-            tl.store(status + FAULT_BOUND, bound)
-            tl.store(status + FAULT_AT, tl.load(status + DONE))
-            tl.store(status + FAULT, epoch)
+        record_fault(status, INDEX, index, bound)
     return tl.minimum(tl.maximum(index, 0), bound - 1)
 
 
@@ -319,7 +339,9 @@ def persistent_loop(bases_addr, rank, worker, steps, timeout_ns, tasks_off, sign
 
     ``RUN_TILE(opcode, base, bases, status, args)`` dispatches to the tile functions (generated per graph). A wait
     that times out writes this worker's status record and stops every worker of the rank; a launch
-    that finds the rank stopped (a stall whose records the host has not read: replays) runs nothing.
+    that finds the rank stopped (a stall whose records the host has not read: replays) runs nothing, and
+    every step starts by reading the abort word: a host that stops a launch of tasks that never wait (or
+    of 2^32 steps) is heard within a step.
     A task whose tile met an index out of range raises the rank's FAULTED word before its signals,
     so the host of any rank its results reach finds it. With
     ``TRACE``, each task records when it started waiting, started running and finished (its stores
@@ -344,7 +366,9 @@ def persistent_loop(bases_addr, rank, worker, steps, timeout_ns, tasks_off, sign
     first = tl.load(heap_ptr(base, index_off, tl.int64) + worker).to(tl.int32)  # int32: live across every tile
     last = tl.load(heap_ptr(base, index_off, tl.int64) + worker + 1).to(tl.int32)
     running = (tl.load(abort) == 0).to(tl.int32)  # a stall the host has not read yet: keep its records
-    for step in tl.range(0, steps, disable_licm=True):
+    step = tl.full((), 0, tl.int64)
+    while (step < steps) & (running == 1):  # a stopped run leaves at once, however many steps remain
+        running = 1 - aborted(abort).to(tl.int32)  # a host that stops the run is heard, even where no task waits
         if running == 1:
             now = epoch + step
             tl.store(status + DONE, 0)
@@ -369,7 +393,7 @@ def persistent_loop(bases_addr, rank, worker, steps, timeout_ns, tasks_off, sign
                         if skipped(base, guard) == 0:
                             RUN_TILE(opcode, base, bases, status, row + ROW_ARG0)
                         tl.debug_barrier()
-                        if tl.load(status + FAULT) == now:  # a tile met an index out of range: tell the host
+                        if tl.load(status + FAULT) == now:  # a tile faulted: tell the host
                             tl.atomic_max(abort + FAULTED, now, sem="relaxed", scope="gpu")  # before the signals
                         if TRACE:  # before the signals: a consumer may start as soon as they are sent
                             tl.store(stamp + 2, CLOCK())
@@ -377,3 +401,4 @@ def persistent_loop(bases_addr, rank, worker, steps, timeout_ns, tasks_off, sign
                                    SCOPED_SIGNALS, RELAXED_ADDS)
                         tl.store(status + DONE, i - first + 1)
                 task, event, fan_in, carry, carry_fan_in, opcode, first_signal, signal_count, guard = next_header
+        step += 1

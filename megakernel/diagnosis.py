@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -14,8 +15,8 @@ import numpy as np
 
 from .errors import BackendError
 from .files import reports_dir, write_new
-from .layout import (DONE, EPOCH, EVENT, EXPECTED, FAULT, FAULT_AT, FAULT_BOUND, FAULT_VALUE, OBSERVED, RUNNING, STATE,
-                     STATUS_WORDS, TASK, TIMED_OUT)
+from .layout import (DONE, EPOCH, EVENT, EXPECTED, FAULT, FAULT_AT, FAULT_BOUND, FAULT_KIND, FAULT_VALUE, INDEX,
+                     NOT_FINITE, OBSERVED, RUNNING, STATE, STATUS_WORDS, TASK, TIMED_OUT)
 from .scheduler import CARRY_EVENT, OPCODE, WAIT_EVENT, QueueTables
 from .trace import Trace, rank_trace
 
@@ -36,20 +37,42 @@ def task_label(t: QueueTables, task: int) -> str:
     return f"{t.op_names[op]} op {op}, {t.specs[int(t.rows[task, OPCODE])].task_type}"
 
 
-def index_faults(t: QueueTables, status: np.ndarray, since: int, rank: int | None = None) -> list[str]:
-    """One line per worker whose tile met a data-dependent index out of range (``device.checked_index``)
-    in step ``since`` or later: of this rank (``t``'s), or of peer ``rank`` (whose tasks ``t`` cannot name)."""
-    lines = []
+@dataclass(frozen=True)
+class Fault:
+    """What a worker's tile met in a step (``device.record_fault``): ``kind`` INDEX (``value`` outside
+    [0, ``bound``)) or NOT_FINITE (the logits of batch row ``value``, sampling position ``bound``); the
+    task when this rank's tables can name it, else its queue position."""
+
+    rank: int
+    worker: int
+    step: int
+    kind: int
+    value: int
+    bound: int
+    task: int | None
+    queue_position: int
+    label: str = ""
+
+    def __str__(self) -> str:
+        where = f"rank {self.rank} worker {self.worker} step {self.step}"
+        where += (f" task {self.task} ({self.label})" if self.task is not None
+                  else f" queue position {self.queue_position}")
+        if self.kind == NOT_FINITE:
+            return f"{where}: the logits of batch row {self.value} sampling position {self.bound} are not finite"
+        return f"{where}: index {self.value} is outside [0, {self.bound})"
+
+
+def faults(t: QueueTables, status: np.ndarray, since: int, rank: int | None = None) -> list[Fault]:
+    """The faults of the workers whose tiles met data they cannot use (``device.record_fault``) in step
+    ``since`` or later: of this rank (``t``'s), or of peer ``rank`` (whose tasks ``t`` cannot name)."""
+    found = []
     for w in np.flatnonzero(status[:, FAULT] >= since).tolist():
         record = status[w]
-        where = f"rank {t.rank if rank is None else rank} worker {w} step {int(record[FAULT])}"
-        if rank is None:
-            task = int(t.worker_queue(w)[record[FAULT_AT]])
-            where += f" task {task} ({task_label(t, task)})"
-        else:
-            where += f" queue position {int(record[FAULT_AT])}"
-        lines.append(f"{where}: index {int(record[FAULT_VALUE])} is outside [0, {int(record[FAULT_BOUND])})")
-    return lines
+        task = int(t.worker_queue(w)[record[FAULT_AT]]) if rank is None else None
+        found.append(Fault(t.rank if rank is None else rank, w, int(record[FAULT]), int(record[FAULT_KIND]),
+                           int(record[FAULT_VALUE]), int(record[FAULT_BOUND]), task, int(record[FAULT_AT]),
+                           "" if task is None else task_label(t, task)))
+    return found
 
 
 def deadlock_report(t: QueueTables, status: np.ndarray, peer_status: Mapping[int, np.ndarray]) -> str:

@@ -10,6 +10,19 @@ class GraphError(MegakernelError, ValueError):
     """A bad graph or bad input: the message names the op, the tensor and the shapes."""
 
 
+class FaultError(GraphError):
+    """A launch ran to its end but a tile met data it cannot use (an index out of range, clamped; logits
+    that are not finite): its outputs are not valid; ``faults`` lists each (``diagnosis.Fault``). The
+    kernel stays usable."""
+
+    def __init__(self, message: str, faults: tuple = ()):
+        super().__init__(message, faults)  # both in args, so the error pickles across processes whole
+        self.message, self.faults = message, tuple(faults)
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class DeadlockError(MegakernelError, RuntimeError):
     """The watchdog stopped a run: ``report`` says which task waited on which event, and why."""
 

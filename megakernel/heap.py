@@ -105,6 +105,11 @@ class HeapView:
             raise GraphError(f"index {value} read at {where} is outside [0, {bound})")
         return value
 
+    def not_finite(self, row: int, position: int, where: str) -> None:
+        """A reference tile met logits that are not finite (``tasks.sampling``): the kernel reports them
+        after the run; the reference executor refuses them here. (The torch backend's heaps report.)"""
+        raise GraphError(f"{where} (batch row {row}, sampling position {position}) are not finite")
+
 
 class SharedHeap:
     """A mapping of one shared-memory segment; ``tensor`` is a flat uint8 view of it."""

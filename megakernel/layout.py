@@ -13,15 +13,17 @@ diagnosis read the same numbers.
 
 Status region: a header record of the rank, then one record of STATUS_WORDS per worker. The
 header's ABORT word is set by a worker that stops the rank's run (a stall, or the host stopping
-it); its FAULTED word is the last step in which a tile of the rank met an index out of range. The
+it); its FAULTED word is the last step in which a tile of the rank faulted (below). The
 host reads these two words after a run and the workers' records only when one of them says so.
 A worker writes DONE (tasks finished in this step) and EPOCH (the step it is in: run ``e`` of a
 kernel that ran one step per launch; a launch starts after it, so the host passes no epoch) as it
 goes, and on a stall the rest: STATE, the TASK it waited for, that task's EVENT, the count it
-OBSERVED and the count it EXPECTED. CLOCK_SLOT is the kernel's own scratch word. A tile that met a
-data-dependent index out of range (a token id, a position) sets FAULT to the step's epoch and records
-the VALUE, the BOUND it had to stay below, and FAULT_AT: the worker's DONE count then, i.e. the queue
-position of the task that met it. Nothing here is reset between runs: epochs tell runs apart.
+OBSERVED and the count it EXPECTED. CLOCK_SLOT is the kernel's own scratch word. A tile that met data
+it cannot use sets FAULT to the step's epoch and records FAULT_AT: the worker's DONE count then, i.e.
+the queue position of the task that met it, and what it met: FAULT_KIND INDEX, a data-dependent index
+out of range (a token id, a position), with its VALUE and the BOUND it had to stay below; NOT_FINITE,
+logits that are not finite, with the batch row as VALUE and the position they sample as BOUND.
+Nothing here is reset between runs: epochs tell runs apart.
 """
 from __future__ import annotations
 
@@ -34,9 +36,10 @@ from .scheduler import QueueTables
 
 HEAP_ALIGN = 256  # bytes: every buffer and region starts at a multiple
 
-STATUS_WORDS = 12
+STATUS_WORDS = 13
 (STATE, TASK, EVENT, OBSERVED, EXPECTED, DONE, EPOCH, CLOCK_SLOT,
- FAULT, FAULT_AT, FAULT_VALUE, FAULT_BOUND) = range(STATUS_WORDS)
+ FAULT, FAULT_AT, FAULT_KIND, FAULT_VALUE, FAULT_BOUND) = range(STATUS_WORDS)
+INDEX, NOT_FINITE = range(2)  # values of FAULT_KIND
 RUNNING, TIMED_OUT, STOPPED = range(3)  # values of STATE
 ABORT, FAULTED = 0, 1  # words of the header record
 

@@ -14,12 +14,15 @@ from . import codegen, diagnosis
 from .backend import KINDS, Backend, BackendRequest, resolve
 from .bootstrap import Group, check_agreement
 from .cpu_backend import WorkerPool
-from .errors import BackendError, DeadlockError, GraphError, check_timeout, is_count
+from .errors import BackendError, DeadlockError, FaultError, GraphError, check_timeout, is_count
 from .graph import Graph, Tensor
 from .heap import HeapView, RankHeap
-from .layout import ABORT, FAULTED, STATUS_WORDS, TRACE_WORDS, HeapLayout, device_words
-from .scheduler import ARG0, QueueTables, check_periodic, schedule, serialize
+from .layout import ABORT, FAULTED, INDEX, NOT_FINITE, STATUS_WORDS, TRACE_WORDS, HeapLayout, device_words
+from .scheduler import ARG0, CARRY_FAN_IN, FAN_IN, QueueTables, check_periodic, schedule, serialize
 from .trace import Trace, rank_trace
+
+
+MAX_STEPS = 2**32  # of one launch: ample for any run, and the epochs stay far from int64's end
 
 
 class Megakernel:
@@ -133,6 +136,8 @@ class Megakernel:
                 raise GraphError(f"input {name!r} has shape {tuple(value.shape)}; the graph declares {t.shape}")
             if value.dtype != t.dtype:
                 raise GraphError(f"input {name!r} has dtype {value.dtype}; the graph declares {t.dtype}")
+            if value.is_meta:
+                raise GraphError(f"input {name!r} is a meta tensor: it has no values to copy")
         for name, value in inputs.items():
             self.tensor(self.graph.inputs[name]).copy_(value.detach())
             self._bound.add(name)
@@ -155,12 +160,16 @@ class Megakernel:
         A run interrupted in the host (KeyboardInterrupt) stops its workers first: a one-rank kernel
         stays usable, a multi-rank one refuses further runs.
         """
-        if not is_count(steps):
-            raise GraphError(f"steps must be a positive integer, got {steps!r}")
+        if not (is_count(steps) and steps <= MAX_STEPS):
+            raise GraphError(f"steps must be an int in [1, 2^32], got {steps!r}")
         with self._lock:
             return self._run({} if inputs is None else inputs, steps)
 
     def _run(self, inputs: Mapping[str, torch.Tensor], steps: int) -> dict[str, torch.Tensor]:
+        fan_in = int(self.tables.rows[:, [FAN_IN, CARRY_FAN_IN]].max(initial=1))
+        if (self.epoch + steps) * fan_in >= 2**63:  # an event's count, epoch x fan-in, is an int64
+            raise GraphError(f"{steps} more steps after {self.epoch} would overflow the event counters (a fan-in "
+                             f"of {fan_in}): build a new kernel")
         self._prepare(inputs)
         if self.tracing:
             self.words(self.layout.trace_off, TRACE_WORDS * len(self.tables.rows)).zero_()
@@ -224,13 +233,16 @@ class Megakernel:
         # A fault anywhere counts: a peer's clamped data may be in this rank's outputs. Every task whose
         # results reach them finished before this launch did, its record written (a peer's record may
         # also tell of a fault in its next launch, which will raise there too).
-        faults = diagnosis.index_faults(self.tables, self._status(), since) if header[FAULTED] >= since else []
+        faults = diagnosis.faults(self.tables, self._status(), since) if header[FAULTED] >= since else []
         for rank, heap in sorted(self.peers.items()):
             if self._header(heap)[FAULTED] >= since:
-                faults += diagnosis.index_faults(self.tables, self._status(heap), since, rank)
-        if faults:  # the run finished (the tiles clamped): the kernel stays usable, its outputs are not valid
-            raise GraphError(f"{what} read an index out of range (clamped; the outputs are not valid):\n"
-                             + "\n".join(faults))
+                faults += diagnosis.faults(self.tables, self._status(heap), since, rank)
+        if faults:  # the run finished (indices clamped): the kernel stays usable, its outputs are not valid
+            kinds = {fault.kind for fault in faults}
+            met = " and ".join(name for kind, name in ((INDEX, "read an index out of range (clamped)"),
+                                                       (NOT_FINITE, "sampled logits that are not finite"))
+                               if kind in kinds)
+            raise FaultError(f"{what} {met}; the outputs are not valid:\n" + "\n".join(map(str, faults)), faults)
 
     # -- replaying without the host ---------------------------------------------------------------------
     def capture(self, steps: int = 1) -> "Captured":
@@ -244,8 +256,8 @@ class Megakernel:
         ``tensor(graph.outputs[name])``. A replay checks nothing: ``check()`` waits for the replays and
         raises what went wrong in any of them since the last check. A collective with several ranks
         (each rank replays its own recording, in the same order as its peers). Not with ``trace``."""
-        if not is_count(steps):
-            raise GraphError(f"steps must be a positive integer, got {steps!r}")
+        if not (is_count(steps) and steps <= MAX_STEPS):
+            raise GraphError(f"capture: steps must be an int in [1, 2^32], got {steps!r}")
         if self.tracing:
             raise GraphError("capture: a traced kernel reads its stamps back after every launch; build one with "
                              "trace=False to capture")

@@ -31,8 +31,8 @@ from .cpu_backend import CpuBackend, WorkerPool
 from .device import NO_SEQUENCE
 from .errors import BackendError
 from .heap import HeapView, RankHeap
-from .layout import (ABORT, DONE, EPOCH, EVENT, EXPECTED, FAULT, FAULT_AT, FAULT_BOUND, FAULT_VALUE,
-                     FAULTED, OBSERVED, STATE, STATUS_WORDS, STOPPED, TASK, TIMED_OUT, TRACE_WORDS)
+from .layout import (ABORT, DONE, EPOCH, EVENT, EXPECTED, FAULT, FAULT_AT, FAULT_BOUND, FAULT_KIND, FAULT_VALUE,
+                     FAULTED, INDEX, NOT_FINITE, OBSERVED, STATE, STATUS_WORDS, STOPPED, TASK, TIMED_OUT, TRACE_WORDS)
 from .scheduler import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_GUARD, OPCODE, SIGNAL_COUNT,
                         SIGNAL_START, WAIT_EVENT, Spec, read_signals)
 from .scheduler.tables import SIGNAL_WORDS
@@ -92,11 +92,19 @@ class WorkerHeap(HeapView):
     def checked_index(self, value: int, bound: int, where: str) -> int:
         if 0 <= value < bound:
             return value
+        self._record_fault(INDEX, value, bound)
+        return min(max(value, 0), bound - 1)
+
+    def not_finite(self, row: int, position: int, where: str) -> None:
+        self._record_fault(NOT_FINITE, row, position)
+
+    def _record_fault(self, kind: int, value: int, bound: int) -> None:
+        """``device.record_fault``."""
         status = self.status
         if status[FAULT] < status[EPOCH]:  # the first fault of the step
-            status[FAULT_VALUE], status[FAULT_BOUND], status[FAULT_AT] = value, bound, status[DONE]
+            status[FAULT_KIND], status[FAULT_VALUE], status[FAULT_BOUND] = kind, value, bound
+            status[FAULT_AT] = status[DONE]
             status[FAULT] = status[EPOCH]
-        return min(max(value, 0), bound - 1)
 
 
 @dataclass(frozen=True)
@@ -173,7 +181,7 @@ def _run(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str, int]
     epoch = int(status[EPOCH]) + 1
     running = words[abort] == 0  # a stall the host has not read yet: keep its records
     for step in range(args["steps"]):
-        if not running:
+        if not running or words[abort] != 0:  # a host that stops the run is heard at the next step
             break
         now = epoch + step
         status[DONE] = 0
@@ -195,7 +203,7 @@ def _run(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str, int]
                     atomics.exchange(atomics.addresses(base + 8 * abort), 1)  # the other workers stop
                     raise BackendError(f"rank {rank} worker {worker}: task {entry.task} ({entry.label}) failed: "
                                        f"{type(error).__name__}: {error}") from error
-            if status[FAULT] == now:  # a tile clamped an index: tell the host, before the signals
+            if status[FAULT] == now:  # a tile faulted: tell the host, before the signals
                 atomics.maximum(atomics.addresses(base + 8 * (status_at + FAULTED)), now)
             if trace >= 0:
                 words[stamp + 2] = time.monotonic_ns()

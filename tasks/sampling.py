@@ -6,8 +6,11 @@ max_seq_len]`` of int64 token ids into which the host writes the prompt. A step 
 ``history[pos + 1]`` once past the prompt, and ends by advancing ``pos``. With tensor parallelism every
 rank holds the same all-gathered logits, so every rank samples the same token with no exchange.
 
-``sample`` draws as an inference server's sampler does: the logits divided by the temperature T (``z``),
-then the top-k, top-p and min-p filters, then a draw from the softmax of what they keep. The draw is the
+``sample`` draws as an inference server's sampler does: the logits divided by the temperature T, then
+the top-k, top-p and min-p filters, then a draw from the softmax of what they keep. The tile divides the
+logits less the largest, ``z = (logit - max) / T`` (the same softmax): the largest z is 0 and every
+other one is negative, so a tiny T sends the others to -inf (the argmax, ties drawn among) instead of
+overflowing the largest to inf. The draw is the
 Gumbel-max trick, ``argmax_i z_i - log(-log u_i)`` over the kept tokens, which picks token i with
 probability softmax(z)_i among them with no sort and no normalization. The uniforms ``u`` come from
 Philox-4x32-10 (``tl.philox``) with the token id and the position as counter and the row's seed as key:
@@ -19,9 +22,12 @@ The filters' thresholds are found without a sort, by bisection over the float32 
 order (``ordered_key``), one pass over the vocabulary per halving: top-k keeps the z at or above the k-th
 largest (ties included, as transformers' warper), top-p keeps, among those, the z whose strictly larger
 ones' probability mass has not reached ``top_p`` (the fewest most likely tokens holding ``top_p``, ties
-included), min-p the z at or above ``max z + log(min_p)``. Log-probabilities are the model's: the
+included), min-p the z at or above ``log(min_p)``. Log-probabilities are the model's: the
 log-softmax of the logits as they are, before temperature and filters (what vLLM reports by default).
-Logits are finite (no NaN, no infinity).
+
+A row of logits that is not finite (a NaN, an infinity: a model that overflowed, a checkpoint holding
+NaN) has no distribution to draw from: the tile reports it in the worker's status record (``NOT_FINITE``,
+with the batch row and the position), as an index out of range is, and the host raises after the run.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import NO_SEQUENCE, heap_ptr
+from ..device import NO_SEQUENCE, NOT_FINITE, heap_ptr, record_fault
 from .common import TaskType, require_float, row_positions
 
 MAX_BLOCK_N = 1024
@@ -62,13 +68,15 @@ def logits_block(base, logits, c0, cols, DTYPE: tl.constexpr, BLOCK_N: tl.conste
 
 @triton.jit
 def argmax_logsumexp(base, logits, cols, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TOTAL: tl.constexpr):
-    """The lowest index of the largest logit, the largest logit and (with ``TOTAL``) log(sum(exp(logits))),
-    in one pass (the sum rescaled as the maximum grows)."""
+    """The lowest index of the largest logit, the largest logit, (with ``TOTAL``) log(sum(exp(logits))) and
+    how many logits are not finite, in one pass (the sum rescaled as the maximum grows)."""
     best = tl.full((), float("-inf"), tl.float32)
     best_index = tl.full((), 0, tl.int64)
     total = tl.full((), 0.0, tl.float32)
+    not_finite = tl.full((), 0, tl.int32)
     for c0 in range(0, cols, BLOCK_N):
         block, c = logits_block(base, logits, c0, cols, DTYPE, BLOCK_N)
+        not_finite += tl.sum((((block != block) | (tl.abs(block) == float("inf"))) & (c < cols)).to(tl.int32), axis=0)
         top = tl.max(block, axis=0)
         first = tl.min(tl.where(block == top, c, cols), axis=0).to(tl.int64)
         if TOTAL:
@@ -76,37 +84,44 @@ def argmax_logsumexp(base, logits, cols, DTYPE: tl.constexpr, BLOCK_N: tl.conste
             total = total * tl.exp(best - grown) + tl.sum(tl.exp(block - grown), axis=0)
         if top > best:  # strictly: an equal maximum in a later block keeps the earlier index
             best, best_index = top, first
-    return best_index, best, best + tl.log(total)
+    return best_index, best, best + tl.log(total), not_finite
 
 
 @triton.jit
-def weight_at_least(base, logits, cols, temperature, z_top, key, MASS: tl.constexpr, DTYPE: tl.constexpr,
+def tempered(block, top, temperature):
+    """z = (logit - top) / T, correctly rounded: 0 for the largest logit ``top``, below 0 for the others."""
+    return tl.math.div_rn(block - top, temperature)
+
+
+@triton.jit
+def weight_at_least(base, logits, cols, temperature, top, key, MASS: tl.constexpr, DTYPE: tl.constexpr,
                     BLOCK_N: tl.constexpr):
-    """How many z = logits / T have an ordered key of at least ``key`` or, with ``MASS``, the sum of their
-    exp(z - z_top); float32 (a count is exact below 2^24)."""
+    """How many z (``tempered``) have an ordered key of at least ``key`` or, with ``MASS``, the sum of their
+    exp(z); float32 (a count is exact below 2^24)."""
     total = tl.full((), 0.0, tl.float32)
     for c0 in range(0, cols, BLOCK_N):
         block, c = logits_block(base, logits, c0, cols, DTYPE, BLOCK_N)
-        z = tl.math.div_rn(block, temperature)
+        z = tempered(block, top, temperature)
         reach = (ordered_key(z) >= key) & (c < cols)
         if MASS:
-            total += tl.sum(tl.where(reach, tl.exp(z - z_top), 0.0), axis=0)
+            total += tl.sum(tl.where(reach, tl.exp(z), 0.0), axis=0)
         else:
             total += tl.sum(reach.to(tl.float32), axis=0)
     return total
 
 
 @triton.jit
-def threshold_key(base, logits, cols, temperature, z_top, floor, need, MASS: tl.constexpr, DTYPE: tl.constexpr,
+def threshold_key(base, logits, cols, temperature, top, floor, need, MASS: tl.constexpr, DTYPE: tl.constexpr,
                   BLOCK_N: tl.constexpr):
     """The largest ordered key at or above ``floor`` whose z's (those reaching it) weigh at least ``need``
-    (``weight_at_least``): bisection over [floor, key(z_top)], a pass over the logits per halving."""
+    (``weight_at_least``): bisection over [floor, key(0)] (0: the largest z), a pass over the logits per
+    halving."""
     lo = floor.to(tl.int64)
-    hi = ordered_key(z_top).to(tl.int64)
+    hi = tl.full((), 0, tl.int64)
     for _ in range(32):
         if lo < hi:
             mid = lo + (hi - lo + 1) // 2
-            if weight_at_least(base, logits, cols, temperature, z_top, mid, MASS, DTYPE, BLOCK_N) >= need:
+            if weight_at_least(base, logits, cols, temperature, top, mid, MASS, DTYPE, BLOCK_N) >= need:
                 lo = mid
             else:
                 hi = mid - 1
@@ -121,20 +136,19 @@ def draw(base, logits, cols, params, seed, position, top, DTYPE: tl.constexpr, B
     top_k = tl.load(params + 1).to(tl.int32)
     top_p = tl.load(params + 2)
     min_p = tl.load(params + 3)
-    z_top = tl.math.div_rn(top, temperature)
     floor = tl.full((), -2147483648, tl.int32)  # the least ordered key kept: all of them
     if (top_k > 0) & (top_k < cols):  # the k-th largest z: the largest key that k z's reach
-        floor = threshold_key(base, logits, cols, temperature, z_top, floor, top_k.to(tl.float32), False, DTYPE,
+        floor = threshold_key(base, logits, cols, temperature, top, floor, top_k.to(tl.float32), False, DTYPE,
                               BLOCK_N)
     if top_p < 1.0:  # the largest key whose z's hold top_p of the mass of those top-k kept
-        need = top_p * weight_at_least(base, logits, cols, temperature, z_top, floor, True, DTYPE, BLOCK_N)
-        floor = threshold_key(base, logits, cols, temperature, z_top, floor, need, True, DTYPE, BLOCK_N)
-    z_min = z_top + tl.log(min_p)  # min_p 0: -inf
+        need = top_p * weight_at_least(base, logits, cols, temperature, top, floor, True, DTYPE, BLOCK_N)
+        floor = threshold_key(base, logits, cols, temperature, top, floor, need, True, DTYPE, BLOCK_N)
+    z_min = tl.log(min_p)  # min_p 0: -inf
     best = tl.full((), float("-inf"), tl.float32)
     best_index = tl.full((), 0, tl.int64)
     for c0 in range(0, cols, BLOCK_N):
         block, c = logits_block(base, logits, c0, cols, DTYPE, BLOCK_N)
-        z = tl.math.div_rn(block, temperature)
+        z = tempered(block, top, temperature)
         kept = (ordered_key(z) >= floor) & (z >= z_min) & (c < cols)
         score = tl.where(kept, z - tl.log(-tl.log(uniform(seed, c, position))), float("-inf"))
         top_score = tl.max(score, axis=0)
@@ -161,7 +175,8 @@ def next_largest(base, logits, cols, value, index, DTYPE: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def sample_tile(base,
+def sample_tile(base, status,
+                row,           # the batch row (of the sequence), for a report of logits not finite
                 history,       # heap offset of the batch row's history
                 logits,        # heap offset of the batch row's logits
                 pos,           # heap offset of the int64 position
@@ -179,12 +194,15 @@ def sample_tile(base,
     drawn with the row's params and seed (``draw``), or the argmax of the logits without ``SAMPLED`` or at
     temperature 0; with ``LOGPROBS`` its log-probability into ``logprobs[target]`` and the ``TOP_N`` most
     likely tokens' into ``top_*[target * TOP_N ...]``. Position 0 is the prompt's: a row of no sequence
-    (-1) writes nothing."""
+    (-1) writes nothing. Logits not finite are reported (``NOT_FINITE``: ``row``, ``target``), the argmax
+    written."""
     target = tl.load(heap_ptr(base, pos, tl.int64)) + 1
     if (target >= tl.load(heap_ptr(base, prompt_len, tl.int64))) & (target >= 1) & (target < history_cols):
-        token, top, total = argmax_logsumexp(base, logits, cols, DTYPE, BLOCK_N, LOGPROBS)
+        token, top, total, not_finite = argmax_logsumexp(base, logits, cols, DTYPE, BLOCK_N, LOGPROBS)
+        if not_finite > 0:
+            record_fault(status, NOT_FINITE, row, target)
         if SAMPLED:
-            if tl.load(heap_ptr(base, params, tl.float32)) > 0:
+            if (tl.load(heap_ptr(base, params, tl.float32)) > 0) & (not_finite == 0):
                 token = draw(base, logits, cols, heap_ptr(base, params, tl.float32),
                              tl.load(heap_ptr(base, seed, tl.int64)), target, top, DTYPE, BLOCK_N)
         tl.store(heap_ptr(base, history, tl.int64) + target, token)
@@ -218,25 +236,26 @@ def philox_uniform(seed: int, positions, count: int) -> torch.Tensor:
 
 
 def kept(z: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Which of the tempered logits ``z`` (float32 [vocab]) the filters keep (module docstring), by sorting."""
+    """Which of the tempered logits ``z`` (float32 [vocab], the largest 0) the filters keep (module
+    docstring), by sorting."""
     keep = torch.ones_like(z, dtype=torch.bool)
     if 0 < top_k < z.numel():
         keep &= z >= torch.topk(z, top_k).values[-1]
     if top_p < 1:
-        mass = torch.where(keep, torch.exp(z - z.max()), 0.0)
+        mass = torch.where(keep, torch.exp(z), 0.0)
         order = torch.sort(z, descending=True, stable=True).indices
         before = torch.cumsum(mass[order], 0) - mass[order]  # the mass of the z's before each, in order
         needed = (before < torch.tensor(top_p, dtype=torch.float32) * mass.sum()) & keep[order]
         needed[0] = True  # the most likely token, whatever top_p
         keep &= z >= z[order[needed]].min()
-    return keep & (z >= z.max() + torch.log(torch.tensor(min_p, dtype=torch.float32)))
+    return keep & (z >= torch.log(torch.tensor(min_p, dtype=torch.float32)))
 
 
 def drawn(logits: torch.Tensor, params: torch.Tensor, seed: int, positions) -> torch.Tensor:
     """The host's ``draw``: the token ids the tile draws from float32 ``logits`` [vocab] with ``params``
     (float32 [4], temperature > 0) under ``seed`` at each of ``positions`` (int64 [len(positions)])."""
     temperature, top_k, top_p, min_p = params
-    z = logits / temperature
+    z = (logits - logits.max()) / temperature
     score = z - torch.log(-torch.log(philox_uniform(seed, positions, z.numel())))
     return torch.where(kept(z, int(top_k), float(top_p), float(min_p)), score, float("-inf")).argmax(dim=1)
 
@@ -247,7 +266,10 @@ def _sample_reference(heap, task) -> None:
         return
     logits = heap.tensor(task.logits, task.DTYPE, 1, task.cols, task.cols)[0].float()
     token = int(logits.argmax())
-    if task.SAMPLED:
+    finite = bool(torch.isfinite(logits).all())
+    if not finite:
+        heap.not_finite(task.row, target, f"the logits at heap offset {task.logits}")
+    if task.SAMPLED and finite:
         params = heap.tensor(task.params, torch.float32, 1, len(PARAMS), len(PARAMS))[0]
         if params[0] > 0:
             token = int(drawn(logits, params, heap.word(task.seed), [target])[0])
@@ -331,7 +353,7 @@ def sample(g, logits, history, pos, prompt_len, params=None, seed=None, logprobs
         if top_n:
             words.update(top_ids=ids.addr(b, 0), top_logprobs=values.addr(b, 0))
             writes += [written(ids, r), written(values, r)]
-        g.add_task(opcode, history=history.addr(b, 0), logits=logits.addr(r, 0), pos=position, prompt_len=length,
+        g.add_task(opcode, row=b, history=history.addr(b, 0), logits=logits.addr(r, 0), pos=position, prompt_len=length,
                    cols=vocab, history_cols=history.cols, **words, reads=tuple(reads), writes=tuple(writes),
                    bytes=vocab * logits.element_size * (3 + top_n), flops=vocab * (3 + top_n))
     return history

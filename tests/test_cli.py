@@ -1,10 +1,14 @@
 """The ``megakernel`` command line, run as a user would."""
+import os
+import socket
 import subprocess
 import sys
+import uuid
 
 import numpy as np
 import pytest
 
+from helpers import marked_processes
 from megakernel.image import load
 from megakernel.scheduler import serialize
 
@@ -80,3 +84,37 @@ def test_serve_refuses_what_is_not_a_model_in_one_line(tmp_path, capsys):
     result = subprocess.run([sys.executable, "-m", "megakernel.tools.cli", "serve", str(tmp_path), "--port", "0"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "no config.json" in result.stderr and "Traceback" not in result.stderr
+
+
+def _serve_fails(tmp_path, *options: str) -> str:
+    """``megakernel serve`` of a folder that is no model, with ``options``: it must exit 1 within seconds
+    with one line, and leave no process of its own behind (found by a mark in their environment)."""
+    mark = f"MEGAKERNEL_TEST_MARK={uuid.uuid4().hex}"
+    env = {**os.environ, "MEGAKERNEL_TEST_MARK": mark.split("=")[1]}
+    result = subprocess.run([sys.executable, "-m", "megakernel.tools.cli", "serve", str(tmp_path), *options],
+                            capture_output=True, text=True, timeout=120, env=env)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert not marked_processes(mark), "processes left behind"
+    return lines[0]
+
+
+def test_serve_exits_in_one_line_when_it_cannot_listen(tmp_path):
+    """A port in use, a host that is no address: refused before anything loads (the socket is bound first)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = _serve_fails(tmp_path, "--port", str(port))
+        assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in line, line
+    line = _serve_fails(tmp_path, "--host", "256.1.1.1", "--port", "0")
+    assert "cannot listen on 256.1.1.1:0" in line, line
+    for bad in (["--port", "70000"], ["--port", "-1"], ["--idle-timeout", "nan"], ["--max-request-bytes", "0"]):
+        result = subprocess.run([sys.executable, "-m", "megakernel.tools.cli", "serve", str(tmp_path), *bad],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and f"argument {bad[0]}" in result.stderr, (bad, result.stderr)
+
+
+def test_serve_over_ranks_exits_in_one_line_when_a_rank_cannot_load(tmp_path):
+    line = _serve_fails(tmp_path, "--tp", "2", "--backend", "torch", "--port", "0")
+    assert "no config.json" in line and "rank" in line, line

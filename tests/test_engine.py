@@ -141,9 +141,68 @@ def test_a_bad_prompt_list_is_refused_whole_before_anything_runs(model, prompts,
     (lambda m: m.generate(torch.tensor([[1], [2]]), 1, tokens_per_launch=True), "tokens_per_launch must be a pos"),
     (lambda m: m.decode(torch.tensor([1.5, 2.0]), 0), "decode: tokens must be integer token ids, got torch.float32"),
     (lambda m: m.decode(torch.tensor([1, 2]), True), "decode: position True is outside \\[0, 8\\) \\(max_seq_len\\): pos must be an int"),
+    (lambda m: m.add([[1, 2], [3, 4]], 2), "add: prompt_ids must be one prompt, a 1-D list of token ids, got shape \\(2, 2\\)"),
+    (lambda m: m.add(torch.tensor(3), 2), "add: prompt_ids must be one prompt, a 1-D list of token ids, got shape \\(\\)"),
+    (lambda m: m.kernel.run({"pos": torch.empty(2, dtype=torch.int64, device="meta")}),
+     "input 'pos' is a meta tensor: it has no values to copy"),
 ])
 def test_arguments_of_the_wrong_type_are_refused_naming_them(model, call, message):
     launches = model.kernel.launches
     with pytest.raises(mk.GraphError, match=message):
         call(model)
     assert model.kernel.launches == launches
+
+
+def test_a_zero_dimensional_tensor_is_one_stop_id(model, hf):
+    tokens = model.generate([torch.tensor([1, 2])], 4)[0]
+    stop = int(tokens[3])
+    ended = model.generate([torch.tensor([1, 2])], 4, eos_token_id=torch.tensor(stop))[0]
+    assert ended.tolist() == tokens[:4].tolist()
+
+
+def test_close_waits_for_a_step_of_another_thread_and_then_every_call_refuses(hf, monkeypatch):
+    m = from_hf(hf, max_seq_len=8, max_batch=2, page_size=4, workers=1, backend="torch")
+    m.add([1, 2], 3)
+    held, results = HeldLaunch(m.kernel, monkeypatch), {}
+    stepping = _thread(m.step, results, "step")
+    assert held.started.wait(JOIN_TIMEOUT)
+    closing = _thread(m.close, results, "close")
+    closing.join(0.5)
+    assert closing.is_alive(), "close returned while a step ran"
+    held.release.set()
+    stepping.join(JOIN_TIMEOUT)
+    closing.join(JOIN_TIMEOUT)
+    assert isinstance(results["step"], dict) and results["close"] is None  # the step ran whole, then close
+    for call in (m.step, lambda: m.add([1], 2), lambda: m.generate([torch.tensor([1])], 2), lambda: m.cancel(0),
+                 lambda: m.decode(torch.tensor([1, 2]), 0)):
+        with pytest.raises(mk.GraphError, match="the model is closed"):
+            call()
+    m.close()  # again: nothing to do
+
+
+def test_a_sequence_whose_logits_are_not_finite_ends_with_an_error_and_the_others_go_on():
+    """A token whose embedding is NaN: the sequence whose prompt holds it meets NaN logits on the device;
+    its step raises ``SequenceFault`` naming it, its slot and pages are free, and the other sequence's
+    tokens are what it gets alone; ``generate`` of a batch raises ``FaultError`` naming the row."""
+    from megakernel.models import SequenceFault
+
+    hf = hf_model("llama", layers=1)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[7] = float("nan")
+    m = from_hf(hf, max_seq_len=8, max_batch=2, page_size=4, workers=1, backend="torch")
+    try:
+        alone = m.generate([torch.tensor([1, 2])], 4)[0].tolist()
+        good, bad = m.add([1, 2], 4), m.add([3, 7], 4)
+        with pytest.raises(SequenceFault, match=f"sequence {bad} ended: its logits are not finite \\(at position"
+                           ) as fault:
+            m.step(8)
+        assert list(fault.value.sequences) == [bad] and m.sequence(bad) is None
+        while m.sequence(good) is not None:
+            m.step()
+        assert m.finished[good].tolist() == alone
+        assert not any(m.slots) and len(m.pool.free) == m.pool.pages
+        with pytest.raises(mk.FaultError, match="the logits of batch row 1 sampling position [2-4] are not finite"):
+            m.generate(torch.tensor([[1, 2], [3, 7]]), 3)
+        assert m.generate([torch.tensor([1, 2])], 4)[0].tolist() == alone  # the model goes on
+    finally:
+        m.close()

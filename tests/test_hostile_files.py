@@ -90,6 +90,13 @@ def test_malformed_index_and_config_name_the_field(checkpoint):
     *[(f"rope_theta {theta}", lambda d, theta=theta: d["rope_parameters"].update(rope_theta=theta),
        rf"Qwen2ForCausalLM: rope_theta={theta} is not supported; supported: a finite positive number")
       for theta in (float("nan"), float("inf"), 0, -1.0)],
+    *[(f"rms_norm_eps {eps}", lambda d, eps=eps: d.update(rms_norm_eps=eps),
+       rf"Qwen2ForCausalLM: rms_norm_eps={eps} is not supported; supported: a finite positive number")
+      for eps in (float("nan"), 0.0, -1e-06)],
+    ("sliding_window 0", lambda d: d.update(sliding_window=0, use_sliding_window=True),
+     r"Qwen2ForCausalLM: sliding_window=0 is not supported; supported: a positive int, or null"),
+    ("max_position_embeddings 0", lambda d: d.update(max_position_embeddings=0),
+     r"field max_position_embeddings must be a positive integer"),
 ])
 def test_configs_transformers_refuses_or_rope_bases_that_are_not_finite_are_named(checkpoint, case, change, match):
     config = checkpoint / "config.json"
@@ -211,6 +218,9 @@ def tiny_llama():
                                             rf"number, got {value!r}")
       for value in (NAN, float("inf"), 0.0, -1.0)],
     (_with(general__architecture=None), "field general.architecture must be a string, got None"),
+    (_with(context_length=(0, U32)), r"field llama\.context_length \(max_position_embeddings\) must be a positive"),
+    (_with(context_length=(1 << 40, U64)), r"field llama\.context_length \(max_position_embeddings\) .* 16,777,216"),
+    (_with(attention__layer_norm_rms_epsilon=(NAN, F32)), r"LlamaForCausalLM: rms_norm_eps=nan is not supported"),
 ], ids=lambda v: _changed(v) if isinstance(v, dict) else "refused")
 def test_gguf_metadata_is_checked_before_transformers_makes_a_model(tmp_path, tiny_llama, meta, match):
     path = tmp_path / "model.gguf"

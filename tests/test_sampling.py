@@ -7,6 +7,7 @@ import torch
 
 import megakernel as mk
 from megakernel.models import SamplingParams, from_hf
+from megakernel.models.engine import SMALLEST_NORMAL
 from megakernel.tasks.sampling import PARAMS, drawn, kept, philox_uniform
 
 from test_decode import hf_model, prompt
@@ -97,7 +98,7 @@ def test_draws_follow_the_filtered_softmax(params):
     """DRAWS draws (one per position) against softmax(logits / T) over the tokens the filter keeps: nothing
     outside it, and a chi-square statistic below its 1e-4 quantile (Wilson-Hilferty)."""
     logits = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.3, 0.0, -0.4, -1.0])
-    z = logits / params[0]
+    z = (logits - logits.max()) / params[0]
     keep = kept(z, *params[1:])
     expected = torch.where(keep, torch.softmax(torch.where(keep, z, -math.inf).double(), 0), 0.0) * DRAWS
     counts = torch.bincount(drawn(logits, torch.tensor(params), 2024, torch.arange(DRAWS)), minlength=8).double()
@@ -110,7 +111,7 @@ def test_draws_follow_the_filtered_softmax(params):
 
 
 def test_the_filters_keep_what_they_say():
-    z = torch.tensor([3.0, 1.0, 2.0, 2.0, -1.0])
+    z = torch.tensor([0.0, -2.0, -1.0, -1.0, -4.0])  # tempered: the largest is 0
     assert kept(z, 2, 1.0, 0.0).tolist() == [True, False, True, True, False]  # ties at the k-th: kept
     p = torch.softmax(z, 0)
     assert kept(z, 0, float(p[0]) - 1e-4, 0.0).tolist() == [True, False, False, False, False]
@@ -153,9 +154,49 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_its_row_launch_or_ranks
 
 def test_sampling_params_are_checked():
     for bad in (dict(temperature=-1), dict(temperature=math.inf), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5),
-                dict(min_p=2), dict(seed=1.5), dict(temperature=True)):
+                dict(min_p=2), dict(seed=1.5), dict(temperature=True), dict(temperature=math.nan),
+                dict(top_p=math.nan), dict(min_p=math.nan), dict(min_p=-math.inf), dict(temperature=1e-45),
+                dict(temperature=1e-39), dict(min_p=1e-40), dict(top_p=1e-40), dict(top_p=5e-324)):
         with pytest.raises(mk.GraphError, match=next(iter(bad))):
             SamplingParams(**bad)
+    for edge in (dict(temperature=SMALLEST_NORMAL), dict(min_p=SMALLEST_NORMAL), dict(top_p=SMALLEST_NORMAL),
+                 dict(min_p=1.0), dict(top_p=1.0), dict(temperature=3e38)):
+        SamplingParams(**edge)
+
+
+# rows at the least temperatures, with and without filters, and rows of equal logits
+TINY = [(SMALLEST_NORMAL, 0, 1.0, 0.0), (1e-37, 0, 1.0, 0.0), (1e-30, 0, 1.0, 0.0), (1e-30, 5, 0.5, 0.01),
+        (1e-30, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (SMALLEST_NORMAL, 0, SMALLEST_NORMAL, 1.0), (3e38, 0, 1.0, 0.0)]
+
+
+def test_a_tiny_temperature_draws_the_argmax_and_equal_logits_draw_among_them():
+    """At the least temperatures the tile (interpreter) and its host twin both draw the argmax, where
+    dividing the raw logits by T would overflow; a row of equal logits draws all over the vocabulary at
+    any temperature; T near float32's largest draws all over too."""
+    batch, positions = len(TINY), 32
+    g = mk.Graph(world_size=1, rank=0)
+    logits, history = g.input("logits", (batch, VOCAB), torch.float32), g.input("history", (batch, positions), torch.int64)
+    pos, prompt_len = g.input("pos", (batch,), torch.int64), g.input("prompt_len", (batch,), torch.int64)
+    params, seed = g.input("params", (batch, len(PARAMS)), torch.float32), g.input("seed", (batch,), torch.int64)
+    g.output("history", g.sample(logits, history, pos, prompt_len, params, seed))
+    g.advance(pos, limit=positions)
+    values = torch.randn(batch, VOCAB) * 20 + 50  # large logits: logit / 1e-30 is inf in float32
+    values[4:6] = 7.5  # every logit equal
+    inputs = {"logits": values, "history": torch.full((batch, positions), -7), "pos": torch.zeros(batch, dtype=torch.int64),
+              "prompt_len": torch.ones(batch, dtype=torch.int64), "params": torch.tensor(TINY),
+              "seed": torch.arange(batch) * 977 + 3}
+    out = {}
+    for backend in ("cpu", "torch"):
+        with mk.Megakernel(g, workers=2, backend=backend) as kernel:
+            out[backend] = kernel.run(inputs, steps=positions - 1)["history"][:, 1:]
+    assert torch.equal(out["cpu"], out["torch"])
+    tokens = out["cpu"]
+    for row in (0, 1, 2, 3, 6):
+        assert (tokens[row] == values[row].argmax()).all(), (row, tokens[row])
+    for row in (4, 5, 7):
+        assert len(set(tokens[row].tolist())) > positions // 2, (row, tokens[row])  # 32 draws of 300 tokens
+    ties = drawn(torch.zeros(8), torch.tensor(TINY[2]), 11, torch.arange(DRAWS))
+    assert torch.bincount(ties, minlength=8).min() > DRAWS / 8 * 0.9, "equal logits: every one as likely"
 
 
 @pytest.mark.usefixtures("torch_backend")
@@ -176,3 +217,27 @@ def test_several_stop_ids_end_a_sequence_at_the_first_of_them():
         assert torch.equal(m.finished[sequence], free[:end])
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_logits_that_are_not_finite_are_a_fault_naming_the_row_and_position(backend):
+    """A row of logits holding NaN, one holding inf: the launch runs to its end and raises ``FaultError``
+    naming the row and the position it sampled; the finite row draws as usual and the kernel goes on."""
+    g = mk.Graph(world_size=1, rank=0)
+    logits, history = g.input("logits", (3, VOCAB), torch.float32), g.input("history", (3, 4), torch.int64)
+    pos, prompt_len = g.input("pos", (3,), torch.int64), g.input("prompt_len", (3,), torch.int64)
+    g.output("history", g.sample_greedy(logits, history, pos, prompt_len))
+    values = torch.randn(3, VOCAB)
+    inputs = {"logits": values, "history": torch.full((3, 4), -7), "pos": torch.tensor([0, 1, 2]),
+              "prompt_len": torch.ones(3, dtype=torch.int64)}
+    with mk.Megakernel(g, workers=2, backend=backend) as kernel:
+        bad = values.clone()
+        bad[0, 5], bad[2, 9] = math.nan, math.inf
+        with pytest.raises(mk.FaultError, match="sampled logits that are not finite") as error:
+            kernel.run({**inputs, "logits": bad})
+        met = {(f.value, f.bound) for f in error.value.faults}  # a worker keeps the first fault of a step
+        assert met and met <= {(0, 1), (2, 3)}, met
+        row, position = min(met)
+        assert f"the logits of batch row {row} sampling position {position} are not finite" in str(error.value)
+        assert int(kernel.tensor(g.outputs["history"])[1, 2]) == int(values[1].argmax())
+        assert kernel.run(inputs)["history"][:, 1:].diagonal().tolist() == values.argmax(1).tolist()

@@ -1,13 +1,17 @@
 """``megakernel serve``: SmolLM2's GGUF file behind the OpenAI HTTP API, a real server process on 127.0.0.1
 driven by the official ``openai`` client (and ``httpx`` for raw requests), against transformers."""
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -15,7 +19,7 @@ import openai
 import pytest
 import torch
 
-from helpers import smollm2_path
+from helpers import marked_processes, smollm2_path
 
 pytestmark = pytest.mark.slow  # a real model end to end, in server processes
 
@@ -81,7 +85,7 @@ def stop(server: Server, timeout: float = 60) -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # float32 weights: the torch backend unpacks packed ones every step
-    s = start(smollm2_path(), tmp_path_factory.mktemp("serve"), "--dequantize")
+    s = start(smollm2_path(), tmp_path_factory.mktemp("serve"), "--dequantize", "--idle-timeout", "5")
     try:
         yield s
     finally:
@@ -215,6 +219,89 @@ def test_bad_requests_are_400s_and_the_server_goes_on(server):
     assert server.client().completions.create(model=name, prompt=TEXT, max_tokens=2).usage.completion_tokens == 2
 
 
+def _json(body) -> bytes:
+    return json.dumps(body, allow_nan=True).encode()  # lone surrogates as \\u escapes; NaN as Python writes it
+
+
+def test_malformed_requests_of_every_shape_are_4xx_with_openai_error_body(server):
+    """A fuzz loop over the fields both endpoints take, with values of every JSON type and the edges of
+    each (lone surrogates, NaN, huge numbers, nesting): each answer is a 4xx with OpenAI's error body or
+    a correct answer, never a 5xx; the server's greedy text is the same afterwards."""
+    import random
+
+    client, name = server.client(), server.client().models.list().data[0].id
+    before = client.completions.create(model=name, prompt=TEXT, temperature=0, max_tokens=4).choices[0].text
+    values = [None, True, False, 0, 1, -1, 2, 0.5, 1e308, -1e308, float("nan"), float("inf"), 10**30, "", "x",
+              "\ud800", "a\udfffb", "\x00", [], [1], ["x"], ["\ud800"], [[1]], [1, "x"], {}, {"type": "text"},
+              {"type": "text", "text": 5}, [{"type": "text", "text": "hi"}], [{"type": "text", "text": ["a"]}],
+              [{"type": "image_url", "image_url": {"url": "x"}}], [[[[[]]]]], "s" * 300]
+    fields = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
+              "stream_options", "logprobs", "top_logprobs", "n", "model"]
+    rng = random.Random(37)
+    statuses = []
+    for _ in range(160):
+        path = rng.choice(["completions", "chat/completions"])
+        body = {"model": name, "max_tokens": rng.choice([1, 2, 0, -1, "1", 2.5, True, 10**20, None, []])}
+        body["prompt" if path == "completions" else "messages"] = (
+            rng.choice(["hi", ["hi"], [1, 2]]) if path == "completions" else [{"role": "user", "content": "hi"}])
+        for field in rng.sample(fields, rng.randint(1, 4)):
+            value = rng.choice(values)
+            if field == "messages" and rng.random() < 0.7:  # mostly a message whose parts are hostile
+                value = [{"role": rng.choice(["user", "system", "robot", 5]), "content": value}]
+            body[field] = value
+        if body.get("max_tokens") is None:
+            body["max_tokens"] = 2  # a request that passes generates little (by default: the context's rest)
+        response = httpx.post(f"{server.url}/v1/{path}", content=_json(body), timeout=120,
+                              headers={"content-type": "application/json"})
+        statuses.append(response.status_code)
+        assert response.status_code == 200 or 400 <= response.status_code < 500, (body, response.text)
+        if response.status_code != 200:
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["message"], (body, error)
+    assert statuses.count(200) >= 3, statuses  # some pass: the loop reaches the engine
+    assert client.completions.create(model=name, prompt=TEXT, temperature=0, max_tokens=4).choices[0].text == before
+
+
+def test_text_that_is_no_unicode_is_a_400_naming_where(server):
+    name = server.client().models.list().data[0].id
+    for path, body, where in (("completions", {"prompt": "ab\ud800"}, "prompt: not valid Unicode"),
+                              ("completions", {"prompt": ["\udc00"]}, "prompt: not valid Unicode"),
+                              ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
+                               "messages.0.content: not valid Unicode"),
+                              ("chat/completions", {"messages": [{"role": "user", "content": [
+                                  {"type": "text", "text": "\ud83d"}]}]}, "messages.0.content: not valid Unicode")):
+        response = httpx.post(f"{server.url}/v1/{path}", timeout=30, headers={"content-type": "application/json"},
+                              content=json.dumps({"model": name, "max_tokens": 1, **body}).replace("\\\\", "\\").encode())
+        assert response.status_code == 400 and where in response.json()["error"]["message"], response.text
+
+
+def test_a_huge_prompt_does_not_stall_other_clients(server):
+    """A 3 MB prompt (longer than the context: a 400) is tokenized off the event loop: a stream running
+    meanwhile keeps its pace and /health answers at once."""
+    name = server.client().models.list().data[0].id
+    huge = {"model": name, "prompt": TEXT * 110_000, "max_tokens": 1}
+    answers = {}
+    health = []
+
+    def post_huge():
+        answers["huge"] = httpx.post(f"{server.url}/v1/completions", json=huge, timeout=120)
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120,
+                      json={"model": name, "prompt": TEXT, "max_tokens": 40, "stream": True}) as raw:
+        lines = (line for line in raw.iter_lines() if line)
+        next(lines)
+        sender = threading.Thread(target=post_huge)
+        sender.start()
+        while sender.is_alive():
+            start = time.monotonic()
+            assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+            health.append(time.monotonic() - start)
+            time.sleep(0.05)
+        rest = list(lines)
+    assert answers["huge"].status_code == 400 and "exceed" in answers["huge"].json()["error"]["message"]
+    assert health and max(health) < 1.5, health
+    assert rest[-1] == "data: [DONE]"
+
+
 def test_a_stop_string_ends_the_text_before_it(server):
     client, name = server.client(), server.client().models.list().data[0].id
     free = client.completions.create(model=name, prompt=TEXT, temperature=0, max_tokens=16).choices[0].text
@@ -310,3 +397,137 @@ def test_tensor_parallel_server_stops_cleanly_on_sigterm(small_llama, tokenizer,
     assert len(ranks) >= 2 and not _alive(ranks, within=10), ranks
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("megakernel-") and
                 int(n.split("-")[1]) in ranks + [server.process.pid]]
+
+
+def _marked_serve(path: str, tmp_path, *options: str) -> tuple[subprocess.Popen, str, str, str]:
+    """A ``megakernel serve`` process of ``path`` on a free port, a mark in its environment (its
+    processes are found by it); returns the process, its URL, its log's path and the mark."""
+    mark = f"MEGAKERNEL_TEST_MARK={uuid.uuid4().hex}"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = str(tmp_path / f"serve-{port}.log")
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "megakernel.tools.cli", "serve", path, "--port", str(port),
+                                    "--backend", "torch", "--workers", "2", *options], stdout=out,
+                                   stderr=subprocess.STDOUT, env={**os.environ, "MEGAKERNEL_TEST_MARK": mark.split("=")[1]})
+    return process, f"http://127.0.0.1:{port}", log, mark
+
+
+def test_serve_exits_in_one_line_when_the_tokenizer_cannot_load(small_llama, tmp_path):
+    _, path = small_llama
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    for name in os.listdir(broken):
+        if name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+            (broken / name).write_text("{not a tokenizer")
+    process, _, log, mark = _marked_serve(str(broken), tmp_path)
+    try:
+        assert process.wait(300) == 1
+    finally:
+        process.kill()
+    lines = open(log).read().strip().splitlines()
+    assert len(lines) == 1 and "the model did not load" in lines[0] and "Traceback" not in lines[0], lines
+    assert not _alive(marked_processes(mark), within=10)
+
+
+def test_ctrl_c_while_the_model_compiles_exits_cleanly(small_llama, tmp_path):
+    """SIGINT once the server answers (503: the model still compiling): it exits 0, nothing left running."""
+    _, path = small_llama
+    process, url, log, mark = _marked_serve(path, tmp_path)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                status = httpx.get(f"{url}/health", timeout=5).status_code
+                break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(120) == 0, open(log).read()
+    finally:
+        process.kill()
+    assert status in (200, 503)
+    assert not _alive(marked_processes(mark), within=10)
+
+
+def test_many_concurrent_requests_each_get_their_solo_answer_and_sigterm_ends_open_streams(small_llama, tmp_path):
+    """What held under the adversarial pass, kept so: 200 requests at once through 8 batch rows (streamed
+    and not, greedy and seeded, some abandoned after their first event) each get what they get alone; the
+    KV pages all come back; SIGTERM with 10 streams open ends each with an error and exits 0, leaving no
+    process or shared memory."""
+    _, path = small_llama
+    process, url, log, mark = _marked_serve(path, tmp_path, "--max-batch", "8", "--max-seq-len", str(MAX_SEQ_LEN),
+                                            "--page-size", "16", "--prefill-chunk", "32")
+    server = Server(process, url, log)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert process.poll() is None, open(log).read()
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        name = server.client().models.list().data[0].id
+        asks = [dict(model=name, prompt=f"{TEXT} {i}", max_tokens=2 + i % 4, stream=i % 3 == 0,
+                     **(dict(temperature=0.9, seed=i) if i % 2 else dict(temperature=0))) for i in range(200)]
+        abandoned = set(range(5, 200, 20))
+
+        def text(ask, abandon=False) -> str | None:
+            if not ask["stream"] and not abandon:
+                return httpx.post(f"{url}/v1/completions", json=ask, timeout=300).json()["choices"][0]["text"]
+            with httpx.stream("POST", f"{url}/v1/completions", json={**ask, "stream": True}, timeout=300) as raw:
+                events = []
+                for line in raw.iter_lines():
+                    if line and line != "data: [DONE]":
+                        events.append(json.loads(line[6:])["choices"][0]["text"])
+                        if abandon:
+                            return None
+            return "".join(events)
+        together: dict[int, str | None] = {}
+        with ThreadPoolExecutor(48) as pool:
+            for i, answer in zip(range(200), pool.map(lambda i: text(asks[i], i in abandoned), range(200))):
+                together[i] = answer
+        alone = {i: text(asks[i]) for i in range(200) if i not in abandoned}
+        assert {i: t for i, t in together.items() if i not in abandoned} == alone
+        settled = _settled(server)
+        assert settled['megakernel_requests_total{outcome="cancelled"}'] >= len(abandoned) - 2  # (some finished)
+        with contextlib.ExitStack() as open_streams:  # 8 rows run, 2 wait
+            lines = [(line for line in open_streams.enter_context(httpx.stream(
+                "POST", f"{url}/v1/completions", timeout=120, json={"model": name, "prompt": TEXT, "stream": True,
+                                                                     "max_tokens": MAX_SEQ_LEN - 20})).iter_lines()
+                      if line and line != "data: [DONE]") for _ in range(10)]
+            assert next(lines[0]).startswith("data: ")
+            workers = marked_processes(mark)
+            process.send_signal(signal.SIGTERM)
+            for events in lines:
+                assert "error" in json.loads(list(events)[-1][6:])
+        assert process.wait(60) == 0, open(log).read()
+    finally:
+        process.kill()
+    assert not _alive(workers, within=10)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"megakernel-{process.pid}-")]
+
+
+def test_a_killed_server_leaves_no_worker_and_no_shared_memory(small_llama, tmp_path):
+    """SIGKILL of a server on the cpu backend (its workers are processes): they follow it within seconds,
+    and no segment of its heap is left (its name went once the workers had mapped it)."""
+    _, path = small_llama
+    process, url, log, mark = _marked_serve(path, tmp_path, "--backend", "cpu")
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert process.poll() is None, open(log).read()
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        workers = [pid for pid in marked_processes(mark) if pid != process.pid]
+        process.send_signal(signal.SIGKILL)
+        process.wait(30)
+    finally:
+        process.kill()
+    assert len(workers) >= 2 and not _alive(workers, within=30), workers
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"megakernel-{process.pid}-")]

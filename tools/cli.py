@@ -139,10 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     _add_trace_commands(sub)
     _add_graph_command(sub)
     args = parser.parse_args(argv)
+    command = " ".join(filter(None, [args.command, getattr(args, "trace_command", None)]))
     try:
         return args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling of it (serve's, once it serves)
+        print(f"megakernel {command}: interrupted", file=sys.stderr)
+        return 130
     except Exception as error:  # a file that is not what it claims, an error of the library: one line
-        command = " ".join(filter(None, [args.command, getattr(args, "trace_command", None)]))
         where = ""
         if isinstance(error, RankError):  # the rank's own error, without its traceback
             where, error = f"rank {error.rank}: ", error.error
@@ -177,7 +180,7 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="a checkpoint directory (save_pretrained's layout) or a GGUF file")
     p.add_argument("--tp", type=_count, default=1, help="tensor-parallel ranks (processes)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--backend", choices=["auto", "cpu", "torch", "cuda", "hip"], default="auto",
                    help="auto: the GPU if there is one, else cpu; torch runs each tile as torch code (fast on a CPU)")
     p.add_argument("--max-batch", type=_count, default=8, help="sequences decoded together (batch rows)")
@@ -194,7 +197,29 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dequantize", action="store_true", help="a GGUF file's weights as float32 (for the torch "
                                                              "backend, which unpacks quantized weights every step)")
     p.add_argument("--name", help="the model's id in the API (default: the file's stem or the folder's name)")
+    p.add_argument("--max-request-bytes", type=_count, default=4 << 20,
+                   help="a larger request body is refused (413) before it is read whole")
+    p.add_argument("--max-connections", type=_count, default=512,
+                   help="connections at once; past them a request is refused (503)")
+    p.add_argument("--idle-timeout", type=_seconds, default=10.0,
+                   help="seconds a connection may take to send a request's headers, or pause in its body")
     p.set_defaults(run=_serve)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {text!r}")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return seconds
 
 
 def _add_trace_commands(sub: argparse._SubParsersAction) -> None:

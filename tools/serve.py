@@ -14,6 +14,12 @@ the rest of the context for chat), ``temperature`` (default 1; 0 is greedy), ``t
 ``stop`` (a string or up to 4), ``logprobs`` (completions: how many most likely tokens; chat: true with
 ``top_logprobs``), ``stream_options.include_usage``; and vLLM's ``top_k`` and ``min_p``. One choice per
 request (``n`` = 1). Log-probabilities are the model's, before temperature and filters.
+
+Hostile clients meet bounds: a body over ``--max-request-bytes`` is a 413 before it is read whole; a
+connection must send a request's headers within ``--idle-timeout`` seconds of opening (or of its last
+response), and its body with no longer pause than that, or it is closed; past ``--max-connections``
+a request gets a 503. Every error, unknown paths and methods included, has OpenAI's error body.
+Tokenizing and chat templates run in a thread of their own, off the event loop.
 """
 from __future__ import annotations
 
@@ -23,20 +29,25 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256  # a stop string's length at most: each new token's text is matched against every stop
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -60,6 +71,9 @@ class Options:
     workers: int | None = None
     dequantize: bool = False
     name: str | None = None
+    max_request_bytes: int = 4 << 20  # a larger body is refused (413) before it is read whole
+    max_connections: int = 512        # past it a request is refused (503): each connection holds a socket
+    idle_timeout: float = 10.0        # seconds to send a request's headers, or between its body's reads
 
     @property
     def served_name(self) -> str:
@@ -82,6 +96,9 @@ def load_model(options: Options):
 
 # -- the HTTP API ---------------------------------------------------------------------------------------
 
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
 class Sampling(BaseModel):
     """The fields both endpoints share (others OpenAI defines are accepted and ignored)."""
 
@@ -93,7 +110,7 @@ class Sampling(BaseModel):
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: dict | None = None
     n: int = Field(1, ge=1, le=1)
@@ -106,10 +123,24 @@ class Completion(Sampling):
     logprobs: int | None = Field(None, ge=0)
 
 
+class Part(BaseModel):
+    """A part of a message's content: the text ones count, the others (images, audio) are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _has_text(self) -> "Part":
+        if self.type == "text" and self.text is None:
+            raise ValueError("a part of type text needs its text (a string)")
+        return self
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict]  # text, or parts of which the text ones count
+    content: str | list[Part]
 
 
 class Chat(Sampling):
@@ -144,6 +175,10 @@ class State:
     engine: threading.Thread | None = None  # the scheduler's loop
     failure: str | None = None               # why the model did not load
     started: float = field(default_factory=time.time)
+    # tokenizing and templating, off the event loop (a 4 MB prompt takes seconds); one thread, as a
+    # tokenizer is not made to be called from several at once
+    text_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="megakernel-text"))
 
     def ready(self) -> None:
         if self.failure or (self.scheduler is not None and self.scheduler.failure):
@@ -153,27 +188,55 @@ class State:
                                kind="server_error")
 
 
+class Json(JSONResponse):
+    """JSON with non-ASCII characters escaped: text from a client (a lone surrogate in an error message
+    that quotes it) cannot fail to encode."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
 def build_app(state: State) -> FastAPI:
     """The FastAPI application over ``state``."""
-    app = FastAPI(title="megakernel")
+    app = FastAPI(title="megakernel", default_response_class=Json)
+    too_large = RequestError(f"the request body exceeds {state.options.max_request_bytes} bytes "
+                             "(--max-request-bytes)", status=413)
+    app.add_middleware(BodyLimit, limit=state.options.max_request_bytes, refusal=too_large)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, error: RequestValidationError):
-        first = error.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        message = f"{param}: {first.get('msg')}" if param else first.get("msg", "invalid request")
-        return JSONResponse(RequestError(message, param).body(), status_code=400)
+        # the deepest error: of a union (content: text or parts), the branch the value went furthest in
+        deepest = max(error.errors(), key=lambda e: len(e.get("loc", ())))
+        param = ".".join(str(p) for p in deepest.get("loc", ())[1:] if not _union_branch(p)) or None
+        message = f"{param}: {deepest.get('msg')}" if param else deepest.get("msg", "invalid request")
+        return Json(RequestError(message, param).body(), status_code=400)
 
     @app.exception_handler(RequestError)
     async def refused(_, error: RequestError):
-        return JSONResponse(error.body(), status_code=error.status)
+        return Json(error.body(), status_code=error.status)
+
+    @app.exception_handler(HTTPException)  # routing's 404 and 405, a body too large or not parseable
+    async def http_error(request: Request, error: HTTPException):
+        where = f"({request.method} {request.url.path})"
+        message = {404: f"Invalid URL {where}", 405: f"Method Not Allowed {where}", 413: str(too_large)}
+        cause = error.__cause__  # what the body's parser raised (RecursionError, UnicodeDecodeError)
+        text = message.get(error.status_code) or (f"{error.detail}: {type(cause).__name__}: {cause}" if cause
+                                                 else str(error.detail))
+        kind = "server_error" if error.status_code >= 500 else "invalid_request_error"
+        return Json(RequestError(text, status=error.status_code, kind=kind).body(), status_code=error.status_code,
+                    headers=getattr(error, "headers", None))
+
+    @app.exception_handler(Exception)  # a bug: still OpenAI's body (the error is logged too)
+    async def failed(_, error: Exception):
+        return Json(RequestError(f"internal error: {type(error).__name__}: {error}", status=500,
+                                 kind="server_error").body(), status_code=500)
 
     @app.get("/health")
     async def health():
         try:
             state.ready()
         except RequestError as error:
-            return JSONResponse(error.body(), status_code=503)
+            return Json(error.body(), status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -194,7 +257,7 @@ def build_app(state: State) -> FastAPI:
             if len(prompt) != 1:
                 raise RequestError("prompt: one prompt per request", "prompt")
             prompt = prompt[0]
-        ids = state.text.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = await _text(state, state.text.encode, prompt) if isinstance(prompt, str) else list(prompt)
         top = body.logprobs or 0
         run = _start(state, body, ids, COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens, top)
         kind, name = "text_completion", "cmpl"
@@ -211,9 +274,9 @@ def build_app(state: State) -> FastAPI:
     async def chat(body: Chat, request: Request):
         state.ready()
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                     else "".join(part.get("text", "") for part in m.content if part.get("type") == "text")}
+                     else "".join(part.text for part in m.content if part.type == "text")}
                     for m in body.messages]
-        ids = _checked(state.text.chat, messages)
+        ids = await _text(state, state.text.chat, messages)
         top = (body.top_logprobs or 0) if body.logprobs else 0
         if body.top_logprobs and not body.logprobs:
             raise RequestError("top_logprobs: needs logprobs true", "top_logprobs")
@@ -244,12 +307,51 @@ class Run:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+def _union_branch(loc) -> bool:
+    """A step of a validation error's location that names a branch of a union type ("str", "list[Part]")
+    rather than a field or an index."""
+    return isinstance(loc, str) and (loc in ("str", "int", "float", "bool", "list", "dict") or "[" in loc
+                                     or loc[:1].isupper())
+
+
+class BodyLimit:
+    """ASGI middleware: a request body of more than ``limit`` bytes is refused (``refusal``, a 413) as
+    soon as that is known: at once from its Content-Length, before any of it is read; else (chunked)
+    when the parts read so far pass the limit."""
+
+    def __init__(self, app, limit: int, refusal: RequestError):
+        self.app, self.limit, self.refusal = app, limit, refusal
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await Json(self.refusal.body(), status_code=413)(scope, receive, send)
+        read = 0
+
+        async def counted():
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.limit:  # raised in the body's reading: the app answers it (http_error)
+                raise HTTPException(413)
+            return message
+        await self.app(scope, counted, send)
+
+
 def _checked(function, *args):
     from ..errors import GraphError
     try:
         return function(*args)
     except GraphError as error:
         raise RequestError(str(error)) from None
+
+
+async def _text(state: State, function, *args):
+    """``function(*args)`` of the text (a tokenizer's work) in its thread, off the event loop: a 400 for
+    what it refuses."""
+    return await asyncio.get_running_loop().run_in_executor(state.text_thread, _checked, function, *args)
 
 
 def _start(state: State, body, ids: list[int], max_tokens: int, top: int) -> Run:
@@ -278,8 +380,6 @@ def _start(state: State, body, ids: list[int], max_tokens: int, top: int) -> Run
     if top > options.max_logprobs:
         raise RequestError(f"logprobs: at most {options.max_logprobs} most likely tokens (--max-logprobs)", "logprobs")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise RequestError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings", "stop")
     sampling = _checked(SamplingParams, body.temperature, max(body.top_k, 0), body.top_p, body.min_p, body.seed)
     loop, updates = asyncio.get_running_loop(), asyncio.Queue()
     request = Request(ids, max_tokens, lambda update: loop.call_soon_threadsafe(updates.put_nowait, update),
@@ -465,18 +565,19 @@ def serve_rank(options: Options) -> None:
         finally:
             model.close()
         return
-    import uvicorn
-
+    sock = listen(options)  # before anything loads: a bad or busy address fails in a second, not after
     state = State(options)
-    server = _server(uvicorn.Config(build_app(state), host=options.host, port=options.port, log_level="warning",
-                                    timeout_graceful_shutdown=30), state)
-    loader = threading.Thread(target=_load, args=(state, server, Group(world, rank)), name="megakernel-load")
+    server = _server(uvicorn_config(options, build_app(state)), state)
+    loader = threading.Thread(target=_load, args=(state, server, Group(world, rank), sock.getsockname()[1]),
+                              name="megakernel-load")
     loader.start()
     try:
-        server.run()
+        with sock:
+            server.run(sockets=[sock])
     finally:
-        server.stop_engine()
+        server.should_exit = True  # (however the server ended) a loader still compiling starts no engine
         loader.join()
+        server.stop_engine()
         if state.engine is not None:
             state.engine.join()
         if state.model is not None:
@@ -485,9 +586,72 @@ def serve_rank(options: Options) -> None:
         raise RuntimeError(state.failure)
 
 
-def _load(state: State, server, group) -> None:
+def listen(options: Options) -> socket.socket:
+    """The server's listening socket on ``options.host`` and ``options.port``; an ``OSError`` naming the
+    address where it cannot be had (in use, no such host, a port out of range)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in options.host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait
+        sock.bind((options.host, options.port))
+        sock.listen(2048)
+    except (OSError, OverflowError) as error:
+        sock.close()
+        raise OSError(f"cannot listen on {options.host}:{options.port}: {getattr(error, 'strerror', None) or error}"
+                      ) from None
+    return sock
+
+
+def uvicorn_config(options: Options, app):
+    """uvicorn's configuration of the server: its bounds on connections (see the module docstring)."""
+    import uvicorn
+
+    return uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30,
+                          limit_concurrency=options.max_connections, http=_protocol(options.idle_timeout))
+
+
+def _protocol(timeout: float):
+    """uvicorn's HTTP/1.1 protocol (h11), which closes a connection that has not sent a request's headers
+    within ``timeout`` seconds of opening or of its last response, or whose body pauses longer (uvicorn
+    itself waits for headers forever: a few hundred silent clients would hold every socket)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is h11.SEND_BODY:  # the body's parts: each within the timeout
+                self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            super().connection_lost(exc)
+            if self.deadline is not None:
+                self.deadline.cancel()
+
+        def _arm(self) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+            self.deadline = self.loop.call_later(timeout, self._expire)
+
+        def _expire(self) -> None:
+            # headers not (all) there, or a body stalled; a request received whole is the app's to answer
+            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
+
+
+def _load(state: State, server, group, port: int) -> None:
     """Compile the model and start its serving loop (a thread), or say why not and stop the server."""
-    from ..models.serving import Scheduler
     from ..models.text import Text
 
     try:
@@ -497,14 +661,22 @@ def _load(state: State, server, group) -> None:
         state.failure = f"the model did not load: {type(error).__name__}: {error}"
         server.should_exit = True
         return
+    if server.should_exit:  # a signal came while the model compiled: serve_rank closes it
+        return
+    start_engine(state, group)
+    host = f"[{state.options.host}]" if ":" in state.options.host else state.options.host
+    print(f"megakernel serve: {state.options.served_name} on http://{host}:{port}",
+          file=sys.stderr, flush=True)
+
+
+def start_engine(state: State, group=None) -> None:
+    """Start the serving loop over ``state``'s model and text, in a thread: the server is ready."""
+    from ..models.serving import Scheduler
+
     scheduler = Scheduler(state.model, state.text, state.options.steps_per_launch, group)
     state.engine = threading.Thread(target=scheduler.run, name="megakernel-engine")
     state.engine.start()
     state.scheduler = scheduler
-    if server.should_exit:  # a signal came while the model compiled
-        scheduler.stop()
-    print(f"megakernel serve: {state.options.served_name} on http://{state.options.host}:{state.options.port}",
-          file=sys.stderr, flush=True)
 
 
 def _server(config, state: State):

@@ -16,8 +16,9 @@ from typing import Callable, TypeVar
 import torch
 
 from ..backend import KINDS, resolve
-from ..errors import GraphError, is_count, is_int, is_number
+from ..errors import FaultError, GraphError, is_count, is_int, is_number
 from ..graph import Graph
+from ..layout import NOT_FINITE
 from ..runtime import Megakernel
 from ..tasks.chunk_attention import BLOCK_ROWS
 from ..tasks.sampling import PARAMS
@@ -36,11 +37,30 @@ def serialized(method: Method) -> Method:
     @functools.wraps(method)
     def locked(self: "DecodeModel", *args, **kwargs):
         with self.lock:
+            if self.closed:
+                raise GraphError(f"{method.__name__}: the model is closed")
             return method(self, *args, **kwargs)
     return locked  # type: ignore[return-value]
 
 
+class SequenceFault(GraphError):
+    """A step whose launch met data it cannot use in some sequences (``runtime.FaultError``: logits that
+    are not finite, an index out of range): those sequences ended, their slots and pages free, and
+    ``sequences`` maps each one's id to what it met; the others' tokens of the step are theirs as usual
+    (an index fault, whose clamped data may be anywhere, ends every sequence of the step)."""
+
+    def __init__(self, message: str, sequences: dict[int, str]):
+        super().__init__(message, sequences)
+        self.message, self.sequences = message, sequences
+
+    def __str__(self) -> str:
+        return self.message
+
+
 SEED_BITS = 63  # a seed is an int64 on the device's heap
+# the least positive float parameter: float32's smallest normal number (GPUs flush the subnormal ones to 0,
+# where a temperature would divide by zero and a min-p would keep everything)
+SMALLEST_NORMAL = float(torch.finfo(torch.float32).tiny)
 
 
 @dataclass(frozen=True)
@@ -48,7 +68,9 @@ class SamplingParams:
     """How a sequence's tokens are drawn on the device (``tasks.sampling``): ``temperature`` 0 is greedy
     (the argmax); above it, softmax(logits / temperature) over the tokens that ``top_k`` (0: all), ``top_p``
     (1: all) and ``min_p`` (0: all) keep. ``seed``: the key of the sequence's random stream, which with
-    the position alone decides its draws (None: one drawn for it, the same on every rank)."""
+    the position alone decides its draws (None: one drawn for it, the same on every rank). A positive
+    float parameter is at least ``SMALLEST_NORMAL`` (1.18e-38): at the least temperature the draw is the
+    argmax (among equal logits, one of them at random)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -57,10 +79,16 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        checks = (("temperature", is_number(self.temperature) and 0 <= self.temperature < math.inf, "a finite number >= 0"),
+        def zero_or_normal(x) -> bool:
+            return x == 0 or x >= SMALLEST_NORMAL
+
+        checks = (("temperature", is_number(self.temperature) and 0 <= self.temperature < math.inf
+                   and zero_or_normal(self.temperature), f"0 or a finite number >= {SMALLEST_NORMAL:.8g}"),
                   ("top_k", is_int(self.top_k) and 0 <= self.top_k < 1 << 24, "an int in [0, 2^24) (0: off)"),
-                  ("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-                  ("min_p", is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
+                  ("top_p", is_number(self.top_p) and SMALLEST_NORMAL <= self.top_p <= 1,
+                   f"a number in [{SMALLEST_NORMAL:.8g}, 1]"),
+                  ("min_p", is_number(self.min_p) and 0 <= self.min_p <= 1 and zero_or_normal(self.min_p),
+                   f"0 or a number in [{SMALLEST_NORMAL:.8g}, 1]"),
                   ("seed", self.seed is None or is_int(self.seed), "an int or None"))
         for name, good, what in checks:
             if not good:
@@ -158,6 +186,7 @@ class DecodeModel:
         self.logits: torch.Tensor | None = None
         self._next_id = 0
         self.lock = threading.RLock()  # held by every public method (``serialized``)
+        self.closed = False
 
     @serialized
     def decode(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
@@ -247,16 +276,21 @@ class DecodeModel:
                           "prompt_len": torch.full((c.batch,), prompt), "block_table": self.pool.table,
                           **self._ends(steps)})
         pos = 0
-        while pos < steps:
-            count = min(tokens_per_launch or steps, steps - pos)
-            frequencies = self._frequencies(pos)
-            if self.rope_at is not None:  # the steps of one launch share the frequencies bound for its first
-                count = next((k for k in range(1, count) if not torch.equal(self.rope_at(pos + k), self.inv_freq)),
-                             count)
-            history = self._launch(frequencies, count)["history"]
-            pos = min(self._positions(list(range(c.batch)), [steps] * c.batch)) if c.draft_tokens else pos + count
-            if stop.numel() and pos >= prompt and bool(torch.isin(history[:, prompt:pos + 1], stop).any(dim=1).all()):
-                break
+        try:
+            while pos < steps:
+                count = min(tokens_per_launch or steps, steps - pos)
+                frequencies = self._frequencies(pos)
+                if self.rope_at is not None:  # the steps of one launch share the frequencies bound for its first
+                    count = next((k for k in range(1, count)
+                                  if not torch.equal(self.rope_at(pos + k), self.inv_freq)), count)
+                history = self._launch(frequencies, count)["history"]
+                pos = min(self._positions(list(range(c.batch)), [steps] * c.batch)) if c.draft_tokens else pos + count
+                ended = torch.isin(history[:, prompt:pos + 1], stop).any(dim=1)
+                if stop.numel() and pos >= prompt and bool(ended.all()):
+                    break
+        except FaultError:  # (the rows' positions name batch rows: the prompts')
+            self.kernel.bind({"pos": torch.full((c.batch,), -1)})  # every row free again
+            raise
         tokens = history[:, :pos + 1].clone()
         if stop.numel():
             new = tokens[:, prompt:]
@@ -334,7 +368,14 @@ class DecodeModel:
         self._bind_prefill(chunk)
         for s in running:  # a sequence whose prefill ends in this launch starts in its batch row
             self.kernel.tensor(self.graph.inputs["pos"])[s.slot] = s.pos
-        out = self._launch({"block_table": self.pool.table}, steps)
+        try:
+            out, faulted = self._launch({"block_table": self.pool.table}, steps), {}
+        except FaultError as error:  # the launch ran: its outputs are on the heap, some sequences' not valid
+            out, faulted = self._outputs(), self._faulted(error, running)
+            running = [s for s in running if s.id not in faulted]
+            for s in self.slots:
+                if s is not None and s.id in faulted:
+                    self._free(s)
         history = out["history"]
         moved = (self._positions([s.slot for s in running], [s.last_position + 1 for s in running])
                  if self.config.draft_tokens else [s.pos + steps for s in running])
@@ -360,7 +401,25 @@ class DecodeModel:
                 s.done = True
                 self._free(s)
                 self.finished[s.id] = torch.cat([s.prompt, torch.tensor(s.tokens, dtype=torch.int64)])
+        if faulted:
+            raise SequenceFault("step: " + "; ".join(f"sequence {i} ended: {why}" for i, why in faulted.items())
+                                + f" (the others' tokens are theirs: {new})", faulted)
         return new
+
+    def _faulted(self, error: FaultError, running: list[Sequence]) -> dict[int, str]:
+        """The sequences of ``running`` that ``error``'s faults make invalid, with what each met."""
+        by_slot = {s.slot: s for s in running}
+        faulted: dict[int, str] = {}
+        for fault in error.faults:
+            if fault.kind == NOT_FINITE and fault.value in by_slot:
+                s = by_slot[fault.value]
+                faulted.setdefault(s.id, f"its logits are not finite (at position {fault.bound}, new token "
+                                         f"{fault.bound - s.prompt.numel() + 1}, device step {fault.step}, the "
+                                         "launch's last to meet them): the model overflowed, or its weights hold "
+                                         "NaN or inf")
+            elif fault.kind != NOT_FINITE:
+                return {s.id: f"the step read an index out of range ({fault})" for s in running}
+        return faulted
 
     @serialized
     def cancel(self, sequence_id: int) -> torch.Tensor:
@@ -471,7 +530,10 @@ class DecodeModel:
     def _admissible(self, prompt_ids, max_new_tokens: int, what: str) -> torch.Tensor:
         """``prompt_ids`` as the 1-D prompt of a sequence (``add``) that will make ``max_new_tokens``, or a
         ``GraphError`` saying why it cannot be one."""
-        ids = self._token_ids(prompt_ids, what, "prompt_ids").reshape(-1)
+        ids = self._token_ids(prompt_ids, what, "prompt_ids")
+        if ids.ndim != 1:
+            raise GraphError(f"{what}: prompt_ids must be one prompt, a 1-D list of token ids, got shape "
+                             f"{tuple(ids.shape)}")
         if ids.numel() == 0:
             raise GraphError(f"{what}: the prompt is empty")
         if ids.numel() + max_new_tokens > self.config.max_seq_len:
@@ -506,7 +568,8 @@ class DecodeModel:
             return torch.zeros(0, dtype=torch.int64)
         if not is_int(eos_token_id) and not isinstance(eos_token_id, (list, tuple, set, frozenset, torch.Tensor)):
             raise GraphError(f"{what}: eos_token_id must be a token id or several, got {eos_token_id!r}")
-        ids = [eos_token_id] if is_int(eos_token_id) else list(eos_token_id)
+        ids = ([eos_token_id] if is_int(eos_token_id) else eos_token_id.reshape(-1)
+               if isinstance(eos_token_id, torch.Tensor) else list(eos_token_id))
         return self._token_ids(ids, what, "eos_token_id").reshape(-1)
 
     def _per_row(self, sampling, rows: int, what: str) -> list[SamplingParams]:
@@ -530,11 +593,22 @@ class DecodeModel:
         return params
 
     def _launch(self, inputs: dict[str, torch.Tensor], steps: int) -> dict[str, torch.Tensor]:
-        """One launch of ``steps`` steps; keeps the last step's logits (float32, the vocabulary's)."""
-        out = self.kernel.run(inputs, steps=steps)
+        """One launch of ``steps`` steps; keeps the last step's logits (float32, the vocabulary's). A launch
+        that faulted (``FaultError``) ran all its steps: they count, and its outputs are on the heap."""
+        try:
+            out = self.kernel.run(inputs, steps=steps)
+        except FaultError:
+            self._ran(steps, self._outputs())
+            raise
+        return self._ran(steps, out)
+
+    def _ran(self, steps: int, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self._steps_launched += steps
         self.logits = out["logits"][:, :self.config.vocab].float()
         return out
+
+    def _outputs(self) -> dict[str, torch.Tensor]:
+        return {name: self.kernel.tensor(t).clone() for name, t in self.graph.outputs.items()}
 
     def _ends(self, end: int) -> dict[str, torch.Tensor]:
         """With drafts, the input that ends every batch row at position ``end``."""
@@ -574,9 +648,11 @@ class DecodeModel:
         self.inv_freq = inv_freq
         return {"inv_freq": inv_freq}
 
-    @serialized
     def close(self) -> None:
-        self.kernel.close()
+        """Release the kernel, once a step of another thread has ended; the model refuses any call after."""
+        with self.lock:
+            self.closed = True
+            self.kernel.close()
 
 
 @dataclass

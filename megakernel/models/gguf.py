@@ -60,7 +60,8 @@ SIZE_FIELDS = {"block_count": (True, "num_hidden_layers"), "embedding_length": (
                "attention.head_count_kv": (False, "num_key_value_heads"), "rope.dimension_count": (False, "head_dim"),
                "attention.key_length": (False, "head_dim"), "vocab_size": (False, "vocab_size"),
                "expert_count": (False, "num_experts"), "expert_used_count": (False, "num_experts"),
-               "expert_feed_forward_length": (False, "moe_intermediate_size")}
+               "expert_feed_forward_length": (False, "moe_intermediate_size"),
+               "context_length": (False, "max_position_embeddings")}
 BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")  # a layer's tensor: blk.{i}.*
 
 

@@ -48,7 +48,7 @@ CONFIG_SIZES = {"num_hidden_layers": (True, 1 << 10), "hidden_size": (True, 1 <<
                 "num_attention_heads": (True, 1 << 10), "intermediate_size": (False, 1 << 20),
                 "num_key_value_heads": (False, 1 << 10), "head_dim": (False, 1 << 12),
                 "moe_intermediate_size": (False, 1 << 20), "num_experts": (False, 1 << 12),
-                "num_local_experts": (False, 1 << 12)}
+                "num_local_experts": (False, 1 << 12), "max_position_embeddings": (False, 1 << 24)}
 # What transformers raises making a config, or a model of it, that it refuses: its strict dataclasses'
 # validation errors (hidden_size not a multiple of the heads, a field of the wrong type), and the plain errors
 # of a value of the wrong type or an unknown name (an unknown rope type is a KeyError)
@@ -104,6 +104,11 @@ def config_of(model, max_seq_len: int, max_batch: int, page_size: int = 16, kv_p
     o_bias = attention.o_proj.bias is not None
     mlp_bias = name in MLP_BIAS and bool(getattr(cfg, "mlp_bias", False))
     window = getattr(cfg, "sliding_window", None) if name in WINDOW_ON_EVERY_LAYER + WINDOW_BY_LAYER_TYPES else None
+    if window is not None and not (is_int(window) and window > 0):
+        raise GraphError(f"{name}: sliding_window={window!r} is not supported; supported: a positive int, or null")
+    eps = getattr(cfg, "rms_norm_eps", None)
+    if not (is_number(eps) and math.isfinite(eps) and eps > 0):
+        raise GraphError(f"{name}: rms_norm_eps={eps!r} is not supported; supported: a finite positive number")
     layer_types = (getattr(cfg, "layer_types", None) if name in WINDOW_BY_LAYER_TYPES else None) \
         or ["sliding_attention"] * cfg.num_hidden_layers
     windows = tuple(window if window and window < max_seq_len and kind == "sliding_attention" else None

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..bootstrap import Group
-from .engine import SEED_BITS, DecodeModel, SamplingParams, Sequence
+from .engine import SEED_BITS, DecodeModel, SamplingParams, Sequence, SequenceFault
 from .text import Streamer, Text
 
 HEARTBEAT = 1.0  # seconds an idle loop waits before it sends the followers an empty turn
@@ -183,6 +183,11 @@ class Scheduler:
         start = time.monotonic()
         try:
             apply(self.model, ("step", steps))
+        except SequenceFault as fault:  # those sequences ended (on every rank); the others go on
+            for sequence_id, why in fault.sequences.items():
+                request = self.running.pop(sequence_id, None)
+                if request is not None and not request.ended:
+                    self._end(request, Update(error=f"the engine ended this request: {why}"), "error")
         except Exception as error:  # the kernel failed: nothing more can be served
             self.failure = f"the engine failed: {type(error).__name__}: {error}"
             self._end_all(self.failure, followers=False)  # theirs failed too: their ranks' errors end the job
@@ -266,4 +271,7 @@ def follow(model: DecodeModel, group: Group) -> None:
         for command in commands:
             if command[0] == "stop":
                 return
-            apply(model, command)
+            try:
+                apply(model, command)
+            except SequenceFault:  # rank 0 met the same fault and ends those requests
+                pass

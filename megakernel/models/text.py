@@ -46,6 +46,7 @@ class Text:
     def encode(self, prompt: str) -> list[int]:
         """The ids of ``prompt`` as the tokenizer makes them (its special tokens included, a BOS for those
         that add one)."""
+        _check_unicode(prompt, "prompt")
         return self.tokenizer(prompt)["input_ids"]
 
     def chat(self, messages: list[dict]) -> list[int]:
@@ -53,6 +54,8 @@ class Text:
         with the assistant's turn opened."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise GraphError("this model's tokenizer has no chat template: use /v1/completions with a prompt")
+        for i, message in enumerate(messages):
+            _check_unicode(message["content"], f"messages.{i}.content")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as error:  # the template is the model's own Jinja: anything it raises is the messages'
@@ -68,6 +71,15 @@ class Text:
 
     def streamer(self, stop: list[str]) -> "Streamer":
         return Streamer(self, list(stop))
+
+
+def _check_unicode(text: str, what: str) -> None:
+    """Refuse what is no Unicode text (a lone surrogate, which JSON's ``\\ud800`` makes): the tokenizer
+    would fail on it with a TypeError that names nothing."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as error:
+        raise GraphError(f"{what}: not valid Unicode: a lone surrogate at character {error.start}") from None
 
 
 @dataclass
@@ -98,8 +110,9 @@ class Streamer:
         if not self.stopped:
             if full.endswith("\ufffd"):  # a character whose bytes are still coming
                 showable -= 1
-            showable -= max((n for stop in self.stop for n in range(1, len(stop))
-                             if full[:showable].endswith(stop[:n])), default=0)  # what may begin a stop string
+            shown = full[:showable]  # less what may begin a stop string (servers bound stops' lengths)
+            showable -= max((n for stop in self.stop for n in range(1, len(stop)) if shown.endswith(stop[:n])),
+                            default=0)
         piece = full[self.sent:max(self.sent, showable)]
         self.sent += len(piece)
         return piece
