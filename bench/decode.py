@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from megakernel.models import DecoderConfig, from_hf
+from megakernel.models import DecoderConfig
+from megakernel.serving import from_hf
 from megakernel.tools.demo import random_llama
 
 LLAMA3_8B = DecoderConfig(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, layers=1,

@@ -189,7 +189,7 @@ def check_task_types(s: Setup) -> list[Row]:
 
 # -- 2. decode steps against transformers ----------------------------------------------------------------
 def check_decode(s: Setup) -> list[Row]:
-    from megakernel.models import from_hf
+    from megakernel.serving import from_hf
     from megakernel.tools.demo import random_llama
 
     hf = random_llama(seed=3).to(s.device)
@@ -627,7 +627,7 @@ def check_speculation(s: Setup) -> list[Row]:
     reads every weight once) and the time per token, after a warm-up generation."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megakernel.models import from_hf
+    from megakernel.serving import from_hf
     from megakernel.tools.demo import random_llama
 
     if s.device == "cuda":

@@ -56,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="torch")
     args = parser.parse_args(argv)
 
-    from megakernel.models import from_pretrained
-    from megakernel.models.text import Text
+    from megakernel.serving import Text, from_pretrained
 
     path = gguf_file()
     text = Text.load(path)

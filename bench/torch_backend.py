@@ -25,7 +25,7 @@ import time
 import torch
 
 import megakernel as mk
-from megakernel.models import from_hf, from_pretrained
+from megakernel.serving import from_hf, from_pretrained
 
 PROMPT = torch.tensor([[1, 504, 3458, 282, 4649, 314, 15879, 28]])
 

@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 
 from . import codegen
 from .errors import BackendError
-from .gpu_backend import launch_options
+from .backends.gpu import launch_options
 from .occupancy import KernelResources, binary_resources, cubin_code
 from .scheduler import Spec
 
@@ -56,7 +56,7 @@ def compile_kernel(specs: list[Spec], target: str, row_words: int, trace: bool =
                    num_warps: int | None = None, protocol: str | None = None) -> Compiled:
     """Compile the megakernel for ``specs`` for ``target`` (a key of ``TARGETS``), with or without tracing,
     with the wait/signal ``protocol`` (``device.PROTOCOLS``; the default one if None), with the options
-    a GPU launch uses (``gpu_backend.launch_options``; ``num_warps`` overrides)."""
+    a GPU launch uses (``backends.gpu.launch_options``; ``num_warps`` overrides)."""
     gpu = TARGETS[target]
     kernel = codegen.load_kernel(codegen.kernel_path(specs, gpu.backend, protocol))
     signature = {name: "i64" for name in codegen.KERNEL_ARGS}

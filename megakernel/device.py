@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import layout
-from .scheduler import tables
+from .errors import BackendError
 
 # The status record and trace stamps (``layout``), as constexprs for the kernel.
 STATUS_WORDS, TRACE_WORDS = tl.constexpr(layout.STATUS_WORDS), tl.constexpr(layout.TRACE_WORDS)
@@ -172,7 +172,6 @@ PROTOCOLS = {"poll": "wait_polled", "spin": "wait_spinning"}  # protocol -> its 
 def protocol(chosen: str | None = None) -> str:
     """``chosen``, else ``MEGAKERNEL_PROTOCOL``, else "poll" where Triton has ``tl.atomic_poll``, else
     "spin"; one this Triton cannot build is a ``BackendError``."""
-    from .errors import BackendError
     chosen = chosen or os.environ.get("MEGAKERNEL_PROTOCOL") or ("poll" if hasattr(tl, "atomic_poll") else "spin")
     if chosen not in PROTOCOLS or (chosen == "poll" and not hasattr(tl, "atomic_poll")):
         raise BackendError(f"wait/signal protocol {chosen!r}: expected 'spin'"
@@ -259,13 +258,13 @@ def signal_all(bases, rank, signals, first, count, events_off, FENCE: tl.constex
                      tl.load(signal + SIGNAL_INCREMENT), SCOPED, "relaxed" if RELAXED_ADDS else "release")
 
 
-# The task row layout (scheduler.tables), as constexprs for the kernel.
+# The task row and signal layouts (``layout``), as constexprs for the kernel.
 (ROW_OPCODE, ROW_WAIT_EVENT, ROW_FAN_IN, ROW_CARRY_EVENT, ROW_CARRY_FAN_IN, ROW_SIGNAL_START, ROW_SIGNAL_COUNT, ROW_GUARD,
- ROW_ARG0) = (tl.constexpr(i) for i in (tables.OPCODE, tables.WAIT_EVENT, tables.FAN_IN, tables.CARRY_EVENT,
-                                       tables.CARRY_FAN_IN, tables.SIGNAL_START, tables.SIGNAL_COUNT, tables.GUARD,
-                                       tables.ARG0))
+ ROW_ARG0) = (tl.constexpr(i) for i in (layout.OPCODE, layout.WAIT_EVENT, layout.FAN_IN, layout.CARRY_EVENT,
+                                       layout.CARRY_FAN_IN, layout.SIGNAL_START, layout.SIGNAL_COUNT, layout.GUARD,
+                                       layout.ARG0))
 SIGNAL_WORDS, SIGNAL_RANK, SIGNAL_EVENT, SIGNAL_INCREMENT = (
-    tl.constexpr(i) for i in (tables.SIGNAL_WORDS, tables.SIGNAL_RANK, tables.SIGNAL_EVENT, tables.SIGNAL_INCREMENT))
+    tl.constexpr(i) for i in (layout.SIGNAL_WORDS, layout.SIGNAL_RANK, layout.SIGNAL_EVENT, layout.SIGNAL_INCREMENT))
 
 
 @triton.jit

@@ -7,6 +7,15 @@ collectives make theirs, and ``put`` wants one. Tensors are views: a rectangle o
 buffer (1-D tensors are one row). Ops come from the task library (``megakernel.tasks``): each op
 splits into tile tasks that declare the regions they read and write, and the scheduler infers
 dependencies from those regions.
+
+Every op of the library is a method of ``Graph`` with the op's signature (``g.linear(x, w)``), so an
+editor and ``inspect`` find it; the method hands its arguments to the op's builder, a function
+``build(g, ...)`` of ``tasks/<family>.py``, through ``Graph._op``, which keeps the graph whole: it
+checks that the tensors are this graph's, names the op, counts its tasks, and undoes a failed one.
+Adding an op takes two files: the builder in ``tasks/<family>.py``, listed in that module's ``OPS``,
+and its method in the ops section below (``tests/test_graph_ops.py`` checks the two agree). An op
+of a module outside the package (``MEGAKERNEL_TASK_MODULES``) has no method: ``Graph.__getattr__``
+finds it in ``OPS``.
 """
 from __future__ import annotations
 
@@ -20,11 +29,15 @@ from typing import Any, Callable
 
 import torch
 
-from .backend import largest_heap
+from .backends import largest_heap
+from .bootstrap import current_world
 from .errors import GraphError, is_count, is_int
 from .layout import COMM, align
 from .scheduler import NO_GUARD, Region, Spec, Tasks, task_cost
 from .tasks import DTYPES, OPS, TaskType
+from .tasks import (activation, attention, chunk_attention, comm, control, elementwise, embedding, linear, moe, norm,
+                    rope, sampling, speculation)
+from .tasks.quantized import Quantized
 
 
 @dataclass(frozen=True)
@@ -131,16 +144,11 @@ def _describe(value) -> str:
     return "int" if is_int(value) else repr(value)
 
 
-def _process_group() -> tuple[int, int]:
-    from .bootstrap import current_world
-    return current_world()
-
-
 class Graph:
     """A DAG of tile tasks over symmetric heap buffers.
 
-    Ops (``add``, ``mul``, ``rms_norm``, ``linear``, ``silu_mul``, ...) are the functions registered by
-    the task library; ``dir(graph)`` lists them.
+    Ops (``add``, ``mul``, ``rms_norm``, ``linear``, ``silu_mul``, ...) are its methods, one per builder
+    of the task library (the ops section); ``dir(graph)`` lists them with those of modules outside it.
     """
 
     def __init__(self, world_size: int | None = None, rank: int | None = None, parallelism: int = 1):
@@ -149,7 +157,7 @@ class Graph:
         if not is_count(parallelism):
             raise GraphError(f"parallelism must be a positive integer, got {parallelism!r}")
         self.parallelism = parallelism
-        group_size, group_rank = _process_group()
+        group_size, group_rank = current_world()
         self.world_size = group_size if world_size is None else world_size
         self.rank = group_rank if rank is None else rank
         if not 0 <= self.rank < self.world_size:
@@ -187,35 +195,19 @@ class Graph:
         self.outputs[name] = tensor
 
     def __getattr__(self, name: str):
-        build = OPS.get(name)
+        build = OPS.get(name)  # only ops without a method come here: those of modules outside the package
         if build is None:
             raise AttributeError(f"Graph has no op {name!r}; ops: {', '.join(sorted(OPS))}")
 
         def op(*args: Any, **kwargs: Any):
-            self._require_open(name)
-            for value in (*args, *kwargs.values()):
-                if isinstance(value, Tensor):
-                    self._own(value, name)
-            mark = (len(self.op_names), len(self.tasks), len(self.buffers), len(self.specs), self.heap_bytes,
-                    self.comm_bytes)
-            self.op_names.append(self._scope + name)
-            try:
-                result = build(self, *args, **kwargs)
-                if len(self.tasks) > MAX_TASKS:
-                    raise GraphError(f"{name}: the graph would have {len(self.tasks):,} tasks; at most {MAX_TASKS:,} "
-                                     f"(tables of that many take minutes to schedule)")
-                self.op_calls.append(f"{name}({', '.join(_describe(a) for a in (*args, *kwargs.values()))})")
-                return result
-            except BaseException:
-                self._rollback(*mark)  # a failed op leaves no trace: no tasks, buffers or opcodes
-                raise
+            return self._add_op(name, build, args, kwargs)
 
         op.__name__ = name
         op.__doc__ = build.__doc__
         return op
 
     def __dir__(self):
-        return [*super().__dir__(), *OPS]
+        return sorted({*super().__dir__(), *OPS})
 
     def sealed(self, remote_targets: set[int]) -> "Graph":
         """A copy of this graph to build a kernel from, closed to new ops; this graph stays as it is.
@@ -236,13 +228,12 @@ class Graph:
             if b.index in remote_targets and not b.comm:
                 raise GraphError(f"buffer {b.name!r} is written by other ranks' puts but is not a communication "
                                  f"buffer: create it with new_tensor(..., comm=True)")
-        from .tasks.comm import put_tiles
         twin = self._copy()
         for name, t in self.outputs.items():
             if t.buffer.index in remote_targets:
                 twin.op_names.append(f"outputs/{name}.copy")
                 twin.outputs[name] = twin.new_tensor(t.shape, t.dtype, name=f"{name}.copy")
-                put_tiles(twin, t.block(), twin.rank, twin.outputs[name].block())
+                comm.put_tiles(twin, t.block(), twin.rank, twin.outputs[name].block())
         twin._sealed = True
         return twin
 
@@ -263,6 +254,173 @@ class Graph:
     def _require_open(self, what: str) -> None:
         if self._sealed:
             raise GraphError(f"{what}: this is a kernel's sealed copy of a graph; add ops to the graph it was built from")
+
+    # -- ops: one method per builder of the task library (module docstring) -----------------------
+    def _op(self, build: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """The op that ``build(self, *args, **kwargs)`` adds, under the builder's name."""
+        return self._add_op(build.__name__, build, args, kwargs)
+
+    def _add_op(self, name: str, build: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        self._require_open(name)
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, Tensor):
+                self._own(value, name)
+        mark = (len(self.op_names), len(self.tasks), len(self.buffers), len(self.specs), self.heap_bytes,
+                self.comm_bytes)
+        self.op_names.append(self._scope + name)
+        try:
+            result = build(self, *args, **kwargs)
+            if len(self.tasks) > MAX_TASKS:
+                raise GraphError(f"{name}: the graph would have {len(self.tasks):,} tasks; at most {MAX_TASKS:,} "
+                                 f"(tables of that many take minutes to schedule)")
+            self.op_calls.append(f"{name}({', '.join(_describe(a) for a in (*args, *kwargs.values()))})")
+            return result
+        except BaseException:
+            self._rollback(*mark)  # a failed op leaves no trace: no tasks, buffers or opcodes
+            raise
+
+    # tasks/elementwise.py, tasks/activation.py
+    def add(self, a: Tensor, b: Tensor) -> Tensor:
+        """Elementwise ``a + b``."""
+        return self._op(elementwise.add, a, b)
+
+    def mul(self, a: Tensor, b: Tensor) -> Tensor:
+        """Elementwise ``a * b``."""
+        return self._op(elementwise.mul, a, b)
+
+    def silu_mul(self, a: Tensor, b: Tensor) -> Tensor:
+        """Elementwise ``silu(a) * b`` (in float32): a gated MLP's activation."""
+        return self._op(activation.silu_mul, a, b)
+
+    def gelu_tanh_mul(self, a: Tensor, b: Tensor) -> Tensor:
+        """Elementwise ``gelu(a) * b``, gelu's tanh approximation (in float32)."""
+        return self._op(activation.gelu_tanh_mul, a, b)
+
+    # tasks/norm.py, tasks/linear.py, tasks/rope.py
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float = 1e-6, head_dim: int | None = None,
+                 unit_offset: bool = False) -> Tensor:
+        """RMSNorm of each row of ``x`` [M, N] (``weight`` [N]) or of each ``head_dim`` piece of a row
+        (``weight`` [head_dim]); ``unit_offset``: scaled by ``1 + weight``."""
+        return self._op(norm.rms_norm, x, weight, eps, head_dim, unit_offset)
+
+    def linear(self, x: Tensor, w: Tensor | Quantized, split_k: int | None = None,
+               out: Tensor | None = None) -> Tensor:
+        """``x [M, K] @ w [N, K].T``, [M, N] in x's dtype (written into the view ``out`` if given); K cut
+        into ``split_k`` ranges, by default as many as ``parallelism`` wants. ``w`` may be ``Quantized``."""
+        return self._op(linear.linear, x, w, split_k, out)
+
+    def rope(self, x: Tensor, inv_freq: Tensor, pos: Tensor, head_dim: int, scaling: float = 1.0) -> Tensor:
+        """Rotary embedding: each ``head_dim`` head of each row of ``x`` rotated by its position ``pos``
+        (one int64, or one per row), frequencies ``inv_freq`` (float32 [head_dim / 2])."""
+        return self._op(rope.rope, x, inv_freq, pos, head_dim, scaling)
+
+    # tasks/attention.py, tasks/chunk_attention.py
+    def kv_append(self, cache: Tensor, x: Tensor, pos: Tensor, batch: int, table: Tensor | None = None,
+                  page_size: int | None = None, rows_per_sequence: int = 1) -> Tensor:
+        """Each row of ``x`` [batch, cols] written into ``cache`` at its sequence's position ``pos``:
+        contiguous, or through the block ``table`` of pages of ``page_size`` rows. Returns ``cache``."""
+        return self._op(attention.kv_append, cache, x, pos, batch, table, page_size, rows_per_sequence)
+
+    def decode_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, batch: int, head_dim: int,
+                         window: int | None = None, table: Tensor | None = None,
+                         page_size: int | None = None) -> Tensor:
+        """Attention of one query row per sequence, ``q`` [batch, heads * head_dim], over the cached
+        positions up to ``pos`` (the last ``window`` of them), grouped KV heads, contiguous or paged."""
+        return self._op(attention.decode_attention, q, k_cache, v_cache, pos, batch, head_dim, window, table,
+                        page_size)
+
+    def chunk_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, head_dim: int,
+                        window: int | None = None, table: Tensor | None = None, page_size: int | None = None,
+                        rows_per_sequence: int | None = None) -> Tensor:
+        """Causal attention of many query rows (a prefill chunk, or verification rows), each at its
+        position ``pos`` (-1: unused, zeros), over its sequence's cache, contiguous or paged."""
+        return self._op(chunk_attention.chunk_attention, q, k_cache, v_cache, pos, head_dim, window, table,
+                        page_size, rows_per_sequence)
+
+    # tasks/embedding.py, tasks/moe.py
+    def embedding(self, tokens: Tensor, table: Tensor | Quantized, pos: Tensor | None = None) -> Tensor:
+        """The rows of ``table`` [vocab, hidden] that ``tokens`` (int64 [B]) name, or with ``pos`` those
+        that a token history (int64 [B, positions]) holds at ``pos``. ``table`` may be ``Quantized``."""
+        return self._op(embedding.embedding, tokens, table, pos)
+
+    def route(self, logits: Tensor, k: int, normalize: bool,
+              weight_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """A mixture of experts' router: per row of ``logits`` [tokens, experts], the ``k`` most probable
+        experts (int64 [tokens, k]) and their probabilities (``normalize``: summing to 1)."""
+        return self._op(moe.route, logits, k, normalize, weight_dtype)
+
+    def expert_rows(self, x: Tensor, w: Tensor | Quantized, experts: Tensor, count: int) -> Tensor:
+        """Per token and chosen expert (``experts`` [tokens, slots]), its row of ``x`` times that expert's
+        rows of ``w`` (``count`` experts stacked): [tokens * slots, n]. ``w`` may be ``Quantized``."""
+        return self._op(moe.expert_rows, x, w, experts, count)
+
+    def moe_sum(self, y: Tensor, weights: Tensor) -> Tensor:
+        """Per token, its slots' rows of ``y`` [tokens * slots, n] summed with ``weights`` [tokens, slots]."""
+        return self._op(moe.moe_sum, y, weights)
+
+    def moe_mlp(self, x: Tensor, router: Tensor | Quantized, gate_up: Tensor | Quantized, down: Tensor | Quantized,
+                k: int, normalize: bool, weight_dtype: torch.dtype, act: str = "silu_mul") -> Tensor:
+        """A sparse MLP: ``route``, each token's ``k`` experts' gated MLP (``expert_rows``, ``act``), and
+        ``moe_sum`` of their outputs, [tokens, hidden]."""
+        return self._op(moe.moe_mlp, x, router, gate_up, down, k, normalize, weight_dtype, act)
+
+    # tasks/comm.py
+    def put(self, x: Tensor, to_rank: int, into: Tensor) -> Tensor:
+        """``x`` stored into ``into`` on rank ``to_rank`` (a communication buffer, ``new_tensor(...,
+        comm=True)``, unless every rank puts into itself). Returns ``into``, what peers put here."""
+        return self._op(comm.put, x, to_rank, into)
+
+    def all_reduce(self, x: Tensor, algorithm: str | None = None) -> Tensor:
+        """The sum of every rank's ``x``, on every rank; ``algorithm``: "one_shot", "two_shot" or None
+        (chosen by size)."""
+        return self._op(comm.all_reduce, x, algorithm)
+
+    def all_gather(self, x: Tensor, dim: int = 0) -> Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` in rank order, on every rank."""
+        return self._op(comm.all_gather, x, dim)
+
+    def reduce_scatter(self, x: Tensor, dim: int = 0) -> Tensor:
+        """The sum of every rank's ``x``, cut along ``dim`` into a chunk per rank: this rank's chunk."""
+        return self._op(comm.reduce_scatter, x, dim)
+
+    # tasks/sampling.py
+    def sample(self, logits: Tensor, history: Tensor, pos: Tensor, prompt_len: Tensor, params: Tensor | None = None,
+               seed: Tensor | None = None, logprobs: Tensor | None = None,
+               top: tuple[Tensor, Tensor] | None = None, vocab: int | None = None,
+               rows_per_sequence: int = 1) -> Tensor:
+        """The next token of each sequence past its prompt, from its row of ``logits``, written into
+        ``history`` after ``pos``: drawn with ``params`` and ``seed``, or the argmax; ``logprobs`` and
+        ``top`` record probabilities. Returns ``history``."""
+        return self._op(sampling.sample, logits, history, pos, prompt_len, params, seed, logprobs, top, vocab,
+                        rows_per_sequence)
+
+    def sample_greedy(self, logits: Tensor, history: Tensor, pos: Tensor, prompt_len: Tensor,
+                      vocab: int | None = None) -> Tensor:
+        """``sample`` by argmax alone (no params). Returns ``history``."""
+        return self._op(sampling.sample_greedy, logits, history, pos, prompt_len, vocab)
+
+    def advance(self, pos: Tensor, by: int = 1, limit: int = 2**62) -> Tensor:
+        """``pos += by`` (int64 positions) once the step's tasks have read it; -1 stays -1, and a position
+        reaching ``limit`` becomes -1. Returns ``pos``."""
+        return self._op(sampling.advance, pos, by, limit)
+
+    # tasks/speculation.py
+    def draft(self, history: Tensor, pos: Tensor, prompt_len: Tensor, end: Tensor,
+              rows: int) -> tuple[Tensor, Tensor, Tensor]:
+        """A step's verification rows, ``rows`` per sequence: (tokens, positions, live), ``live`` a flag
+        for ``guarded`` that is -1 in a step where no sequence runs."""
+        return self._op(speculation.draft, history, pos, prompt_len, end, rows)
+
+    def accept(self, history: Tensor, verified: Tensor, tokens: Tensor, positions: Tensor, pos: Tensor,
+               prompt_len: Tensor, end: Tensor, stats: Tensor) -> Tensor:
+        """The drafted tokens the model agrees with (``verified``), kept in ``history``; ``pos`` advanced,
+        ``stats`` counted. Returns ``history``."""
+        return self._op(speculation.accept, history, verified, tokens, positions, pos, prompt_len, end, stats)
+
+    # tasks/control.py
+    def touch(self, t: Tensor) -> Tensor:
+        """One empty task that writes ``t`` as far as dependencies go. Returns ``t``."""
+        return self._op(control.touch, t)
 
     # -- builder API (used by the task library) ---------------------------------------------------
     def require(self, condition: bool, message: str) -> None:

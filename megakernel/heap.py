@@ -51,6 +51,17 @@ class RankHeap:
         return RankHeap(self.data.cpu(), self.comm.cpu())
 
 
+@dataclass
+class Heaps:
+    """This rank's heap and every peer's, as this process can read and write them, and ``delta``: this
+    rank's comm area address minus its data area's, as its programs see them (``layout.device_words``);
+    what a backend's ``allocate`` returns."""
+
+    local: RankHeap
+    peers: dict[int, RankHeap]
+    delta: int
+
+
 def kernel_bases(heaps: list[RankHeap], rank: int) -> tuple[list[int], int]:
     """What rank ``rank``'s kernel addresses every rank's heap with, its heaps ``heaps`` as mapped in this
     process: (``bases``, ``delta``). ``delta`` is this rank's comm area address minus its data area's

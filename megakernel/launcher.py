@@ -26,7 +26,7 @@ from multiprocessing.connection import wait
 from typing import Any, Callable
 
 from . import bootstrap
-from .backend import KINDS, resolve
+from .backends import KINDS, cpu, resolve
 from .errors import BackendError, MegakernelError, check_timeout, is_count
 from .heap import LAUNCH_ENV, remove_segments, sweep_orphans
 
@@ -64,8 +64,7 @@ def _init_group(rank: int, world_size: int, init_method: str, timeout: float, ba
 
 
 def _rank_main(fn, rank: int, world_size: int, init_method: str, timeout: float, backend: str, conn) -> None:
-    from . import cpu_backend
-    cpu_backend.die_with_parent()  # a launcher killed outright takes its ranks (and their workers) along
+    cpu.die_with_parent()  # a launcher killed outright takes its ranks (and their workers) along
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch.distributed as dist
     try:
@@ -79,7 +78,7 @@ def _rank_main(fn, rank: int, world_size: int, init_method: str, timeout: float,
             payload = pickle.dumps(RuntimeError(repr(error)))
         conn.send(("error", (payload, traceback.format_exc())))
     finally:
-        cpu_backend.shutdown()
+        cpu.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
 

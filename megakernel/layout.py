@@ -9,7 +9,9 @@ the same allocation as the data area, right after it). Comm-area offsets are tag
 COMM, far above any size or index, and the host rewrites them into offsets from the data area's
 base (``device_words``) for the kernel, whose tiles then address both areas as one heap.
 ``device.py`` wraps the record layouts below as constexprs for the kernel; the runtime and the hang
-diagnosis read the same numbers.
+diagnosis read the same numbers. So do the queue tables' words (a task row, a signal): ``scheduler``
+writes them, the kernel reads them. This module is the ground floor with ``errors`` and ``device``: it
+imports nothing of ``scheduler`` or ``tasks``, which import it.
 
 Status region: a header record of the rank, then one record of STATUS_WORDS per worker. The
 header's ABORT word is set by a worker that stops the rank's run (a stall, or the host stopping
@@ -32,7 +34,6 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from .errors import GraphError
-from .scheduler import QueueTables
 
 HEAP_ALIGN = 256  # bytes: every buffer and region starts at a multiple
 
@@ -44,6 +45,13 @@ RUNNING, TIMED_OUT, STOPPED = range(3)  # values of STATE
 ABORT, FAULTED = 0, 1  # words of the header record
 
 TRACE_WORDS = 3  # per task: wait start, run start, end (ns on the backend's clock)
+
+# A task row's words (``scheduler.tables``), its argument words from ARG0 on; GUARD is NO_GUARD or a heap offset
+OPCODE, WAIT_EVENT, FAN_IN, CARRY_EVENT, CARRY_FAN_IN, SIGNAL_START, SIGNAL_COUNT, GUARD, ARG0 = range(9)
+NO_GUARD = -1
+# A signal's words: the fields of ``scheduler.events.Signal``, whose lists are flattened into the table as they are
+SIGNAL_WORDS = 3
+SIGNAL_RANK, SIGNAL_EVENT, SIGNAL_INCREMENT = range(SIGNAL_WORDS)
 
 
 COMM = 1 << 40  # heap offsets from here on are in the comm area, at offset - COMM
@@ -81,13 +89,6 @@ class HeapLayout:
     comm_size: int
 
     COMM_REGIONS = ("events_off", "status_off")  # what peers write
-
-    @staticmethod
-    def sizes(tables: QueueTables, trace: bool) -> list[int]:
-        """This rank's bytes per region, in field order (the ranks agree on the largest of each)."""
-        return [8 * max(tables.num_events, 1), 8 * STATUS_WORDS * (tables.workers + 1), tables.rows.nbytes,
-                tables.signals.nbytes, tables.queue.nbytes, tables.queue_index.nbytes,
-                8 * TRACE_WORDS * len(tables.rows) if trace else 8]
 
     @classmethod
     def of(cls, buffers_bytes: int, comm_bytes: int, sizes: list[int]) -> "HeapLayout":

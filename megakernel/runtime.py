@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from . import codegen, diagnosis
-from .backend import KINDS, Backend, BackendRequest, resolve
+from .backends import KINDS, Backend, BackendRequest, resolve
 from .bootstrap import Group, check_agreement
-from .cpu_backend import WorkerPool
+from .backends.cpu import WorkerPool
 from .errors import BackendError, DeadlockError, FaultError, GraphError, check_timeout, is_count
 from .graph import Graph, Tensor
 from .heap import HeapView, RankHeap
@@ -419,8 +419,15 @@ def _schedule(graph: Graph, group: Group, backend: Backend, policy: str) -> Queu
 def _lay_out_heap(graph: Graph, group: Group, tables: QueueTables, trace: bool) -> HeapLayout:
     """The heap stage's layout: the graph's buffers, then the tables' regions, each as large as the largest
     rank's (the heap is symmetric)."""
-    sizes = [max(column) for column in zip(*group.all_gather(HeapLayout.sizes(tables, trace)))]
+    sizes = [max(column) for column in zip(*group.all_gather(_region_sizes(tables, trace)))]
     return HeapLayout.of(graph.heap_bytes, graph.comm_bytes, sizes)
+
+
+def _region_sizes(tables: QueueTables, trace: bool) -> list[int]:
+    """This rank's bytes per region of its ``HeapLayout``, in field order (the ranks agree on the largest of each)."""
+    return [8 * max(tables.num_events, 1), 8 * STATUS_WORDS * (tables.workers + 1), tables.rows.nbytes,
+            tables.signals.nbytes, tables.queue.nbytes, tables.queue_index.nbytes,
+            8 * TRACE_WORDS * len(tables.rows) if trace else 8]
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ RemoteTask = tuple[int, int]  # (rank, task id on that rank)
 
 
 class Signal(NamedTuple):
-    """What a task does when done: add ``increment`` to ``event`` of rank ``rank`` (a row of the signal table)."""
+    """What a task does when done: add ``increment`` to ``event`` of rank ``rank`` (a row of the signal table:
+    its fields are the words ``layout.SIGNAL_RANK``, ``SIGNAL_EVENT``, ``SIGNAL_INCREMENT``, in order)."""
 
     rank: int
     event: int

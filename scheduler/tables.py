@@ -31,6 +31,8 @@ from itertools import chain
 import numpy as np
 
 from ..errors import GraphError
+from ..layout import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_GUARD, OPCODE, SIGNAL_COUNT, SIGNAL_EVENT,
+                      SIGNAL_INCREMENT, SIGNAL_RANK, SIGNAL_START, SIGNAL_WORDS, WAIT_EVENT)
 from .events import NO_EVENT, Events, Signal
 from .placement import Placement
 from .task import Tasks
@@ -38,11 +40,6 @@ from .task import Tasks
 MAGIC = 0x4D4B5154_41424C45  # "MKTABLE"
 VERSION = 3
 HEADER_WORDS = 10
-OPCODE, WAIT_EVENT, FAN_IN, CARRY_EVENT, CARRY_FAN_IN, SIGNAL_START, SIGNAL_COUNT, GUARD, ARG0 = range(9)
-# A signal's words: the host's lists of Signal are flattened into the table as they are.
-SIGNAL_RANK, SIGNAL_EVENT, SIGNAL_INCREMENT = (Signal._fields.index(name) for name in ("rank", "event", "increment"))
-SIGNAL_WORDS = len(Signal._fields)
-NO_GUARD = -1
 
 
 class FormatError(GraphError):

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import heap_ptr
+from ..device import NO_SEQUENCE, heap_ptr
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int64: "int64",
           torch.uint8: "uint8"}  # uint8: the packed bytes of quantized weights (tasks.quantized)
@@ -102,6 +102,19 @@ def heap_index(heap, offset: int, bound: int) -> int:
     (``HeapView.checked_index``: the oracle refuses an index out of [0, bound), the torch backend clamps
     and reports it as the kernel does)."""
     return heap.checked_index(heap.word(offset), bound, f"heap offset {offset}")
+
+
+def token_row(heap, task) -> int:
+    """The table row an ``embedding`` task (quantized or not) looks up: ``*token``."""
+    return heap_index(heap, task.token, task.rows)
+
+
+def history_row(heap, task) -> int:
+    """The table row an ``embedding_at`` task (quantized or not) looks up: ``history[*pos]``, row 0 for a row of
+    no sequence."""
+    if heap.word(task.pos) == NO_SEQUENCE.value:
+        return 0
+    return heap_index(heap, task.history + 8 * heap_index(heap, task.pos, task.history_cols), task.rows)
 
 
 def ceil_div(a: int, b: int) -> int:

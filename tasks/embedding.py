@@ -6,9 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
+from ..device import checked_index, heap_ptr, row_position
 from . import quantized
-from .common import TaskType, copy_row, heap_index, row_positions
+from .common import TaskType, copy_row, history_row, row_positions, token_row
 
 MAX_BLOCK_N = 1024
 
@@ -40,18 +40,6 @@ def embedding_at_tile(base, status,
     token = tl.load(heap_ptr(base, history, tl.int64) + tl.maximum(at, 0))
     row = checked_index(status, tl.where(at < 0, 0, token), rows)
     copy_row(base, out, table + row * table_stride * DTYPE.primitive_bitwidth // 8, cols, DTYPE, BLOCK_N)
-
-
-def token_row(heap, task) -> int:
-    """The table row an ``embedding`` task looks up: ``*token``."""
-    return heap_index(heap, task.token, task.rows)
-
-
-def history_row(heap, task) -> int:
-    """The table row an ``embedding_at`` task looks up: ``history[*pos]``, row 0 for a row of no sequence."""
-    if heap.word(task.pos) == NO_SEQUENCE.value:
-        return 0
-    return heap_index(heap, task.history + 8 * heap_index(heap, task.pos, task.history_cols), task.rows)
 
 
 def _reference(heap, task) -> None:

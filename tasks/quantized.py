@@ -30,8 +30,8 @@ import triton.language as tl
 
 from ..device import checked_index, heap_ptr, row_position
 from ..errors import is_count
-from .common import (TaskType, ceil_div, dot, heap_index, next_power_of_2, require_float, rounded, row_offsets,
-                     row_positions, vector_aligned)
+from .common import (TaskType, ceil_div, dot, heap_index, history_row, next_power_of_2, require_float, rounded,
+                     row_offsets, row_positions, token_row, vector_aligned)
 from .reduction import sum_slices
 
 FP8_SCALE_BLOCK = 128  # the columns of a row one fp8_block scale covers
@@ -544,12 +544,10 @@ def _copy_row(heap, task, row: int) -> None:
 
 
 def _embedding_reference(heap, task) -> None:
-    from .embedding import token_row  # embedding imports this module for the dispatch
     _copy_row(heap, task, token_row(heap, task))
 
 
 def _embedding_at_reference(heap, task) -> None:
-    from .embedding import history_row
     _copy_row(heap, task, history_row(heap, task))
 
 

@@ -2,7 +2,8 @@ import os
 
 import pytest
 
-from megakernel import bootstrap, cpu_backend
+from megakernel import bootstrap
+from megakernel.backends import cpu as cpu_backend
 
 
 @pytest.fixture(scope="session", autouse=True)

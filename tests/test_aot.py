@@ -26,7 +26,7 @@ import megakernel as mk
 from megakernel.aot import (TARGETS, amdgcn_spilled, compile_kernel, ptxas_spilled, supported_targets,
                             unsupported_reason)
 from megakernel.errors import BackendError
-from megakernel.gpu_backend import MAX_REGISTERS
+from megakernel.backends.gpu import MAX_REGISTERS
 from megakernel.models import DecoderConfig, decode_step
 from megakernel.occupancy import (LIMITS, binary_resources, check_grid, cubin_code, cubin_resources, max_grid,
                                   programs_per_unit)
@@ -465,7 +465,7 @@ def test_a_tasks_signals_choose_the_fence_by_the_ranks_they_reach():
 
 
 def test_launches_are_cooperative_where_triton_can_and_virtual_ranks_need_their_queues(monkeypatch):
-    from megakernel.gpu_backend import check_queues, launch_options
+    from megakernel.backends.gpu import check_queues, launch_options
     for vendor in ("cuda", "hip"):
         assert launch_options(vendor).get("launch_cooperative_grid") is True  # triton 3.9 has the option
         assert "launch_cooperative_grid" not in launch_options(vendor, cooperative=False)

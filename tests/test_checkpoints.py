@@ -7,7 +7,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 import megakernel as mk
-from megakernel.models import from_hf, from_pretrained
+from megakernel.serving import from_hf, from_pretrained
 
 # checkpoint loading end to end, one and several ranks: on the torch backend (the tiles are proven
 # under the interpreter: test_ops, test_task_types), but for the tests marked interpreter

@@ -9,8 +9,9 @@ from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCa
                           MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 from megakernel.errors import GraphError
-from megakernel.models import from_hf, from_pretrained
+from megakernel.models import ServingConfig
 from megakernel.models.hf import config_of
+from megakernel.serving import from_hf, from_pretrained
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128, max_position_embeddings=64)
@@ -32,7 +33,7 @@ def tiny(config_class, model_class, **fields):
 ])
 def test_a_field_that_changes_the_math_and_is_not_built_is_refused_by_name(model, field, value):
     with pytest.raises(GraphError, match=rf"{field}={value}.*supported"):
-        config_of(model(), max_seq_len=32, max_batch=1)
+        config_of(model(), ServingConfig(max_seq_len=32, max_batch=1))
 
 
 @pytest.mark.parametrize("model", [
@@ -43,7 +44,7 @@ def test_a_field_that_changes_the_math_and_is_not_built_is_refused_by_name(model
     lambda: tiny(LlamaConfig, LlamaForCausalLM, partial_rotary_factor=0.5),  # Llama's default rope ignores it
 ])
 def test_values_that_mean_what_is_built_are_taken(model):
-    config_of(model(), max_seq_len=32, max_batch=1)
+    config_of(model(), ServingConfig(max_seq_len=32, max_batch=1))
 
 
 def phi3_longrope():
@@ -57,24 +58,24 @@ def test_phi3_longrope_past_the_original_context_is_refused():
     """Phi-3's generate prefills again with the long factors past the original context (the cached keys
     rotated anew); the decode step keeps its cached keys, so it would decode other logits there."""
     model = phi3_longrope()
-    config_of(model, max_seq_len=8, max_batch=1)
+    config_of(model, ServingConfig(max_seq_len=8, max_batch=1))
     with pytest.raises(GraphError, match="max_seq_len=9 > original_max_position_embeddings=8"):
-        config_of(model, max_seq_len=9, max_batch=1)
+        config_of(model, ServingConfig(max_seq_len=9, max_batch=1))
 
 
 def test_windows_and_mlp_biases_are_read_where_transformers_reads_them():
     layers = dict(num_hidden_layers=2, sliding_window=4)
     # Llama and Gemma read no sliding_window: a stray one changes nothing in transformers
-    assert config_of(tiny(LlamaConfig, LlamaForCausalLM, **layers), 32, 1).windows == ()
-    assert config_of(tiny(GemmaConfig, GemmaForCausalLM, **layers), 32, 1).windows == ()
+    assert config_of(tiny(LlamaConfig, LlamaForCausalLM, **layers), ServingConfig(32, 1)).windows == ()
+    assert config_of(tiny(GemmaConfig, GemmaForCausalLM, **layers), ServingConfig(32, 1)).windows == ()
     # Mistral windows every layer whatever layer_types says; Qwen2 the layers layer_types marks
     mistral = tiny(MistralConfig, MistralForCausalLM, **layers, layer_types=["full_attention", "sliding_attention"])
-    assert config_of(mistral, 32, 1).windows == (4, 4)
+    assert config_of(mistral, ServingConfig(32, 1)).windows == (4, 4)
     qwen2 = tiny(Qwen2Config, Qwen2ForCausalLM, **layers, use_sliding_window=True, max_window_layers=1)
-    assert config_of(qwen2, 32, 1).windows == (None, 4)
+    assert config_of(qwen2, ServingConfig(32, 1)).windows == (None, 4)
     # mlp_bias makes biases in Llama's MLP only
-    assert config_of(tiny(LlamaConfig, LlamaForCausalLM, mlp_bias=True), 32, 1).mlp_bias
-    assert not config_of(tiny(MistralConfig, MistralForCausalLM, mlp_bias=True), 32, 1).mlp_bias
+    assert config_of(tiny(LlamaConfig, LlamaForCausalLM, mlp_bias=True), ServingConfig(32, 1)).mlp_bias
+    assert not config_of(tiny(MistralConfig, MistralForCausalLM, mlp_bias=True), ServingConfig(32, 1)).mlp_bias
 
 
 def test_a_checkpoint_is_refused_by_name_too(tmp_path):

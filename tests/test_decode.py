@@ -7,7 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 import megakernel as mk
 from megakernel.aot import compile_kernel
-from megakernel.models import DecoderConfig, decode_step, from_hf
+from megakernel.models import DecoderConfig, ServingConfig, decode_step
+from megakernel.serving import from_hf
 
 from helpers import assert_close
 
@@ -175,7 +176,7 @@ def test_the_weight_schema_is_what_the_graph_declares_and_the_ranks_bind(name):
     from megakernel.models.schema import shard_weights
 
     model = architecture(name)
-    c = config_of(model, max_seq_len=16, max_batch=2, prefill_chunk=4)
+    c = config_of(model, ServingConfig(max_seq_len=16, max_batch=2, prefill_chunk=4))
     for rank in range(3):
         g = decode_step(c, mk.Graph(world_size=3, rank=rank))
         weights = shard_weights(model.state_dict(), c, Shard.of(c, rank, 3), model.model.rotary_emb.inv_freq,
@@ -270,8 +271,8 @@ def test_tensor_parallel_generation_matches_transformers(family, world, batch):
                    eps=1e-6, qk_norm=False, max_seq_len=256, batch=1, dtype=torch.bfloat16), 64, ("sm_90",)),
     # Gemma-shaped: head_dim 256, 1 + w norms, GELU-tanh gates, a sliding window, q/k/v biases
     (DecoderConfig(hidden=512, heads=2, kv_heads=1, head_dim=256, intermediate=512, layers=1, vocab=256, eps=1e-6,
-                   qk_norm=False, max_seq_len=64, batch=1, dtype=torch.bfloat16, gemma=True, qkv_bias=True,
-                   windows=(32,)), 1, ("gfx942",)),
+                   qk_norm=False, max_seq_len=64, batch=1, dtype=torch.bfloat16, activation="gelu_tanh",
+                   norm_unit_offset=True, embed_scaled=True, qkv_bias=True, windows=(32,)), 1, ("gfx942",)),
     # drafts: 3 verification rows per batch row through chunk attention, sampled into "verified", accepted
     (DecoderConfig(hidden=96, heads=4, kv_heads=2, head_dim=48, intermediate=200, layers=1, vocab=128, eps=1e-6,
                    qk_norm=True, max_seq_len=80, batch=2, dtype=torch.bfloat16, draft_tokens=2), 1, ("sm_90",)),

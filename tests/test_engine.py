@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import megakernel as mk
-from megakernel.models import from_hf
+from megakernel.serving import from_hf
 
 from test_decode import hf_model
 from test_serving import _alone
@@ -184,7 +184,7 @@ def test_a_sequence_whose_logits_are_not_finite_ends_with_an_error_and_the_other
     """A token whose embedding is NaN: the sequence whose prompt holds it meets NaN logits on the device;
     its step raises ``SequenceFault`` naming it, its slot and pages are free, and the other sequence's
     tokens are what it gets alone; ``generate`` of a batch raises ``FaultError`` naming the row."""
-    from megakernel.models import SequenceFault
+    from megakernel.serving import SequenceFault
 
     hf = hf_model("llama", layers=1)
     with torch.no_grad():

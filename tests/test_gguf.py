@@ -7,7 +7,7 @@ import torch
 from gguf_files import llama, transformers_model, write
 
 import megakernel as mk
-from megakernel.models import from_pretrained
+from megakernel.serving import from_pretrained
 from megakernel.models.gguf import FLOATS, FORMATS
 
 pytestmark = pytest.mark.usefixtures("torch_backend")

@@ -17,7 +17,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import megakernel as mk
 from megakernel.errors import GraphError
 from megakernel.image import load
-from megakernel.models import from_pretrained
+from megakernel.serving import from_pretrained
 from megakernel.reference import execute
 from megakernel.scheduler import ARG0, FormatError, deserialize, disassemble, serialize
 

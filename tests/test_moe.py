@@ -6,7 +6,7 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import megakernel as mk
-from megakernel.models import from_hf, from_pretrained
+from megakernel.serving import from_hf, from_pretrained
 
 from helpers import assert_close, run_checked
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import megakernel as mk
-from megakernel import bootstrap, cpu_backend
+from megakernel import bootstrap
+from megakernel.backends import cpu as cpu_backend
 from megakernel import RankError
 from megakernel.launcher import FAILED_GRACE
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import megakernel as mk
-from megakernel import cpu_backend
+from megakernel.backends import cpu as cpu_backend
 from megakernel.heap import HeapView
 from megakernel.reference import execute_ranks
 from megakernel.scheduler import (CARRY_EVENT, CARRY_FAN_IN, FAN_IN, SIGNAL_COUNT, SIGNAL_START, WAIT_EVENT,

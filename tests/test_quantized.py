@@ -140,7 +140,7 @@ def test_smollm2_gguf_decodes_as_transformers(smollm2, world):
     every rank holds packed bytes only (about the file's size at one rank; the tied LM head reads the
     embedding's rows) and its logits and greedy tokens are those of transformers' GGUF loading (dequantized
     to float32)."""
-    from megakernel.models import from_pretrained
+    from megakernel.serving import from_pretrained
     path = smollm2_path()
     with torch.no_grad():
         expected = smollm2.generate(SMOLLM2_PROMPT, max_new_tokens=SMOLLM2_NEW_TOKENS, do_sample=False, pad_token_id=0)
@@ -215,7 +215,7 @@ def fp8_llama(path, method: str):
 
 
 def _fp8_tokens(path):
-    from megakernel.models import from_pretrained
+    from megakernel.serving import from_pretrained
     model = from_pretrained(path, max_seq_len=16, workers=2)
     try:
         return model.generate(FP8_IDS, 3), model.weight_bytes
@@ -319,7 +319,7 @@ def transformers_gguf_model(path):
 
 def _gguf_decode(path):
     """Greedy tokens, and the logits of the last step (those of the last token's choice)."""
-    from megakernel.models import from_pretrained
+    from megakernel.serving import from_pretrained
     model = from_pretrained(path, max_seq_len=16, workers=2)
     try:
         tokens = model.generate(GGUF_IDS, GGUF_NEW_TOKENS)
@@ -351,7 +351,7 @@ def test_a_gguf_file_of_every_block_format_decodes_as_transformers_loads_it(tmp_
 
 
 def _load(path):
-    from megakernel.models import from_pretrained
+    from megakernel.serving import from_pretrained
     from_pretrained(path, max_seq_len=16, workers=1).close()
 
 
@@ -462,7 +462,7 @@ def test_fp8_moe_checkpoint_streams_fp8_experts(tmp_path, torch_backend, world):
         expected = reference.generate(FP8_IDS[:, :4] % 100, max_new_tokens=3, do_sample=False, pad_token_id=0)
 
     def tokens():
-        from megakernel.models import from_pretrained
+        from megakernel.serving import from_pretrained
         model = from_pretrained(tmp_path / "fp8", max_seq_len=16, workers=2)
         try:
             return model.generate(FP8_IDS[:, :4] % 100, 3)

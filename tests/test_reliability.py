@@ -19,9 +19,9 @@ import megakernel as mk
 from helpers import assert_close
 from megakernel import codegen, diagnosis
 from megakernel import graph as graph_module
-from megakernel.backend import largest_heap
+from megakernel.backends import largest_heap
 from megakernel.bootstrap import Group
-from megakernel.cpu_backend import CpuBackend, WorkerPool
+from megakernel.backends.cpu import CpuBackend, WorkerPool
 from megakernel.errors import BackendError
 from megakernel.files import reports_dir
 from megakernel.heap import SHM_DIR, SharedHeap

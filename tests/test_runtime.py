@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import megakernel as mk
-from megakernel.cpu_backend import WorkerPool
+from megakernel.backends.cpu import WorkerPool
 from megakernel.scheduler import WAIT_EVENT, Tasks
 from megakernel.tools.examples import mlp_block
 

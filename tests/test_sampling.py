@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import megakernel as mk
-from megakernel.models import SamplingParams, from_hf
-from megakernel.models.engine import SMALLEST_NORMAL
+from megakernel.serving import SamplingParams, from_hf
+from megakernel.serving.engine import SMALLEST_NORMAL
 from megakernel.tasks.sampling import PARAMS, drawn, kept, philox_uniform
 
 from test_decode import hf_model, prompt

@@ -55,17 +55,26 @@ def start(model: str, logs, *options: str, timeout: float = 400) -> Server:
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     server = Server(process, f"http://127.0.0.1:{port}", log)
+    try:
+        _wait_healthy(process, server.url, log, timeout)
+    except BaseException:
+        stop(server)
+        raise
+    return server
+
+
+def _wait_healthy(process: subprocess.Popen, url: str, log: str, timeout: float = 400) -> None:
+    """Until the server's /health says 200; a test failure, with its log, if it exits or takes longer."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             pytest.fail(f"the server exited ({process.returncode}):\n{open(log).read()}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
-                return server
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
-    stop(server)
+        time.sleep(0.2)
     pytest.fail(f"the server was not healthy within {timeout} s:\n{open(log).read()}")
 
 
@@ -461,14 +470,7 @@ def test_many_concurrent_requests_each_get_their_solo_answer_and_sigterm_ends_op
                                             "--page-size", "16", "--prefill-chunk", "32")
     server = Server(process, url, log)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert process.poll() is None, open(log).read()
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        _wait_healthy(process, url, log)
         name = server.client().models.list().data[0].id
         asks = [dict(model=name, prompt=f"{TEXT} {i}", max_tokens=2 + i % 4, stream=i % 3 == 0,
                      **(dict(temperature=0.9, seed=i) if i % 2 else dict(temperature=0))) for i in range(200)]
@@ -516,14 +518,7 @@ def test_a_killed_server_leaves_no_worker_and_no_shared_memory(small_llama, tmp_
     _, path = small_llama
     process, url, log, mark = _marked_serve(path, tmp_path, "--backend", "cpu")
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert process.poll() is None, open(log).read()
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        _wait_healthy(process, url, log)
         workers = [pid for pid in marked_processes(mark) if pid != process.pid]
         process.send_signal(signal.SIGKILL)
         process.wait(30)

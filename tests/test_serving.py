@@ -8,7 +8,7 @@ import torch
 
 import megakernel as mk
 from megakernel.heap import HeapView
-from megakernel.models import KVCacheFull, from_hf
+from megakernel.serving import KVCacheFull, from_hf
 from megakernel.reference import execute
 
 from helpers import assert_close, tolerance

@@ -5,9 +5,7 @@ import threading
 import pytest
 import torch
 
-from megakernel.models import SamplingParams, from_hf
-from megakernel.models.serving import Request, Scheduler
-from megakernel.models.text import Text
+from megakernel.serving import Request, SamplingParams, ServingLoop, Text, from_hf
 
 from test_decode import hf_model, prompt
 
@@ -19,7 +17,7 @@ class Digits:
         return "".join(f"<{i}>" for i in ids)
 
 
-def ask(scheduler: Scheduler, ids: list[int], new: int, **options) -> tuple[Request, list, threading.Event]:
+def ask(scheduler: ServingLoop, ids: list[int], new: int, **options) -> tuple[Request, list, threading.Event]:
     updates, ended = [], threading.Event()
 
     def emit(update):
@@ -35,7 +33,7 @@ def ask(scheduler: Scheduler, ids: list[int], new: int, **options) -> tuple[Requ
 def test_requests_join_the_batch_and_each_hears_its_own_tokens_and_text():
     model = hf_model("llama", layers=1)
     m = from_hf(model, max_seq_len=16, max_batch=2, page_size=4, prefill_chunk=4, max_logprobs=2, workers=1)
-    scheduler = Scheduler(m, Text(Digits(), frozenset()), steps_per_launch=3)
+    scheduler = ServingLoop(m, Text(Digits(), frozenset()), steps_per_launch=3)
     loop = threading.Thread(target=scheduler.run)
     loop.start()
     try:

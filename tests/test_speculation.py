@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import megakernel as mk
-from megakernel.models import SamplingParams, from_hf
-from megakernel.models.engine import GREEDY
+from megakernel.serving import SamplingParams, from_hf
+from megakernel.serving.engine import GREEDY
 from megakernel.tasks.speculation import STATS, lookup
 
 pytestmark = pytest.mark.usefixtures("torch_backend")

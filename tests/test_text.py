@@ -1,5 +1,5 @@
 """Text out of tokens as they come: what can be shown now, what is held back, where a stop string cuts."""
-from megakernel.models.text import Text
+from megakernel.serving import Text
 
 
 class Pieces:

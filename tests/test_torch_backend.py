@@ -129,7 +129,7 @@ def test_a_task_type_without_a_torch_implementation_is_named(monkeypatch):
 
 # -- a real checkpoint ---------------------------------------------------------------------------------
 def _smollm2_tokens(model, tokens_per_launch: int | None):
-    from megakernel.models import from_hf
+    from megakernel.serving import from_hf
     decoder = from_hf(model, max_seq_len=32, backend="torch", workers=2)
     try:
         return decoder.generate(SMOLLM2_PROMPT, SMOLLM2_NEW_TOKENS, tokens_per_launch=tokens_per_launch)

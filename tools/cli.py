@@ -3,17 +3,25 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 from importlib.util import find_spec
 from pathlib import Path
 
+from ..aot import TARGETS, compile_kernel, unsupported_reason
+from ..image import load
 from ..launcher import RankError
+from ..models.serving_config import POSITIVE, SERVER, ServingConfig
+from ..occupancy import LIMITS, programs_per_unit
+from ..reference import execute
+from ..scheduler import disassemble
+from ..trace import Trace
+from .demo import main as demo
+from .dot import RenderError, TooManyNodes, render, select, task_dag, to_dot
+from .examples import every_task_type
+from .plot import plot_timeline
 
 
 def _disasm(args) -> int:
-    from ..image import load
-    from ..reference import execute
-    from ..scheduler import disassemble
-
     image = load(args.file, heap=args.execute)
     print(disassemble(image.tables))
     if args.execute:
@@ -35,10 +43,6 @@ def _disasm(args) -> int:
 
 
 def _aot(args) -> int:
-    from ..aot import TARGETS, compile_kernel, unsupported_reason
-    from ..occupancy import LIMITS, programs_per_unit
-    from .examples import every_task_type
-
     graph = every_task_type()
     targets = args.target or list(TARGETS)
     for target in targets:
@@ -61,22 +65,12 @@ def _aot(args) -> int:
     return 0
 
 
-def _demo(args) -> int:
-    from .demo import main as demo
-    return demo(args)
-
-
 def _trace_summary(args: argparse.Namespace) -> int:
-    from ..trace import Trace
-
     print(Trace.load(args.file).summary(top=args.top))
     return 0
 
 
 def _trace_plot(args: argparse.Namespace) -> int:
-    from ..trace import Trace
-    from .plot import plot_timeline
-
     if find_spec("matplotlib") is None:
         print("megakernel trace plot needs matplotlib: pip install matplotlib", file=sys.stderr)
         return 2
@@ -85,9 +79,6 @@ def _trace_plot(args: argparse.Namespace) -> int:
 
 
 def _graph(args: argparse.Namespace) -> int:
-    from ..image import load
-    from .dot import RenderError, TooManyNodes, render, select, task_dag, to_dot
-
     dag = task_dag([load(f, heap=False).tables for f in args.files])
     keep = select(dag, args.op, args.layer)
     if not keep:
@@ -134,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=["cpu", "torch"], default="cpu",
                    help="cpu: the Triton tiles under the interpreter; torch: each tile as torch code (fast)")
     p.add_argument("--out", default="megakernel-demo", help="folder for the trace and the kernel image")
-    p.set_defaults(run=_demo)
+    p.set_defaults(run=demo)
     _add_serve_command(sub)
     _add_trace_commands(sub)
     _add_graph_command(sub)
@@ -171,7 +162,9 @@ def _serve(args: argparse.Namespace) -> int:
     if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
         print(f"megakernel serve: {args.model}: not a checkpoint directory or a .gguf file", file=sys.stderr)
         return 2
-    serve(Options(**{name: value for name, value in vars(args).items() if name not in ("command", "run")}))
+    serving = {f.name for f in fields(ServingConfig)}
+    options = {name: value for name, value in vars(args).items() if name not in ("command", "run", *serving)}
+    serve(Options(**options, serving=ServingConfig(**{name: getattr(args, name) for name in serving})))
     return 0
 
 
@@ -183,15 +176,9 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--backend", choices=["auto", "cpu", "torch", "cuda", "hip"], default="auto",
                    help="auto: the GPU if there is one, else cpu; torch runs each tile as torch code (fast on a CPU)")
-    p.add_argument("--max-batch", type=_count, default=8, help="sequences decoded together (batch rows)")
-    p.add_argument("--max-seq-len", type=_count, default=2048, help="the context: prompt + new tokens")
-    p.add_argument("--page-size", type=_count, default=16, help="KV cache positions per page")
-    p.add_argument("--kv-pages", type=_count, help="KV cache pages (default: every row at --max-seq-len)")
-    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens a launch prefills (0: none)")
-    p.add_argument("--max-logprobs", type=int, default=5, help="the most likely tokens a request may ask "
-                                                                 "log-probabilities of (at most 20)")
-    p.add_argument("--draft-tokens", type=int, default=0, help="tokens drafted per sequence and step from its own "
-                                                               "history, verified in the step (0: none; at most 15)")
+    for f in fields(ServingConfig):  # the server's defaults: SERVER's (models.serving_config says why they differ)
+        p.add_argument("--" + f.name.replace("_", "-"), type=_count if f.name in POSITIVE else int,
+                       default=getattr(SERVER, f.name), help=f.metadata["help"])
     p.add_argument("--steps-per-launch", type=_count, default=4, help="decode steps per launch at most")
     p.add_argument("--workers", type=_count, help="workers per rank (default: the backend's)")
     p.add_argument("--dequantize", action="store_true", help="a GGUF file's weights as float32 (for the torch "

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .. import launch
+from ..serving import from_hf
 
 CONFIG = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
               num_hidden_layers=2, vocab_size=256, max_position_embeddings=64, rope_theta=10000.0)
@@ -27,7 +28,6 @@ def random_llama(seed: int = 0):
 def _rank_job(prompt: torch.Tensor, new_tokens: int, workers: int, out: str):
     """One rank's share, on the backend ``launch`` chose."""
     import torch.distributed as dist
-    from ..models import from_hf
 
     model = from_hf(random_llama(), max_seq_len=prompt.shape[1] + new_tokens, workers=workers, trace=True)
     try:

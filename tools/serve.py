@@ -3,11 +3,11 @@
 ``GET /v1/models``; ``POST /v1/completions`` and ``POST /v1/chat/completions`` (the model's chat
 template), streamed as server-sent events ending with ``data: [DONE]`` when ``stream`` is true;
 ``GET /health`` (200 once the model is compiled, 503 before, or after the engine failed);
-``GET /metrics`` (Prometheus text). Requests join the running batch (``models.serving.Scheduler``),
+``GET /metrics`` (Prometheus text). Requests join the running batch (``serving.ServingLoop``),
 waiting while its rows or KV pages are full; a client that disconnects cancels its sequence; a bad
 request is a 400 with OpenAI's error body. SIGTERM (or Ctrl-C) ends the requests in flight with an
 error, then stops. With ``--tp N`` the ranks are processes (``launch``): rank 0 serves HTTP and leads
-the others' engines (``models.serving.follow``).
+the others' engines (``serving.follow``).
 
 Parameters as OpenAI's: ``max_tokens`` (chat: ``max_completion_tokens`` too; default 16 for completions,
 the rest of the context for chat), ``temperature`` (default 1; 0 is greedy), ``top_p``, ``seed``,
@@ -36,15 +36,26 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import h11
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from ..bootstrap import Group, current_world
+from ..errors import MAX_TIMEOUT, GraphError
+from ..launcher import launch
+from ..serving import SERVER, DecodeModel, SamplingParams, ServingConfig, ServingLoop, Text, follow, from_pretrained
+from ..serving import Request as EngineRequest  # the serving loop's (``Request`` is FastAPI's: the handlers')
+from ..serving.loop import LATENCY_BUCKETS
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256  # a stop string's length at most: each new token's text is matched against every stop
@@ -60,13 +71,7 @@ class Options:
     host: str = "127.0.0.1"
     port: int = 8000
     backend: str = "auto"
-    max_batch: int = 8
-    max_seq_len: int = 2048
-    page_size: int = 16
-    kv_pages: int | None = None
-    prefill_chunk: int = 64
-    max_logprobs: int = 5
-    draft_tokens: int = 0
+    serving: ServingConfig = SERVER
     steps_per_launch: int = 4
     workers: int | None = None
     dequantize: bool = False
@@ -82,16 +87,10 @@ class Options:
         return self.name or (path.stem if path.suffix == ".gguf" else path.name)
 
 
-def load_model(options: Options):
+def load_model(options: Options) -> DecodeModel:
     """This rank's ``DecodeModel`` of ``options.model``."""
-    from ..models import from_pretrained
-
     kernel = {"backend": options.backend} | ({"workers": options.workers} if options.workers else {})
-    extra = {"dequantize": True} if options.dequantize else {}
-    return from_pretrained(options.model, max_seq_len=options.max_seq_len, max_batch=options.max_batch,
-                           page_size=options.page_size, kv_pages=options.kv_pages,
-                           prefill_chunk=options.prefill_chunk, max_logprobs=options.max_logprobs,
-                           draft_tokens=options.draft_tokens, **extra, **kernel)
+    return from_pretrained(options.model, options.serving, dequantize=options.dequantize, **kernel)
 
 
 # -- the HTTP API ---------------------------------------------------------------------------------------
@@ -169,10 +168,10 @@ class State:
     """The server's side of the engine: set once the model is compiled."""
 
     options: Options
-    scheduler: Any = None
-    text: Any = None
-    model: Any = None
-    engine: threading.Thread | None = None  # the scheduler's loop
+    serving_loop: ServingLoop | None = None
+    text: Text | None = None
+    model: DecodeModel | None = None
+    engine: threading.Thread | None = None  # the serving loop's thread
     failure: str | None = None               # why the model did not load
     started: float = field(default_factory=time.time)
     # tokenizing and templating, off the event loop (a 4 MB prompt takes seconds); one thread, as a
@@ -181,9 +180,9 @@ class State:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="megakernel-text"))
 
     def ready(self) -> None:
-        if self.failure or (self.scheduler is not None and self.scheduler.failure):
-            raise RequestError(self.failure or self.scheduler.failure, status=503, kind="server_error")
-        if self.scheduler is None:
+        if self.failure or (self.serving_loop is not None and self.serving_loop.failure):
+            raise RequestError(self.failure or self.serving_loop.failure, status=503, kind="server_error")
+        if self.serving_loop is None:
             raise RequestError("the model is still being compiled: try again once GET /health says 200", status=503,
                                kind="server_error")
 
@@ -243,7 +242,7 @@ def build_app(state: State) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": state.options.served_name, "object": "model",
                                             "created": int(state.started), "owned_by": "megakernel",
-                                            "max_model_len": state.options.max_seq_len}]}
+                                            "max_model_len": state.options.serving.max_seq_len}]}
 
     @app.get("/metrics")
     async def metrics():
@@ -281,7 +280,7 @@ def build_app(state: State) -> FastAPI:
         if body.top_logprobs and not body.logprobs:
             raise RequestError("top_logprobs: needs logprobs true", "top_logprobs")
         max_tokens = next((n for n in (body.max_completion_tokens, body.max_tokens) if n is not None),
-                          max(1, state.options.max_seq_len - len(ids)))  # the rest of the context
+                          max(1, state.options.serving.max_seq_len - len(ids)))  # the rest of the context
         run = _start(state, body, ids, max_tokens, top)
         kind, name = "chat.completion", "chatcmpl"
         if body.stream:
@@ -341,7 +340,6 @@ class BodyLimit:
 
 
 def _checked(function, *args):
-    from ..errors import GraphError
     try:
         return function(*args)
     except GraphError as error:
@@ -356,10 +354,7 @@ async def _text(state: State, function, *args):
 
 def _start(state: State, body, ids: list[int], max_tokens: int, top: int) -> Run:
     """Check a request's numbers against the model and hand it to the engine."""
-    from ..models.engine import SamplingParams
-    from ..models.serving import Request
-
-    options, vocab = state.options, state.model.config.vocab
+    options, serving, vocab = state.options, state.options.serving, state.model.config.vocab
     if body.model != options.served_name:
         raise RequestError(f"model: this server serves {options.served_name!r}, not {body.model!r}", "model", 404,
                            "not_found_error")
@@ -369,23 +364,23 @@ def _start(state: State, body, ids: list[int], max_tokens: int, top: int) -> Run
         raise RequestError(f"prompt: token ids must be in [0, {vocab})", "prompt")
     if max_tokens < 1:
         raise RequestError(f"max_tokens: must be at least 1, got {max_tokens}", "max_tokens")
-    if len(ids) + max_tokens > options.max_seq_len:
+    if len(ids) + max_tokens > serving.max_seq_len:
         raise RequestError(f"max_tokens: the prompt's {len(ids)} tokens and {max_tokens} new ones exceed the "
-                           f"context of {options.max_seq_len} tokens", "max_tokens")
+                           f"context of {serving.max_seq_len} tokens", "max_tokens")
     pool = state.model.pool
     if pool.pages_for(len(ids) + max_tokens - 1) > pool.pages:  # it would wait for pages forever
         raise RequestError(f"max_tokens: the prompt's {len(ids)} tokens and {max_tokens} new ones need "
                            f"{pool.pages_for(len(ids) + max_tokens - 1)} KV pages; the pool has {pool.pages} "
                            f"(--kv-pages)", "max_tokens")
-    if top > options.max_logprobs:
-        raise RequestError(f"logprobs: at most {options.max_logprobs} most likely tokens (--max-logprobs)", "logprobs")
+    if top > serving.max_logprobs:
+        raise RequestError(f"logprobs: at most {serving.max_logprobs} most likely tokens (--max-logprobs)", "logprobs")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     sampling = _checked(SamplingParams, body.temperature, max(body.top_k, 0), body.top_p, body.min_p, body.seed)
     loop, updates = asyncio.get_running_loop(), asyncio.Queue()
-    request = Request(ids, max_tokens, lambda update: loop.call_soon_threadsafe(updates.put_nowait, update),
+    request = EngineRequest(ids, max_tokens, lambda update: loop.call_soon_threadsafe(updates.put_nowait, update),
                       sampling, stop)
     run = Run(request, updates)
-    state.scheduler.submit(request)
+    state.serving_loop.submit(request)
     return run
 
 
@@ -396,7 +391,7 @@ async def _next(state: State, run: Run, client) -> Any:
             return await asyncio.wait_for(run.updates.get(), timeout=0.5)
         except (asyncio.TimeoutError, TimeoutError):
             if await client.is_disconnected():
-                state.scheduler.cancel(run.request)
+                state.serving_loop.cancel(run.request)
                 return None
 
 
@@ -452,7 +447,7 @@ async def _stream(state: State, run: Run, body, client, kind: str, name: str, to
         yield "data: [DONE]\n\n"
     finally:
         if not finished:  # the client went away mid-stream: its slot and pages go back
-            state.scheduler.cancel(run.request)
+            state.serving_loop.cancel(run.request)
 
 
 def _usage(run: Run, updates: list) -> dict:
@@ -504,21 +499,20 @@ def prometheus(state: State) -> str:
         lines.extend([f"# HELP megakernel_{name} {help}", f"# TYPE megakernel_{name} {kind}"])
         lines.extend(f"megakernel_{name}{labels} {value}" for labels, value in samples)
 
-    scheduler = state.scheduler
-    if scheduler is None:
+    serving_loop = state.serving_loop
+    if serving_loop is None:
         metric("ready", "gauge", "1 once the model is compiled.", [("", 0)])
         return "\n".join(lines) + "\n"
-    m, pool = scheduler.metrics, state.model.pool
-    metric("ready", "gauge", "1 once the model is compiled.", [("", 0 if scheduler.failure else 1)])
+    m, pool = serving_loop.metrics, state.model.pool
+    metric("ready", "gauge", "1 once the model is compiled.", [("", 0 if serving_loop.failure else 1)])
     metric("requests_total", "counter", "Requests ended, by outcome.",
            [(f'{{outcome="{outcome}"}}', n) for outcome, n in m.requests.items()])
     metric("prompt_tokens_total", "counter", "Prompt tokens of the requests admitted.", [("", m.prompt_tokens)])
     metric("generation_tokens_total", "counter", "Tokens generated.", [("", m.generated_tokens)])
-    metric("requests_waiting", "gauge", "Requests queued for a batch row or KV pages.", [("", scheduler.queued)])
-    metric("requests_running", "gauge", "Requests in the batch.", [("", len(scheduler.running))])
+    metric("requests_waiting", "gauge", "Requests queued for a batch row or KV pages.", [("", serving_loop.queued)])
+    metric("requests_running", "gauge", "Requests in the batch.", [("", len(serving_loop.running))])
     metric("kv_pages_in_use", "gauge", "KV cache pages held by sequences.", [("", pool.pages - len(pool.free))])
     metric("kv_pages", "gauge", "KV cache pages in the pool.", [("", pool.pages)])
-    from ..models.serving import LATENCY_BUCKETS
     metric("launch_seconds", "histogram", "Time of one launch of the batch (one or more decode steps).",
            [(f'_bucket{{le="{bound}"}}', n) for bound, n in zip(LATENCY_BUCKETS, m.launch_buckets)]
            + [('_bucket{le="+Inf"}', m.launches), ("_sum", m.launch_seconds), ("_count", m.launches)])
@@ -533,10 +527,6 @@ def serve(options: Options) -> None:
     """Run the server until SIGTERM or Ctrl-C: in this process, or over ``options.tp`` process ranks."""
     if options.tp == 1:
         return serve_rank(options)
-    from functools import partial
-
-    from ..errors import MAX_TIMEOUT
-    from ..launcher import launch
 
     def forward(signum, _frame):  # rank 0 stops the others once its requests have ended
         for process in multiprocessing.active_children():
@@ -552,9 +542,6 @@ def serve(options: Options) -> None:
 
 def serve_rank(options: Options) -> None:
     """One rank's part: rank 0 serves HTTP, the others follow its engine."""
-    from ..bootstrap import Group, current_world
-    from ..models.serving import follow
-
     world, rank = current_world()
     if rank > 0:
         for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 says when to stop
@@ -603,8 +590,6 @@ def listen(options: Options) -> socket.socket:
 
 def uvicorn_config(options: Options, app):
     """uvicorn's configuration of the server: its bounds on connections (see the module docstring)."""
-    import uvicorn
-
     return uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30,
                           limit_concurrency=options.max_connections, http=_protocol(options.idle_timeout))
 
@@ -613,9 +598,6 @@ def _protocol(timeout: float):
     """uvicorn's HTTP/1.1 protocol (h11), which closes a connection that has not sent a request's headers
     within ``timeout`` seconds of opening or of its last response, or whose body pauses longer (uvicorn
     itself waits for headers forever: a few hundred silent clients would hold every socket)."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
     class Protocol(H11Protocol):
         deadline: asyncio.TimerHandle | None = None
 
@@ -652,8 +634,6 @@ def _protocol(timeout: float):
 
 def _load(state: State, server, group, port: int) -> None:
     """Compile the model and start its serving loop (a thread), or say why not and stop the server."""
-    from ..models.text import Text
-
     try:
         state.model = load_model(state.options)  # first: it says what is wrong with a path that is not a model
         state.text = Text.load(state.options.model)
@@ -671,20 +651,16 @@ def _load(state: State, server, group, port: int) -> None:
 
 def start_engine(state: State, group=None) -> None:
     """Start the serving loop over ``state``'s model and text, in a thread: the server is ready."""
-    from ..models.serving import Scheduler
-
-    scheduler = Scheduler(state.model, state.text, state.options.steps_per_launch, group)
-    state.engine = threading.Thread(target=scheduler.run, name="megakernel-engine")
+    serving_loop = ServingLoop(state.model, state.text, state.options.steps_per_launch, group)
+    state.engine = threading.Thread(target=serving_loop.run, name="megakernel-engine")
     state.engine.start()
-    state.scheduler = scheduler
+    state.serving_loop = serving_loop
 
 
 def _server(config, state: State):
     """uvicorn's server, whose SIGTERM / Ctrl-C first ends the requests in flight (with an error), so that
     its graceful shutdown does not wait for them to finish, and then returns (uvicorn would raise the
     signal again once shut down, killing the process before the engine and its workers are closed)."""
-    import uvicorn
-
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):
@@ -698,12 +674,12 @@ def _server(config, state: State):
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
-        def handle_exit(self, sig, frame):  # the scheduler's lock is reentrant: safe in a signal handler
+        def handle_exit(self, sig, frame):  # the serving loop's lock is reentrant: safe in a signal handler
             self.stop_engine()
             super().handle_exit(sig, frame)
 
         def stop_engine(self):
-            if state.scheduler is not None:
-                state.scheduler.stop()
+            if state.serving_loop is not None:
+                state.serving_loop.stop()
 
     return Server(config)

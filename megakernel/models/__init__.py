@@ -1,9 +1,10 @@
-"""Whole-layer builders: decoder layers and decode steps, and loading from ``transformers``."""
+"""Building a model: decoder layers and decode steps as graphs, the weight schema, and this rank's share of a
+model read from ``transformers``, a checkpoint directory or a GGUF file for a ``ServingConfig``
+(``build_hf``, ``build_pretrained``: a ``ModelBuild``, which ``megakernel.serving`` compiles and serves)."""
 from .decoder import DecoderConfig, KVCache, Shard, decode_step, decoder_layer, layer_inputs
-from .checkpoint import from_pretrained
-from .engine import DecodeModel, SamplingParams, SequenceFault, Statistics
-from .hf import from_hf
-from .pages import KVCacheFull, PagePool
+from .checkpoint import build_pretrained
+from .hf import ModelBuild, build_hf
+from .serving_config import SERVER, ServingConfig
 
-__all__ = ["DecodeModel", "DecoderConfig", "KVCache", "KVCacheFull", "PagePool", "SamplingParams", "SequenceFault", "Shard", "Statistics", "decode_step",
-           "decoder_layer", "from_hf", "from_pretrained", "layer_inputs"]
+__all__ = ["DecoderConfig", "KVCache", "ModelBuild", "SERVER", "ServingConfig", "Shard", "build_hf", "build_pretrained",
+           "decode_step", "decoder_layer", "layer_inputs"]

@@ -18,11 +18,12 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import GraphError
 from ..tasks.quantized import FP8_BLOCK, FP8_CHANNEL, FP8_SCALE_BLOCK, Format
-from .engine import DecodeModel
-from .gguf import from_gguf
-from .hf import CONFIG_ERRORS, CONFIG_SIZES, SUPPORTED, auto_classes, config_of_file, decode_model
+from .gguf import build_gguf
+from .architectures import architecture_of
+from .hf import CONFIG_ERRORS, CONFIG_SIZES, ModelBuild, auto_classes, build, config_of_file
 from .packed import Packed
 from .schema import stored_formats
+from .serving_config import ServingConfig
 
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
           "F8_E4M3": torch.float8_e4m3fn}
@@ -45,8 +46,8 @@ def read_config(path: Path) -> dict:
     architectures = config.get("architectures")
     if not (isinstance(architectures, list) and architectures and all(isinstance(a, str) for a in architectures)):
         raise GraphError(f"{file}: field architectures must be a list of class names, got {architectures!r}")
-    if architectures[0] not in SUPPORTED:  # before the sizes: another family's config names them otherwise
-        raise GraphError(f"{path}: from_pretrained supports {', '.join(SUPPORTED)}, got {architectures[0]}")
+    # the class before the sizes: another family's config names them otherwise
+    architecture_of(architectures[0], f"{path}: from_pretrained")
     for field, (required, cap) in CONFIG_SIZES.items():
         value = config.get(field)
         if value is None and not required:
@@ -249,26 +250,20 @@ class Checkpoint:
         return tensor
 
 
-def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
-                    prefill_chunk: int = 0, max_logprobs: int = 0, draft_tokens: int = 0, dequantize: bool = False,
-                    parallelism: int | str = "auto", **kernel_options) -> DecodeModel:
-    """Load a checkpoint directory (``config.json`` + ``*.safetensors``, one file or shards, as
-    ``save_pretrained`` writes it; an FP8 one's weights stay FP8, ``FP8Weights``), or a GGUF file
-    (``models.gguf``: its weights stay quantized), straight into this rank's heap (nothing is downloaded)
-    and compile its decode step. Only this rank's slices are read (``Checkpoint``): no whole model in host
-    memory.
-    The model's modules are made on the meta device (no memory) for what ``from_hf`` reads off them;
+def build_pretrained(path, serving: ServingConfig, dequantize: bool = False) -> ModelBuild:
+    """Read this rank's share of a checkpoint directory (``config.json`` + ``*.safetensors``, one file or
+    shards, as ``save_pretrained`` writes it; an FP8 one's weights stay FP8, ``FP8Weights``), or of a GGUF
+    file (``models.gguf``: its weights stay quantized), for a decode step built for ``serving`` (nothing is
+    downloaded). Only this rank's slices are read (``Checkpoint``): no whole model in host memory.
+    The model's modules are made on the meta device (no memory) for what ``config_of`` reads off them;
     the RoPE frequencies from its rotary module's class, made for real. ``dequantize``: a GGUF file's
-    weights as float32 (``models.gguf``). The other arguments are ``from_hf's``.
+    weights as float32 (``models.gguf``).
     """
     AutoConfig, AutoModelForCausalLM = auto_classes()
 
     path = Path(path)
     if path.suffix == ".gguf" and path.is_file():
-        return from_gguf(path, max_seq_len=max_seq_len, max_batch=max_batch, page_size=page_size, kv_pages=kv_pages,
-                         prefill_chunk=prefill_chunk, max_logprobs=max_logprobs, draft_tokens=draft_tokens,
-                         dequantize=dequantize,
-                         parallelism=parallelism, **kernel_options)
+        return build_gguf(path, serving, dequantize)
     if not (path / "config.json").is_file():
         raise GraphError(f"{path}: no config.json: not a checkpoint directory as save_pretrained writes one")
     fp8 = fp8_scheme(read_config(path), path / "config.json")  # its sizes checked before any module is made
@@ -282,14 +277,11 @@ def from_pretrained(path, *, max_seq_len: int, max_batch: int = 1, page_size: in
         raise GraphError(f"{path / 'config.json'}: transformers cannot read it: {type(error).__name__}: {error}") from None
     checkpoint = Checkpoint(path, {key: tuple(t.shape) for key, t in skeleton.state_dict().items()})
     skeleton.to(checkpoint["model.embed_tokens.weight"].dtype)  # the dtype the weights are stored in
-    decoder = config_of_file(path / "config.json", skeleton, max_seq_len, max_batch, page_size, kv_pages,
-                             prefill_chunk, max_logprobs, draft_tokens)
+    decoder = config_of_file(path / "config.json", skeleton, serving)
     tied = bool(config.tie_word_embeddings)
     tensors = checkpoint
     if fp8 is not None:
         tensors = FP8Weights(checkpoint, *fp8)
         decoder = replace(decoder, formats=stored_formats(tensors.format, decoder, tied, path))
     rotary = type(skeleton.model.rotary_emb)(config)  # on the host: the frequencies for real
-    model = decode_model(decoder, tensors, rotary, tied, parallelism, **kernel_options)
-    model.bytes_read = checkpoint.bytes_read
-    return model
+    return replace(build(decoder, tensors, rotary, tied), bytes_read=checkpoint.bytes_read)

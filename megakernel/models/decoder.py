@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -21,7 +22,8 @@ from ..tasks.quantized import FORMATS, Format, Quantized, quantized_input, rows_
 from ..tasks.sampling import PARAMS
 from ..tasks.speculation import STATS
 from .packed import concat
-from .schema import EMBED, HEAD, NORM, Weight, head_in_embedding, layer_weights, part_name
+from .schema import EMBED, HEAD, NORM, Layout, Weight, head_in_embedding, layer_weights, part_name
+from .serving_config import ServingConfig
 
 
 @dataclass(frozen=True)
@@ -36,27 +38,33 @@ class DecoderConfig:
     eps: float
     qk_norm: bool          # Qwen3: RMSNorm of every q and k head before RoPE
     max_seq_len: int
-    batch: int = 1
+    batch: int = ServingConfig.max_batch  # the serving fields' defaults are ServingConfig's
     dtype: torch.dtype = torch.float32
     rope_scaling: float = 1.0  # multiplies RoPE's cos and sin (YaRN's and LongRoPE's attention factor)
     qkv_bias: bool = False     # Qwen2, Llama's attention_bias: biases on the q, k and v projections
     o_bias: bool = False       # Llama's attention_bias: a bias on the output projection
     mlp_bias: bool = False     # Llama's mlp_bias: biases on the gate, up and down projections
     windows: tuple[int | None, ...] = ()  # per layer: a sliding attention window, or None (all positions)
-    gemma: bool = False        # Gemma: norms scale by 1 + w, embeddings by sqrt(hidden), GELU-tanh gates
+    # what a class's record decides besides qk_norm (``architectures.Architecture``; Gemma's three)
+    activation: str = "silu"   # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: GELU's tanh approximation)
+    norm_unit_offset: bool = False  # RMSNorms scale by 1 + w
+    embed_scaled: bool = False  # embeddings multiplied by sqrt(hidden), as the dtype holds it (the input embed_scale)
     moe: tuple[bool, ...] = ()  # per layer: a sparse (mixture-of-experts) MLP instead of the dense one
     experts: int = 0           # experts per sparse MLP, each of ``moe_intermediate`` columns
     top_k: int = 0             # experts chosen per token
     moe_intermediate: int = 0
     norm_topk: bool = False    # the k weights divided by their sum (Qwen3-MoE's norm_topk_prob, Mixtral)
     router_weight_dtype: torch.dtype = torch.float32  # the dtype the weights are applied in (Qwen3-MoE: the model's)
-    page_size: int = 16        # KV cache positions per page
+    page_size: int = ServingConfig.page_size  # KV cache positions per page
     kv_pages: int = 0          # pages in the pool (0: every batch row at max_seq_len); one more is the spill page
-    prefill_chunk: int = 0     # prompt tokens a step can prefill besides its batch rows (0: none)
-    max_logprobs: int = 0      # the most likely tokens whose log-probabilities a step writes per row (0: none)
+    prefill_chunk: int = ServingConfig.prefill_chunk  # prompt tokens a step can prefill besides its batch rows
+    max_logprobs: int = ServingConfig.max_logprobs  # the most likely tokens whose log-probabilities a step writes
+    # per row (0: none)
     formats: tuple[tuple[str, str], ...] = ()  # (weight input, format) of the weights kept quantized (tasks.quantized)
     tied: bool = False         # the LM head is the embedding: read from its rows where a rank's share allows
-    draft_tokens: int = 0      # tokens drafted per batch row and step, verified in it (tasks.speculation; 0: none)
+    layouts: tuple[Layout, ...] = ()  # other ways a state dict may keep the weights (Phi-3's fused projections, ...)
+    # tokens drafted per batch row and step, verified in it (tasks.speculation; 0: none)
+    draft_tokens: int = ServingConfig.draft_tokens
 
     def format_of(self, name: str) -> Format | None:
         """The format weight input ``name`` is kept in on the heap; None: elements of ``dtype``."""
@@ -73,9 +81,14 @@ class DecoderConfig:
         return self.kv_pages or self.batch * self.max_pages
 
     @property
+    def rows_per_sequence(self) -> int:
+        """Rows a sequence takes in a step: its batch row, or ``draft_tokens + 1`` verification rows."""
+        return self.draft_tokens + 1
+
+    @property
     def batch_rows(self) -> int:
-        """Rows a step runs for its batch: one per batch row, or ``draft_tokens + 1`` verification rows."""
-        return self.batch * (self.draft_tokens + 1)
+        """Rows a step runs for its batch."""
+        return self.batch * self.rows_per_sequence
 
     @property
     def rows(self) -> int:
@@ -208,7 +221,7 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     g.require(not chunk or kv is not None, "decoder_layer: a prefill chunk needs its sequences' paged cache (kv)")
     w = w or layer_inputs(g, c, s, i)
     bias = lambda name: w[name][row0:row0 + x.rows]  # noqa: E731
-    h = g.rms_norm(x, w["input_norm"], c.eps, unit_offset=c.gemma)
+    h = g.rms_norm(x, w["input_norm"], c.eps, unit_offset=c.norm_unit_offset)
     qkv = project(g, h, w["qkv"])
     if c.qkv_bias:
         qkv = g.add(qkv, bias("qkv_bias"))
@@ -234,7 +247,7 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
             else g.decode_attention(q, k_cache, v_cache, pos, x.rows, hd, window=window, **paging))
     out = _row_parallel(g, s, g.linear(attn, w["o"]))
     x = g.add(x, g.add(out, bias("o_bias")) if c.o_bias else out)  # a row-parallel bias: once, after
-    h = g.rms_norm(x, w["post_norm"], c.eps, unit_offset=c.gemma)
+    h = g.rms_norm(x, w["post_norm"], c.eps, unit_offset=c.norm_unit_offset)
     if c.moe and c.moe[i]:  # each rank: every expert's share of columns; the partial sums all-reduced
         out = g.moe_mlp(h, w["router"], w["experts.gate_up"], w["experts.down"], c.top_k, c.norm_topk,
                         c.router_weight_dtype)
@@ -242,7 +255,8 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     gate_up = project(g, h, w["gate_up"])
     if c.mlp_bias:
         gate_up = g.add(gate_up, bias("gate_up_bias"))
-    act = (g.gelu_tanh_mul if c.gemma else g.silu_mul)(gate_up[:, :s.mlp.size], gate_up[:, s.mlp.size:])
+    gated = {"silu": g.silu_mul, "gelu_tanh": g.gelu_tanh_mul}[c.activation]
+    act = gated(gate_up[:, :s.mlp.size], gate_up[:, s.mlp.size:])
     out = _row_parallel(g, s, g.linear(act, w["down"]))
     return g.add(x, g.add(out, bias("down_bias")) if c.mlp_bias else out)
 
@@ -281,10 +295,62 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     input "end", [batch]) ends (-1), and a step where no batch row runs skips all but its draft and
     prefill tasks. The int64 input "draft_stats" counts (``speculation.STATS``).
 
-    Built into ``g``, or a new ``Graph(parallelism=parallelism)``: the number of workers the step is
+    Built in parts, each a function below: the inputs (``_step_inputs``), the drafts (``_batch_rows``),
+    the embeddings, the layers, the head and the sampling. Built into ``g``, or a new ``Graph(parallelism=parallelism)``: the number of workers the step is
     meant for, which sizes its tiles (split-K linears, attention splits).
     """
     g = g or Graph(parallelism=parallelism)
+    inputs = _step_inputs(g, c)
+    rows = _batch_rows(g, c, inputs)
+    x, prefill = _embeddings(g, c, inputs, rows)
+    x = _layers(g, c, inputs, rows, x, prefill)
+    logits = _head(g, c, inputs, rows, x)
+    _sampling(g, c, inputs, rows, logits, prefill)
+    return g
+
+
+# The parts of ``decode_step``, in the order it builds them: the order of its inputs, buffers and tasks (the
+# heap's layout, what ranks compare before a launch) is theirs.
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What the parts of a step share: rank ``s``'s share, the sequences' state (``history``, ``pos``,
+    ``prompt_len``), the paged cache's block ``table``, RoPE's ``inv_freq``, the embedding and its scale
+    (None: the class does not scale embeddings)."""
+
+    s: Shard
+    history: Tensor
+    pos: Tensor
+    prompt_len: Tensor
+    table: Tensor
+    inv_freq: Tensor
+    embed: Tensor | Quantized
+    scale: Tensor | None
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """The batch's rows of a step: each row's position (with drafts, each verification row's), ``guard``: the
+    context their tasks are built in; with drafts, the rows' tokens and each sequence's ``end``."""
+
+    pos: Tensor
+    guard: Callable[[], contextlib.AbstractContextManager]
+    tokens: Tensor | None = None
+    end: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A step's prefill chunk: its rows' positions (the input "prefill_pos", -1: unused; its first entry
+    guards the chunk's tasks) and their embedded tokens."""
+
+    pos: Tensor
+    x: Tensor
+
+
+def _step_inputs(g: Graph, c: DecoderConfig) -> StepInputs:
+    """The inputs every step reads, and the embedding's (``embed_scale``: sqrt(hidden) in the dtype, for
+    every row, where the class scales embeddings)."""
     s = Shard.of(c, g.rank, g.world_size)
     history = g.input("history", (c.batch, c.max_seq_len), torch.int64)
     pos = g.input("pos", (c.batch,), torch.int64)
@@ -292,46 +358,84 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     table = g.input("block_table", (c.table_rows, c.max_pages), torch.int64)
     inv_freq = g.input("inv_freq", (c.head_dim // 2,), torch.float32)
     embed = weight_input(g, c, s, EMBED)
-    scale = g.input("embed_scale", (c.rows, c.hidden), c.dtype) if c.gemma else None  # sqrt(hidden) in the dtype
-    rows_per_sequence = c.draft_tokens + 1
-    if c.draft_tokens:
-        end = g.input("end", (c.batch,), torch.int64)
-        with g.scope("draft"):
-            tokens, rows_pos, live = g.draft(history, pos, prompt_len, end, rows_per_sequence)
-        batch_part = functools.partial(g.guarded, live)  # the batch rows' tasks: skipped once every row ended
-    else:
-        rows_pos, batch_part = pos, contextlib.nullcontext
-    with batch_part():
-        x = g.embedding(tokens, embed) if c.draft_tokens else g.embedding(history, embed, pos=pos)
-        if scale is not None:
-            x = g.mul(x, scale[:c.batch_rows])
-    if c.prefill_chunk:
-        prefill_pos = g.input("prefill_pos", (c.prefill_chunk,), torch.int64)
-        with g.guarded(prefill_pos[0]):
-            chunk = g.embedding(g.input("prefill_tokens", (c.prefill_chunk,), torch.int64), embed)
-            if scale is not None:
-                chunk = g.mul(chunk, scale[c.batch_rows:])
+    scale = g.input("embed_scale", (c.rows, c.hidden), c.dtype) if c.embed_scaled else None
+    return StepInputs(s, history, pos, prompt_len, table, inv_freq, embed, scale)
+
+
+def _batch_rows(g: Graph, c: DecoderConfig, inputs: StepInputs) -> BatchRows:
+    """The drafts: without them, a row per sequence at its position, unguarded; with ``draft_tokens`` K,
+    ``draft``'s K + 1 verification rows per sequence (positions ``pos_b ..``, the known or drafted tokens),
+    whose tasks are skipped once every row ended."""
+    if not c.draft_tokens:
+        return BatchRows(inputs.pos, contextlib.nullcontext)
+    end = g.input("end", (c.batch,), torch.int64)
+    with g.scope("draft"):
+        tokens, pos, live = g.draft(inputs.history, inputs.pos, inputs.prompt_len, end, c.rows_per_sequence)
+    return BatchRows(pos, functools.partial(g.guarded, live), tokens, end)
+
+
+def _embeddings(g: Graph, c: DecoderConfig, inputs: StepInputs, rows: BatchRows) -> tuple[Tensor, Prefill | None]:
+    """The batch rows' tokens embedded (``history[pos]``, or the verification rows' tokens), then the
+    prefill chunk's (the input "prefill_tokens"; None without a chunk), scaled where the class scales
+    embeddings."""
+    with rows.guard():
+        x = (g.embedding(rows.tokens, inputs.embed) if c.draft_tokens
+             else g.embedding(inputs.history, inputs.embed, pos=inputs.pos))
+        if inputs.scale is not None:
+            x = g.mul(x, inputs.scale[:c.batch_rows])
+    if not c.prefill_chunk:
+        return x, None
+    prefill_pos = g.input("prefill_pos", (c.prefill_chunk,), torch.int64)
+    with g.guarded(prefill_pos[0]):
+        chunk = g.embedding(g.input("prefill_tokens", (c.prefill_chunk,), torch.int64), inputs.embed)
+        if inputs.scale is not None:
+            chunk = g.mul(chunk, inputs.scale[c.batch_rows:])
+    return x, Prefill(prefill_pos, chunk)
+
+
+def _layers(g: Graph, c: DecoderConfig, inputs: StepInputs, rows: BatchRows, x: Tensor, prefill: Prefill | None
+            ) -> Tensor:
+    """Every decoder layer over the batch rows' stream ``x``, with the layer's paged KV cache (a pool of
+    ``kv_pages + 1`` pages); a prefill chunk's rows go through each layer first, so that they write the
+    cache that the batch rows' attention of the layer reads (in the last layer they stop there)."""
+    s, table = inputs.s, inputs.table
     pool_rows = (c.pool_pages + 1) * c.page_size
+    chunk = prefill.x if prefill is not None else None
     for i in range(c.layers):
         with g.scope(f"layer{i}"):
             w = layer_inputs(g, c, s, i)
-            kv = KVCache(*(g.new_tensor((pool_rows, s.kv.size * c.head_dim), c.dtype, name=f"layers.{i}.{name}")
-                           for name in ("k_cache", "v_cache")), table, c.page_size)
-            if c.prefill_chunk:
-                with g.scope("prefill"), g.guarded(prefill_pos[0]):
-                    chunk = decoder_layer(g, c, s, chunk, prefill_pos, inv_freq, i, w,
-                                          KVCache(kv.k, kv.v, table[c.batch:], c.page_size), row0=c.batch_rows,
+            k, v = (g.new_tensor((pool_rows, s.kv.size * c.head_dim), c.dtype, name=f"layers.{i}.{name}")
+                    for name in ("k_cache", "v_cache"))
+            if prefill is not None:
+                with g.scope("prefill"), g.guarded(prefill.pos[0]):
+                    chunk = decoder_layer(g, c, s, chunk, prefill.pos, inputs.inv_freq, i, w,
+                                          KVCache(k, v, table[c.batch:], c.page_size), row0=c.batch_rows,
                                           chunk=True, kv_only=i == c.layers - 1)
-            with batch_part():
-                x = decoder_layer(g, c, s, x, rows_pos, inv_freq, i, w,
-                                  KVCache(kv.k, kv.v, table[:c.batch], c.page_size, rows_per_sequence),
+            with rows.guard():
+                x = decoder_layer(g, c, s, x, rows.pos, inputs.inv_freq, i, w,
+                                  KVCache(k, v, table[:c.batch], c.page_size, c.rows_per_sequence),
                                   chunk=bool(c.draft_tokens))
-    with g.scope("head"), batch_part():
-        h = g.rms_norm(x, weight_input(g, c, s, NORM), c.eps, unit_offset=c.gemma)
-        head = rows_of(embed, s.lm.start, s.lm.size) if head_in_embedding(c, s) else weight_input(g, c, s, HEAD)
+    return x
+
+
+def _head(g: Graph, c: DecoderConfig, inputs: StepInputs, rows: BatchRows, x: Tensor) -> Tensor:
+    """The final norm and the LM head (the embedding's rows where the model ties them and the ranks' shares
+    allow): this rank's vocabulary columns of the logits, all-gathered into the output "logits"."""
+    s = inputs.s
+    with g.scope("head"), rows.guard():
+        h = g.rms_norm(x, weight_input(g, c, s, NORM), c.eps, unit_offset=c.norm_unit_offset)
+        head = rows_of(inputs.embed, s.lm.start, s.lm.size) if head_in_embedding(c, s) else weight_input(g, c, s, HEAD)
         logits = g.linear(h, head)
         logits = g.all_gather(logits, dim=1) if s.world > 1 else logits
         g.output("logits", logits)
+    return logits
+
+
+def _sampling(g: Graph, c: DecoderConfig, inputs: StepInputs, rows: BatchRows, logits: Tensor,
+              prefill: Prefill | None) -> None:
+    """A token drawn from each row's logits into the history and the position advanced (with drafts: into
+    "verified", and the run the model agrees with accepted), its log-probabilities into the outputs
+    "logprobs" (and "top_ids", "top_logprobs"); the prefill chunk turned off once done."""
     with g.scope("sample"):
         sampling = g.input("sampling", (c.batch, len(PARAMS)), torch.float32)
         seed = g.input("seed", (c.batch,), torch.int64)
@@ -342,18 +446,18 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
         if c.draft_tokens:
             verified = g.new_tensor((c.batch, c.max_seq_len), torch.int64, name="verified")
             stats = g.input("draft_stats", (len(STATS),), torch.int64)
-            with batch_part():
-                g.sample(logits, verified, rows_pos, prompt_len, sampling, seed, logprobs, top, vocab=c.vocab,
-                         rows_per_sequence=rows_per_sequence)
-                g.output("history", g.accept(history, verified, tokens, rows_pos, pos, prompt_len, end, stats))
+            with rows.guard():
+                g.sample(logits, verified, rows.pos, inputs.prompt_len, sampling, seed, logprobs, top, vocab=c.vocab,
+                         rows_per_sequence=c.rows_per_sequence)
+                g.output("history", g.accept(inputs.history, verified, rows.tokens, rows.pos, inputs.pos,
+                                             inputs.prompt_len, rows.end, stats))
         else:
-            g.output("history", g.sample(logits, history, pos, prompt_len, sampling, seed, logprobs, top,
-                                         vocab=c.vocab))
-            g.advance(pos, limit=c.max_seq_len)
+            g.output("history", g.sample(logits, inputs.history, inputs.pos, inputs.prompt_len, sampling, seed,
+                                         logprobs, top, vocab=c.vocab))
+            g.advance(inputs.pos, limit=c.max_seq_len)
         g.output("logprobs", logprobs)
         if top is not None:
             g.output("top_ids", top[0])
             g.output("top_logprobs", top[1])
-        if c.prefill_chunk:
-            g.advance(prefill_pos, limit=0)  # the chunk is done: off until the host gives another
-    return g
+        if prefill is not None:
+            g.advance(prefill.pos, limit=0)  # the chunk is done: off until the host gives another

@@ -30,9 +30,10 @@ import torch
 from ..errors import GraphError, is_count, is_int, is_number
 from ..tasks.quantized import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, Format, dequantize
 from .decoder import DecoderConfig
-from .hf import CONFIG_ERRORS, CONFIG_SIZES, auto_classes, config_of_file, decode_model
+from .hf import CONFIG_ERRORS, CONFIG_SIZES, ModelBuild, auto_classes, build, config_of_file
 from .packed import Packed
 from .schema import DENSE_MLP, K_PROJ, LAYER, MODEL, Q_PROJ, Stored, stored_formats
+from .serving_config import ServingConfig
 
 FORMATS = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K, "Q6_K": Q6_K}
 # the float types as numpy views of the map: BF16 as its 16-bit words, viewed as bfloat16 once read
@@ -382,11 +383,8 @@ def _parse(path: Path, size: int, mtime_ns: int):
     return header, config
 
 
-def from_gguf(path: Path, *, max_seq_len: int, max_batch: int = 1, page_size: int = 16, kv_pages: int | None = None,
-              prefill_chunk: int = 0, max_logprobs: int = 0, draft_tokens: int = 0, dequantize: bool = False,
-              parallelism: int | str = "auto",
-              **kernel_options):
-    """``from_pretrained`` of a ``.gguf`` file: see the module docstring. ``dequantize``: every weight as
+def build_gguf(path: Path, serving: ServingConfig, dequantize: bool = False) -> ModelBuild:
+    """``build_pretrained`` of a ``.gguf`` file: see the module docstring. ``dequantize``: every weight as
     float32 elements instead (what transformers' GGUF loading makes; for the torch backend, whose
     quantized tiles unpack their weights at every step)."""
     header, config = parsed(path)
@@ -396,12 +394,9 @@ def from_gguf(path: Path, *, max_seq_len: int, max_batch: int = 1, page_size: in
     except CONFIG_ERRORS as error:
         raise GraphError(f"{path}: transformers cannot make a model of its metadata: {type(error).__name__}: "
                          f"{error}") from None
-    c = config_of_file(path, skeleton.float(), max_seq_len, max_batch, page_size, kv_pages, prefill_chunk,
-                       max_logprobs, draft_tokens)
+    c = config_of_file(path, skeleton.float(), serving)
     file = GGUFFile(header, c, dequantize)
     tied = "lm_head.weight" not in file
     c = replace(c, formats=stored_formats(file.format, c, tied, path))
     rotary = type(skeleton.model.rotary_emb)(config)
-    model = decode_model(c, file, rotary, tied, parallelism, **kernel_options)
-    model.bytes_read = file.bytes_read
-    return model
+    return replace(build(c, file, rotary, tied), bytes_read=file.bytes_read)

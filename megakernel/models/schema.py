@@ -1,14 +1,14 @@
 """The weights of a decoder model, each declared once: the graph input a decode step binds (``Weight``: its
 name, its shape on a rank, the config flag it exists under, how it is stored), made of tensors as
 ``transformers`` names and shapes them (``Stored``: where a state dict or checkpoint keeps it, how ranks
-split it), and the other ways a state dict may keep those (``LAYOUTS``: Phi-3's fused q/k/v and gate/up,
-every expert in one tensor, Mixtral's names).
+split it), and the other ways a state dict may keep those (``Layout``: Phi-3's fused q/k/v and gate/up,
+every expert in one tensor, Mixtral's names; a class's record lists those it reads, ``architectures``).
 
 The tables, one per layer kind: ``MODEL`` (embedding, final norm, LM head), ``LAYER`` (every decoder
 layer: norms and attention), ``DENSE_MLP`` and ``SPARSE_MLP`` (a mixture of experts). The decode graph's
 inputs (``decoder.layer_inputs``, ``decode_step``), a rank's slices of a model (``shard_weights``: from
 ``from_hf``'s state dict or ``from_pretrained``'s lazy checkpoint) and the benchmarks' random weights all
-come from them: an architecture variant is its entries here plus its config mapping (``hf.config_of``).
+come from them: an architecture variant is its entries here plus its record (``architectures``).
 """
 from __future__ import annotations
 
@@ -168,16 +168,22 @@ EXPERT_GATE = Stored(_layer("mlp.experts.{e}.gate_proj.weight"), (EXPERT_INTERME
 EXPERT_UP = Stored(_layer("mlp.experts.{e}.up_proj.weight"), (EXPERT_INTERMEDIATE, HIDDEN), Split.COLUMN)
 EXPERT_DOWN = Stored(_layer("mlp.experts.{e}.down_proj.weight"), (HIDDEN, EXPERT_INTERMEDIATE), Split.ROW)
 
-LAYOUTS = (
-    # Phi-3: q, k and v rows in one projection, gate and up rows in another
+# The other ways a state dict keeps stored tensors, by the classes that keep them so (``architectures``: a
+# record's ``layouts``, copied into ``DecoderConfig.layouts``).
+# Phi-3's: q, k and v rows in one projection, gate and up rows in another
+FUSED_PROJECTIONS = (
     Layout(_layer("self_attn.qkv_proj.weight"), (Q_PROJ, K_PROJ, V_PROJ)),
     Layout(_layer("self_attn.qkv_proj.bias"), (Q_BIAS, K_BIAS, V_BIAS)),
     Layout(_layer("mlp.gate_up_proj.weight"), (GATE_PROJ, UP_PROJ)),
     Layout(_layer("mlp.gate_up_proj.bias"), (GATE_BIAS, UP_BIAS)),
-    # sparse MLPs as transformers holds them in memory: every expert in one tensor
+)
+# sparse MLPs as transformers holds them in memory: every expert in one tensor
+STACKED_EXPERTS = (
     Layout(_layer("mlp.experts.gate_up_proj"), (EXPERT_GATE, EXPERT_UP), stacked=True),
     Layout(_layer("mlp.experts.down_proj"), (EXPERT_DOWN,), stacked=True),
-    # Mixtral's checkpoints: w1 the gate, w3 the up, w2 the down projection
+)
+# Mixtral's checkpoints: w1 the gate, w3 the up, w2 the down projection
+MIXTRAL_EXPERTS = (
     Layout(_layer("block_sparse_moe.gate.weight"), (ROUTER,)),
     Layout(_layer("block_sparse_moe.experts.{e}.w1.weight"), (EXPERT_GATE,)),
     Layout(_layer("block_sparse_moe.experts.{e}.w3.weight"), (EXPERT_UP,)),
@@ -259,7 +265,7 @@ def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_fr
     frequencies (float32).
 
     ``tensors``: the model's weights by their ``transformers`` state-dict names (``Stored``, or any of
-    ``LAYOUTS``), as tensors (``from_hf``) or as lazy slices of a checkpoint (``from_pretrained``: only
+    ``c.layouts``), as tensors (``from_hf``) or as lazy slices of a checkpoint (``from_pretrained``: only
     what is taken here is read; a missing tensor is the mapping's error, naming it), or as ``Packed``
     quantized weights (the inputs ``name`` and ``name.scales``, as ``c.formats`` says). ``tied``: the LM
     head is the embedding.
@@ -275,7 +281,7 @@ def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_fr
 
     weights = {w.name: rank_slice(w) for w in MODEL if w is not HEAD or not head_in_embedding(c, s)}
     weights["inv_freq"] = inv_freq.float()
-    if c.gemma:  # the embedding's scale, sqrt(hidden), as the model's dtype holds it, for every batch row
+    if c.embed_scaled:  # the embedding's scale, sqrt(hidden), as the model's dtype holds it, for every batch row
         weights["embed_scale"] = torch.full((c.rows, c.hidden), c.hidden ** 0.5, dtype=c.dtype)
     for i in range(c.layers):
         weights.update({f"layers.{i}.{w.name}": rank_slice(w, i, f"layers.{i}.{w.name}") for w in layer_weights(c, i)})
@@ -300,7 +306,7 @@ def _find(tensors: Mapping[str, Any], stored: Stored, c: DecoderConfig, layer: i
     tensor = tensors.get(key)
     if tensor is not None:
         return tensor
-    for layout in LAYOUTS:
+    for layout in c.layouts:
         packed = tensors.get(layout.key.format(i=layer, e=expert)) if stored in layout.holds else None
         if packed is not None:
             return layout.unpack(packed, stored, c, expert)

@@ -10,12 +10,16 @@ run sends each of them one message. Every message carries a number that its repl
 reply can never be taken for another's; a pool serves one kernel at a time (its lock), so kernels
 may run from several threads; and a run interrupted in the host (Ctrl-C) stops its workers before
 the interrupt goes on: no worker is left running on a heap that the next run will use.
+
+A worker runs the kernel under the interpreter unless a run names another loop (``Launch.loop``: the
+torch backend's), which the worker imports by that name: this module knows no other backend.
 """
 from __future__ import annotations
 
 import atexit
 import ctypes
 import functools
+import importlib
 import os
 import signal
 import socket
@@ -33,8 +37,9 @@ from typing import Callable
 
 import torch
 
-from .errors import BackendError, GraphError
-from .heap import SHM_DIR, RankHeap, SharedHeap
+from ..codegen import load_kernel
+from ..errors import BackendError, GraphError
+from ..heap import SHM_DIR, Heaps, RankHeap, SharedHeap
 
 PR_SET_PDEATHSIG = 1
 _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megakernel-spawner")
@@ -49,8 +54,8 @@ class Launch:
     worker: int
     rank: int
     args: dict[str, int]       # the kernel's integer arguments, ROW and TRACE included
-    engine: str = "interpreter"  # what runs the worker: the kernel under the interpreter, or "torch" (torch_backend)
-    extras: dict = field(default_factory=dict)  # what the engine takes besides (torch: specs, threads)
+    loop: str | None = None    # what runs the worker, "module:function" (``run_loop``); None: the kernel, interpreted
+    extras: dict = field(default_factory=dict)  # what the loop takes besides (torch: specs, threads)
 
 
 @dataclass(frozen=True)
@@ -79,15 +84,13 @@ def die_with_parent() -> None:
 
 def _worker_main(fd: int) -> None:
     """A worker's life: map heaps, run kernels, until the pool closes the connection."""
-    from .codegen import load_kernel
-
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the process that runs the kernel: it stops us
     conn = Connection(fd)
     heaps: dict[str, list[SharedHeap]] = {}   # by the kernel's own heap key: the segments it maps
     bases: dict[str, torch.Tensor] = {}       # by the same key: every rank's heap address here, in rank order
     wholes: dict[str, list[torch.Tensor]] = {}  # by the same key: every rank's whole heap, in rank order
-    programs: dict[str, dict] = {}  # by the same key: what the torch engine made of the kernel's tables
+    programs: dict[str, dict] = {}  # by the same key: what a named loop made of the kernel's tables
     conn.send((0, "ok", os.getpid()))
     while True:
         try:
@@ -115,10 +118,9 @@ def _worker_main(fd: int) -> None:
             elif command == "run":
                 launch: Launch = payload
                 start = time.perf_counter()
-                if launch.engine == "torch":
-                    from .torch_backend import run_worker
-                    run_worker(wholes[launch.heap], launch.rank, launch.worker, launch.args,
-                               programs.setdefault(launch.heap, {}), **launch.extras)
+                if launch.loop is not None:
+                    run_loop(launch.loop)(wholes[launch.heap], launch.rank, launch.worker, launch.args,
+                                          programs.setdefault(launch.heap, {}), **launch.extras)
                 else:
                     kernel = load_kernel(launch.kernel)
                     args = dict(launch.args)
@@ -131,6 +133,12 @@ def _worker_main(fd: int) -> None:
             conn.send((number, "error", traceback.format_exc()))
 
 
+def run_loop(name: str) -> Callable[..., None]:
+    """The worker loop named ``name``, "module:function" (``Launch.loop``), imported on its first run."""
+    module, function = name.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
 class _Worker:
     """A worker process started with ``python -c`` (no re-import of the user's main module, unlike
     multiprocessing's spawn), talking over a socket pair; it exits when its end of the socket closes."""
@@ -138,7 +146,7 @@ class _Worker:
     def __init__(self):
         parent, child = socket.socketpair()
         env = dict(os.environ, TRITON_INTERPRET="1")  # read by triton at import
-        command = [sys.executable, "-c", f"from megakernel.cpu_backend import _worker_main; _worker_main({child.fileno()})"]
+        command = [sys.executable, "-c", f"from megakernel.backends.cpu import _worker_main; _worker_main({child.fileno()})"]
         # Linux sends the parent-death signal when the *thread* that started the child ends: a virtual
         # rank's thread ends with its launch, but its pool lives on. Start workers from one thread that
         # lives as long as the process.
@@ -254,7 +262,7 @@ class CpuBackend:
     """Workers are processes of a pool; the heap is shared memory that every worker maps."""
 
     name = "cpu"
-    engine = "interpreter"  # what runs each worker (``Launch.engine``)
+    loop: str | None = None  # what runs each worker (``Launch.loop``): the kernel, interpreted
     DEFAULT_WORKERS = 2
     MAX_WORKERS = 256
     STOP_SECONDS = 10.0  # how long an interrupted run's workers get to stop at their next wait
@@ -283,8 +291,7 @@ class CpuBackend:
         shm = os.statvfs(SHM_DIR)
         return shm.f_bavail * shm.f_frsize
 
-    def allocate(self, data_size: int, comm_size: int):
-        from .backend import Heaps
+    def allocate(self, data_size: int, comm_size: int) -> Heaps:
         group, rank, size = self.group, self.group.rank, data_size + comm_size  # one segment: data, then comm
         if group.virtual:  # rank 0 makes one segment; each rank's heap is a slice of it
             created = SharedHeap.create(group.world_size * size) if rank == 0 else None
@@ -323,7 +330,7 @@ class CpuBackend:
                     running[w] = worker.sent + 1  # before the send: an interrupt after it still waits for it
                     try:
                         worker.send("run", Launch(self.key, str(self.kernel_path), w, self.group.rank, args,
-                                                  self.engine, self._launch_extras()))
+                                                  self.loop, self._launch_extras()))
                     except BackendError as error:
                         failure = failure or BackendError(f"worker {w}: {error}")
                         del running[w]

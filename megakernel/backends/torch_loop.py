@@ -26,16 +26,17 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import atomics
-from .cpu_backend import CpuBackend, WorkerPool
-from .device import NO_SEQUENCE
-from .errors import BackendError
-from .heap import HeapView, RankHeap
-from .layout import (ABORT, DONE, EPOCH, EVENT, EXPECTED, FAULT, FAULT_AT, FAULT_BOUND, FAULT_KIND, FAULT_VALUE,
-                     FAULTED, INDEX, NOT_FINITE, OBSERVED, STATE, STATUS_WORDS, STOPPED, TASK, TIMED_OUT, TRACE_WORDS)
-from .scheduler import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_GUARD, OPCODE, SIGNAL_COUNT,
+from .. import atomics
+from ..device import NO_SEQUENCE
+from ..errors import BackendError
+from ..heap import HeapView, RankHeap
+from ..layout import (ABORT, DONE, EPOCH, EVENT, EXPECTED, FAULT, FAULT_AT, FAULT_BOUND, FAULT_KIND, FAULT_VALUE,
+                     FAULTED, INDEX, NOT_FINITE, OBSERVED, SIGNAL_WORDS, STATE, STATUS_WORDS, STOPPED, TASK, TIMED_OUT,
+                     TRACE_WORDS)
+from ..scheduler import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_GUARD, OPCODE, SIGNAL_COUNT,
                         SIGNAL_START, WAIT_EVENT, Spec, read_signals)
-from .scheduler.tables import SIGNAL_WORDS
+from ..tasks import TASK_TYPES
+from .cpu import CpuBackend, WorkerPool
 
 SPIN_S = 1e-3       # a wait polls this long before it first yields its core, when every worker has a core
 SHORT_SPIN_S = 20e-6  # ... when workers share cores
@@ -46,10 +47,9 @@ class TorchBackend(CpuBackend):
     """Workers are processes of a pool, as on the cpu backend, each running ``run_worker``."""
 
     name = "torch"
-    engine = "torch"
+    loop = f"{__name__}:run_worker"  # what the cpu backend's workers run (``cpu.Launch.loop``), by name
 
     def __init__(self, group, kernel_path, workers: int | None, pool: WorkerPool | None, specs: list[Spec]):
-        from .tasks import TASK_TYPES
         missing = sorted({s.task_type for s in specs if not callable(TASK_TYPES[s.task_type].reference)})
         if missing:  # before any process or memory is taken
             raise BackendError(f"the torch backend runs each tile as its task type's torch reference; task type "
@@ -127,7 +127,6 @@ class Entry:
 def _program(words: np.ndarray, args: dict[str, int], rank: int, worker: int, specs: list[Spec],
              heaps: dict[int, WorkerHeap]) -> list[Entry]:
     """Worker ``worker``'s queue, read from the tables on rank ``rank``'s heap (``words``, int64)."""
-    from .tasks import TASK_TYPES
     index = words[args["index_off"] // 8 + worker:][:2].tolist()
     queue = words[args["queue_off"] // 8 + index[0]:][:index[1] - index[0]].tolist()
     rank_heap, row_words = heaps[rank], args["ROW"]

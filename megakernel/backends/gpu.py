@@ -32,10 +32,9 @@ from typing import Callable
 
 import torch
 
-from . import codegen, finegrained, occupancy
-from .backend import Heaps
-from .errors import BackendError
-from .heap import RankHeap, kernel_bases
+from .. import codegen, finegrained, occupancy
+from ..errors import BackendError
+from ..heap import Heaps, RankHeap, kernel_bases
 
 NUM_WARPS = 4              # threads per program: 128 (NVIDIA) / 256 (AMD, wave64)
 # The kernel inlines every tile; its register count is the heaviest tile's. On NVIDIA it is capped

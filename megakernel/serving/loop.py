@@ -1,6 +1,6 @@
 """The serving loop: requests from many clients joining one model's running batch (continuous batching).
 
-``Scheduler.run`` is the only caller of the engine (``DecodeModel``), in a thread of its own. Each turn
+``ServingLoop.run`` is the only caller of the engine (``DecodeModel``), in a thread of its own. Each turn
 it cancels the sequences whose clients gave up or whose text reached a stop string, admits waiting
 requests first come first served while a slot and every page they will need are free
 (``DecodeModel.has_room``: a running sequence never runs out of pages), and runs one launch of the
@@ -80,7 +80,7 @@ class Metrics:
             self.launch_buckets[i] += seconds <= bound
 
 
-class Scheduler:
+class ServingLoop:
     """Rank 0's serving loop over ``model`` (see the module docstring); ``group``: the ranks to lead."""
 
     def __init__(self, model: DecodeModel, text: Text, steps_per_launch: int = 4, group: Group | None = None):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import GraphError
 
-_LOADING = threading.Lock()  # transformers' lazy imports are not thread-safe (hf.auto_classes)
+_LOADING = threading.Lock()  # transformers' lazy imports are not thread-safe (models.hf.auto_classes)
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """``DecodeModel``: one rank's share of a decoder model compiled into one megakernel, and the engine that
 serves it: greedy decoding on the device (``decode``, ``generate``) and continuous batching
 (``add`` / ``step`` / ``cancel``: sequences in slots of the batch, their KV cache in pages of a pool, their
-prompts prefilled in chunks). It knows the decode graph (``decode_step``) and its weights by input name,
-not where they came from (``from_hf``, ``from_pretrained``)."""
+prompts prefilled in chunks). It knows the decode graph (``decode_step``) and its weights by input name
+(a ``models.ModelBuild``), not where they came from (``from_hf``, ``from_pretrained``)."""
 from __future__ import annotations
 
 import functools
@@ -15,7 +15,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from ..backend import KINDS, resolve
+from ..backends import KINDS, resolve
 from ..errors import FaultError, GraphError, is_count, is_int, is_number
 from ..graph import Graph
 from ..layout import NOT_FINITE
@@ -23,7 +23,8 @@ from ..runtime import Megakernel
 from ..tasks.chunk_attention import BLOCK_ROWS
 from ..tasks.sampling import PARAMS
 from ..tasks.speculation import STATS
-from .decoder import DecoderConfig, decode_step
+from ..models.decoder import decode_step
+from ..models.hf import ModelBuild
 from .pages import KVCacheFull, PagePool
 
 
@@ -135,19 +136,19 @@ class Sequence:
 class DecodeModel:
     """One rank's share of a model, compiled into one megakernel: one launch per decode step."""
 
-    def __init__(self, config: DecoderConfig, weights: dict[str, torch.Tensor], parallelism: int | str = "auto",
-                 rope_at: Callable[[int], torch.Tensor] | None = None, **kernel_options):
-        """``parallelism``: the workers the step's tiles are sized for (``Graph.parallelism``); "auto": what
-        suits the backend (``BackendKind.tile_parallelism``: on a GPU every worker the kernel holds, found
-        by building once; on the cpu backend 1, few large tiles for the interpreter; on torch the workers,
-        at least 2). ``rope_at(pos)``: the inverse frequencies for the step at ``pos``, for rope types whose
-        frequencies follow the sequence length (rebound when they change)."""
+    def __init__(self, build: ModelBuild, parallelism: int | str = "auto", **kernel_options):
+        """Compile ``build`` (its frequencies rebound when ``build.rope_at`` changes them). ``parallelism``:
+        the workers the step's tiles are sized for (``Graph.parallelism``); "auto": what suits the backend
+        (``BackendKind.tile_parallelism``: on a GPU every worker the kernel holds, found by building once; on
+        the cpu backend 1, few large tiles for the interpreter; on torch the workers, at least 2).
+        ``kernel_options``: ``Megakernel``'s."""
+        config, weights, rope_at = build.config, build.weights, build.rope_at
         if config.draft_tokens and rope_at is not None:
             raise GraphError("draft_tokens: rope types whose frequencies follow the position (dynamic, longrope) "
                              "need one position per launch; a step with drafts advances each row by its own count")
         self.config = config
         self.rope_at = rope_at
-        self.bytes_read = 0  # of a checkpoint, by this rank (from_pretrained)
+        self.bytes_read = build.bytes_read  # of a checkpoint, by this rank (from_pretrained)
         # the bytes of weights this rank holds on its heap, as bound: packed ones as they are stored
         self.weight_bytes = sum(t.numel() * t.element_size() for name, t in weights.items() if name != "inv_freq")
         self.inv_freq = weights["inv_freq"].clone()  # the frequencies bound now (the model may update its own)
@@ -209,7 +210,7 @@ class DecodeModel:
         inputs = {"pos": torch.full((c.batch,), pos), "prompt_len": torch.full((c.batch,), c.max_seq_len),
                   "block_table": self.pool.table, **self._ends(pos + 1)}
         self._launch({**inputs, **self._frequencies(pos)}, 1)
-        logits = self.logits[::c.draft_tokens + 1]  # with drafts: each batch row's first verification row
+        logits = self.logits[::c.rows_per_sequence]  # with drafts: each batch row's first verification row
         self.kernel.bind({"pos": torch.full((c.batch,), -1)})  # every row free again
         return logits
 
@@ -363,7 +364,7 @@ class DecodeModel:
             for s, first, count, _ in chunk.parts:
                 self.pool.grow(s.slot, first + count, f"sequence {s.id}")
             for s in running:  # a step advances a row by up to draft_tokens + 1 positions
-                self.pool.grow(s.slot, min(s.pos + steps * (self.config.draft_tokens + 1), s.last_position + 1),
+                self.pool.grow(s.slot, min(s.pos + steps * self.config.rows_per_sequence, s.last_position + 1),
                                f"sequence {s.id}")
         self._bind_prefill(chunk)
         for s in running:  # a sequence whose prefill ends in this launch starts in its batch row

@@ -6,16 +6,18 @@ owns the memory and the processors:
 
 | backend | heap | workers |
 | --- | --- | --- |
-| ``cpu`` | POSIX shared memory | interpreter processes (``cpu_backend``) |
-| ``torch`` | the same | the same processes, each tile its task type's torch reference (``torch_backend``) |
-| ``cuda`` | device memory, shared by IPC | programs of one persistent launch (``gpu_backend``) |
+| ``cpu`` | POSIX shared memory | interpreter processes (``backends.cpu``) |
+| ``torch`` | the same | the same processes, each tile its task type's torch reference (``backends.torch_loop``) |
+| ``cuda`` | device memory, shared by IPC | programs of one persistent launch (``backends.gpu``) |
 | ``hip`` | the same; the comm area fine-grained (``finegrained``) | the same |
 
 Virtual ranks (threads of one process) carve their heaps from allocations rank 0 makes (one; on hip
 one for the data areas and one for the comm areas).
 
 ``KINDS`` is the factory: one entry per backend, what its kernel is generated for and how it is
-made, so the runtime never asks which backend it runs on.
+made, so the runtime never asks which backend it runs on. The backend modules never import this
+registry (what they share lies below it: ``heap.Heaps``; the torch backend builds on the cpu one), so it
+imports them all at its top.
 """
 from __future__ import annotations
 
@@ -23,27 +25,17 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 
-from .bootstrap import Group, default_backend
-from .errors import BackendError
-from .heap import SHM_DIR, RankHeap
-
-if TYPE_CHECKING:
-    from .cpu_backend import WorkerPool
-    from .scheduler import Spec
-
-
-@dataclass
-class Heaps:
-    """This rank's heap and every peer's, as this process can read and write them, and ``delta``: this
-    rank's comm area address minus its data area's, as its programs see them (``layout.device_words``)."""
-
-    local: RankHeap
-    peers: dict[int, RankHeap]
-    delta: int
+from ..bootstrap import Group, default_backend
+from ..errors import BackendError
+from ..heap import SHM_DIR, Heaps
+from ..scheduler import Spec
+from .cpu import CpuBackend, WorkerPool
+from .gpu import GpuBackend
+from .torch_loop import TorchBackend
 
 
 class Backend(Protocol):
@@ -107,19 +99,15 @@ class BackendKind:
     tile_parallelism: Callable[[int | None], int | None]
 
 
-# The backend modules import this one: each is imported when a kernel first asks for it.
 def _make_cpu(request: BackendRequest) -> Backend:
-    from .cpu_backend import CpuBackend
     return CpuBackend(request.group, request.kernel_path, request.workers, request.pool)
 
 
 def _make_torch(request: BackendRequest) -> Backend:
-    from .torch_backend import TorchBackend
     return TorchBackend(request.group, request.kernel_path, request.workers, request.pool, request.specs)
 
 
 def _make_gpu(request: BackendRequest) -> Backend:
-    from .gpu_backend import GpuBackend
     return GpuBackend(request.name, request.group, request.kernel_path, request.row_words, request.trace,
                       request.workers, request.timeout)
 

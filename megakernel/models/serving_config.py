@@ -1,0 +1,103 @@
+"""``ServingConfig``: the sizes a model's decode step is built for (its context, batch rows, KV cache pages,
+prefill rows, reported log-probabilities and drafts), each default declared here once and every value
+checked here once, before anything is built (the graph's tiles grow with the batch rows and the prefill
+chunk, its buffers with the rest).
+
+The loaders (``hf.build_hf``, ``checkpoint.build_pretrained``, ``gguf.build_gguf``) take one, and
+``ServingConfig.decoder_fields`` turns it into the ``DecoderConfig``'s fields; ``megakernel serve``'s
+flags are its fields, with the defaults of ``SERVER``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from ..errors import GraphError, is_count, is_int
+from ..tasks.chunk_attention import BLOCK_ROWS
+
+MAX_BATCH, MAX_PREFILL_CHUNK = 4096, 65536  # rows of a decode step: each has tiles in every layer
+MAX_DRAFT_TOKENS = BLOCK_ROWS - 1  # a sequence's verification rows are one block of chunk attention
+MAX_LOGPROBS = 20  # the most likely tokens a step can report per row (OpenAI's top_logprobs allows 20)
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """What a decode step is built to serve. Each field's ``help`` is its ``megakernel serve`` flag's."""
+
+    max_seq_len: int = field(metadata={"help": "the context: prompt + new tokens"})
+    max_batch: int = field(default=1, metadata={"help": "sequences decoded together (batch rows)"})
+    page_size: int = field(default=16, metadata={"help": "KV cache positions per page"})
+    kv_pages: int | None = field(default=None, metadata={"help": "KV cache pages (default: every row at "
+                                                                 "max_seq_len)"})
+    prefill_chunk: int = field(default=0, metadata={"help": "prompt tokens a launch prefills besides the batch "
+                                                            "rows (0: a prompt goes through its batch row a token "
+                                                            "per step)"})
+    max_logprobs: int = field(default=0, metadata={"help": "the most likely tokens whose log-probabilities each "
+                                                           f"step reports (at most {MAX_LOGPROBS})"})
+    draft_tokens: int = field(default=0, metadata={"help": "tokens drafted per sequence and step from its own "
+                                                           "history, verified in the step (tasks.speculation; 0: "
+                                                           f"none; at most {MAX_DRAFT_TOKENS})"})
+
+    def __post_init__(self):
+        for name in POSITIVE:
+            value = getattr(self, name)
+            if name == "kv_pages":
+                if value is not None and not is_count(value):
+                    raise GraphError(f"kv_pages must be a positive int or None (every row at max_seq_len), got "
+                                     f"{value!r}")
+            elif not is_count(value):
+                raise GraphError(f"{name} must be a positive int, got {value!r}")
+        if not (is_int(self.prefill_chunk) and self.prefill_chunk >= 0):
+            raise GraphError(f"prefill_chunk must be a non-negative int, got {self.prefill_chunk!r}")
+        self._check_logprobs(MAX_LOGPROBS)
+        if not (is_int(self.draft_tokens) and 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS):
+            raise GraphError(f"draft_tokens must be an int in [0, {MAX_DRAFT_TOKENS}] (0: no drafts), got "
+                             f"{self.draft_tokens!r}")
+        if self.batch_rows > MAX_BATCH:
+            raise GraphError(f"max_batch={self.batch_rows:,} is more than a decode step holds; at most {MAX_BATCH:,}"
+                             " batch rows x (draft_tokens + 1)")
+        if self.prefill_chunk > MAX_PREFILL_CHUNK:
+            raise GraphError(f"prefill_chunk={self.prefill_chunk:,} is more than a decode step holds; at most "
+                             f"{MAX_PREFILL_CHUNK:,}")
+
+    def _check_logprobs(self, most: int) -> None:
+        if not (is_int(self.max_logprobs) and 0 <= self.max_logprobs <= most):
+            raise GraphError(f"max_logprobs must be an int in [0, {most}], got {self.max_logprobs!r}")
+
+    @property
+    def rows_per_sequence(self) -> int:
+        """Rows a sequence takes in a step: its batch row, or with drafts its ``draft_tokens + 1``
+        verification rows."""
+        return self.draft_tokens + 1
+
+    @property
+    def batch_rows(self) -> int:
+        """Rows a step runs for its batch."""
+        return self.max_batch * self.rows_per_sequence
+
+    def decoder_fields(self, vocab: int) -> dict[str, Any]:
+        """The ``DecoderConfig`` fields of a model of ``vocab`` tokens (which bounds ``max_logprobs`` too)."""
+        self._check_logprobs(min(MAX_LOGPROBS, vocab))
+        return dict(max_seq_len=self.max_seq_len, batch=self.max_batch, page_size=self.page_size,
+                    kv_pages=self.kv_pages or 0, prefill_chunk=self.prefill_chunk, max_logprobs=self.max_logprobs,
+                    draft_tokens=self.draft_tokens)
+
+    @classmethod
+    def taken_from(cls, serving: ServingConfig | None, options: dict[str, Any]) -> tuple[ServingConfig, dict[str, Any]]:
+        """A loader's ``ServingConfig``: ``serving`` with the fields among ``options`` (keyword arguments
+        of the loader) in place of its own, or those fields alone where it is None; and the options left
+        (the kernel's)."""
+        names = {f.name for f in fields(cls)}
+        given = {name: value for name, value in options.items() if name in names}
+        rest = {name: value for name, value in options.items() if name not in names}
+        return (cls(**given) if serving is None else replace(serving, **given)), rest
+
+
+POSITIVE = ("max_seq_len", "max_batch", "page_size", "kv_pages")  # fields that are positive ints (kv_pages: or None)
+
+# ``megakernel serve``'s defaults, where they differ from the library's on purpose: a server batches the
+# requests of many clients (8 batch rows, not 1), prefills their prompts in chunks rather than a token per
+# step (64 prefill rows, not 0: a long prompt would hold its batch row for as many launches), offers a
+# context for chat-length conversations (the library asks for one), and lets a request ask for the
+# log-probabilities of the 5 most likely tokens (OpenAI's completions ``logprobs`` allows 5).
+SERVER = ServingConfig(max_seq_len=2048, max_batch=8, prefill_chunk=64, max_logprobs=5)

@@ -1,0 +1,39 @@
+"""``from_hf`` and ``from_pretrained``: this rank's share of a model, built for a ``ServingConfig``
+(``megakernel.models``), compiled into a ``DecodeModel``.
+
+Each takes the serving config whole (``serving``) or its fields as keyword arguments (which, beside a
+``serving``, replace its own); the other keyword arguments are the kernel's (``Megakernel``'s: ``backend``,
+``workers``, ``trace``, ...)."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..models.checkpoint import build_pretrained
+from ..models.hf import build_hf
+from ..models.serving_config import ServingConfig
+from .engine import DecodeModel
+
+
+def from_hf(model, serving: ServingConfig | None = None, *, parallelism: int | str = "auto",
+            **options: Any) -> DecodeModel:
+    """Shard ``model`` (a transformers causal LM already in memory; nothing is downloaded) for this rank and
+    compile its decode step. The serving fields: ``max_seq_len`` (required), ``max_batch``; the KV cache, a
+    pool of ``kv_pages`` pages of ``page_size`` positions (None: enough for every batch row at
+    ``max_seq_len``); ``prefill_chunk``: prompt tokens a launch prefills besides the batch rows (0: a prompt
+    goes through its batch row a token per step); ``max_logprobs``: the most likely tokens whose
+    log-probabilities each step reports (``Sequence.top``); ``draft_tokens`` K: each step drafts up to K
+    tokens per sequence from its own history and verifies them (``tasks.speculation``: the same tokens, in
+    fewer steps where the text repeats itself; 0: none). ``parallelism``: the number of workers the step's
+    tiles are sized for; "auto" (see ``DecodeModel``)."""
+    serving, kernel_options = ServingConfig.taken_from(serving, options)
+    return DecodeModel(build_hf(model, serving), parallelism, **kernel_options)
+
+
+def from_pretrained(path, serving: ServingConfig | None = None, *, dequantize: bool = False,
+                    parallelism: int | str = "auto", **options: Any) -> DecodeModel:
+    """Load a checkpoint directory (as ``save_pretrained`` writes it) or a GGUF file straight into this rank's
+    heap (only its slices are read; nothing is downloaded) and compile its decode step
+    (``models.build_pretrained``). ``dequantize``: a GGUF file's weights as float32 (``models.gguf``). The
+    other arguments are ``from_hf``'s."""
+    serving, kernel_options = ServingConfig.taken_from(serving, options)
+    return DecodeModel(build_pretrained(path, serving, dequantize), parallelism, **kernel_options)

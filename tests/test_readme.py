@@ -1,0 +1,28 @@
+"""README's quickstarts run as written: the graph's and the model's (the server's is ``test_server``'s)."""
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).parent.parent / "README.md"
+
+
+def quickstart(title: str) -> str:
+    """The first Python block under README's heading ``title``."""
+    section = README.read_text().split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_graph_quickstart_runs():
+    scope: dict = {}
+    exec(compile(quickstart("Quickstart: a graph and a kernel"), str(README), "exec"), scope)
+    assert scope["out"]["y"].shape == (1, 128)
+
+
+@pytest.mark.slow
+def test_the_model_quickstart_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(quickstart("Quickstart: a model"), str(README), "exec"), scope)
+    ids, more = scope["ids"], scope["more"]
+    assert ids.shape == (1, 14) and more[0].shape == (22,) and more[0][:14].tolist() == ids[0].tolist()
