@@ -12,12 +12,13 @@ class GraphError(MegakernelError, ValueError):
 
 class FaultError(GraphError):
     """A launch ran to its end but a tile met data it cannot use (an index out of range, clamped; logits
-    that are not finite): its outputs are not valid; ``faults`` lists each (``diagnosis.Fault``). The
-    kernel stays usable."""
+    that are not finite): its outputs are not valid; ``faults`` lists each (``diagnosis.Fault``), and
+    ``outputs`` are the run's outputs as ``run`` returns them (where a caller knows which parts the
+    faults spare: ``SequenceFault``). The kernel stays usable."""
 
-    def __init__(self, message: str, faults: tuple = ()):
+    def __init__(self, message: str, faults: tuple = (), outputs: dict | None = None):
         super().__init__(message, faults)  # both in args, so the error pickles across processes whole
-        self.message, self.faults = message, tuple(faults)
+        self.message, self.faults, self.outputs = message, tuple(faults), outputs
 
     def __str__(self) -> str:
         return self.message

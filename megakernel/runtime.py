@@ -55,6 +55,7 @@ class Megakernel:
             trace=self.tracing, workers=workers, timeout=self.timeout, pool=pool, specs=self.graph.specs))
         self.workers = self.backend.workers
         self.tables = _schedule(self.graph, self.group, self.backend, policy)
+        self._max_fan_in = int(self.tables.rows[:, [FAN_IN, CARRY_FAN_IN]].max(initial=1))  # bounds the epochs
         self.layout = _lay_out_heap(self.graph, self.group, self.tables, self.tracing)
         self._finalizer = weakref.finalize(self, self.backend.close)
         heaps = self.backend.allocate(self.layout.data_size, self.layout.comm_size)
@@ -166,10 +167,9 @@ class Megakernel:
             return self._run({} if inputs is None else inputs, steps)
 
     def _run(self, inputs: Mapping[str, torch.Tensor], steps: int) -> dict[str, torch.Tensor]:
-        fan_in = int(self.tables.rows[:, [FAN_IN, CARRY_FAN_IN]].max(initial=1))
-        if (self.epoch + steps) * fan_in >= 2**63:  # an event's count, epoch x fan-in, is an int64
+        if (self.epoch + steps) * self._max_fan_in >= 2**63:  # an event's count, epoch x fan-in, is an int64
             raise GraphError(f"{steps} more steps after {self.epoch} would overflow the event counters (a fan-in "
-                             f"of {fan_in}): build a new kernel")
+                             f"of {self._max_fan_in}): build a new kernel")
         self._prepare(inputs)
         if self.tracing:
             self.words(self.layout.trace_off, TRACE_WORDS * len(self.tables.rows)).zero_()
@@ -184,10 +184,17 @@ class Megakernel:
         except BaseException:
             self._after_failure(f"launch {self.launches} was interrupted")
             raise
-        self._check_launches(failure)
+        try:
+            self._check_launches(failure)
+        except FaultError as fault:  # the run went to its end: its outputs are there, some of them not valid
+            fault.outputs = self._outputs()
+            raise
         if self.tracing:  # a debugging mode: the ranks exchange their spans (a host meeting per run)
             every = self.group.all_gather(rank_trace(self.tables, self._stamps()))
             self.trace = Trace([s for spans, _ in every for s in spans], [e for _, edges in every for e in edges])
+        return self._outputs()
+
+    def _outputs(self) -> dict[str, torch.Tensor]:
         return {name: self.tensor(t).clone() for name, t in self.graph.outputs.items()}
 
     def _prepare(self, inputs: Mapping[str, torch.Tensor]) -> None:

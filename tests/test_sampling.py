@@ -222,7 +222,8 @@ def test_several_stop_ids_end_a_sequence_at_the_first_of_them():
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_logits_that_are_not_finite_are_a_fault_naming_the_row_and_position(backend):
     """A row of logits holding NaN, one holding inf: the launch runs to its end and raises ``FaultError``
-    naming the row and the position it sampled; the finite row draws as usual and the kernel goes on."""
+    naming the row and the position it sampled, with the run's outputs; the finite row draws as usual and the
+    kernel goes on."""
     g = mk.Graph(world_size=1, rank=0)
     logits, history = g.input("logits", (3, VOCAB), torch.float32), g.input("history", (3, 4), torch.int64)
     pos, prompt_len = g.input("pos", (3,), torch.int64), g.input("prompt_len", (3,), torch.int64)
@@ -240,4 +241,5 @@ def test_logits_that_are_not_finite_are_a_fault_naming_the_row_and_position(back
         row, position = min(met)
         assert f"the logits of batch row {row} sampling position {position} are not finite" in str(error.value)
         assert int(kernel.tensor(g.outputs["history"])[1, 2]) == int(values[1].argmax())
+        assert torch.equal(error.value.outputs["history"], kernel.tensor(g.outputs["history"]))  # the run's, cloned
         assert kernel.run(inputs)["history"][:, 1:].diagonal().tolist() == values.argmax(1).tolist()

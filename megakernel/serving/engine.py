@@ -286,8 +286,8 @@ class DecodeModel:
                                   if not torch.equal(self.rope_at(pos + k), self.inv_freq)), count)
                 history = self._launch(frequencies, count)["history"]
                 pos = min(self._positions(list(range(c.batch)), [steps] * c.batch)) if c.draft_tokens else pos + count
-                ended = torch.isin(history[:, prompt:pos + 1], stop).any(dim=1)
-                if stop.numel() and pos >= prompt and bool(ended.all()):
+                if stop.numel() and pos >= prompt and bool(torch.isin(history[:, prompt:pos + 1], stop)
+                                                            .any(dim=1).all()):
                     break
         except FaultError:  # (the rows' positions name batch rows: the prompts')
             self.kernel.bind({"pos": torch.full((c.batch,), -1)})  # every row free again
@@ -372,7 +372,7 @@ class DecodeModel:
         try:
             out, faulted = self._launch({"block_table": self.pool.table}, steps), {}
         except FaultError as error:  # the launch ran: its outputs are on the heap, some sequences' not valid
-            out, faulted = self._outputs(), self._faulted(error, running)
+            out, faulted = error.outputs, self._faulted(error, running)
             running = [s for s in running if s.id not in faulted]
             for s in self.slots:
                 if s is not None and s.id in faulted:
@@ -598,8 +598,8 @@ class DecodeModel:
         that faulted (``FaultError``) ran all its steps: they count, and its outputs are on the heap."""
         try:
             out = self.kernel.run(inputs, steps=steps)
-        except FaultError:
-            self._ran(steps, self._outputs())
+        except FaultError as error:
+            self._ran(steps, error.outputs)
             raise
         return self._ran(steps, out)
 
@@ -607,9 +607,6 @@ class DecodeModel:
         self._steps_launched += steps
         self.logits = out["logits"][:, :self.config.vocab].float()
         return out
-
-    def _outputs(self) -> dict[str, torch.Tensor]:
-        return {name: self.kernel.tensor(t).clone() for name, t in self.graph.outputs.items()}
 
     def _ends(self, end: int) -> dict[str, torch.Tensor]:
         """With drafts, the input that ends every batch row at position ``end``."""
