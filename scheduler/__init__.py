@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from .checks import Capacity, check_acyclic, check_periodic, check_tables, find_cycle
 from .deps import infer_dependencies, infer_periodic
 from .events import NO_EVENT, Events, Signal, encode_events, queue_positions
-from .remote import Exchange, Split, incoming_writes, split_producers, with_remote_producers
+from .remote import Dependencies, Exchange, incoming_writes, rank_dependencies, with_remote_producers
 from .placement import POLICIES, Placement, bottom_levels, place, task_cost
 from .tables import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_GUARD, OPCODE, SIGNAL_COUNT, SIGNAL_EVENT,
                      SIGNAL_INCREMENT, SIGNAL_RANK, SIGNAL_START, VERSION, WAIT_EVENT, FormatError, QueueTables, Spec,
@@ -62,42 +62,42 @@ def _schedule(tasks: Tasks, shapes: dict[int, tuple[int, int]], *, specs: list[S
     if world_size > 1:
         incoming = incoming_writes(tasks, rank, exchange)
         merged, origin = with_remote_producers(tasks, incoming)
-        split = split_producers(*infer_periodic(merged, shapes), origin, incoming, tasks.op, describe)
-        _receive_credits(split, rank, exchange)
-        producers, carried = split.local, split.carried
+        dependencies = rank_dependencies(*infer_periodic(merged, shapes), origin, incoming, tasks.op, describe)
+        _receive_credits(dependencies, rank, exchange)
+        producers, carried = dependencies.local, dependencies.carried
     else:
         producers, carried = infer_periodic(tasks, shapes)
-        split = None
+        dependencies = None
     check_acyclic(producers, describe)
     placement = place(tasks, producers, workers, policy)
-    events = encode_events(placement, producers, workers, rank, split and split.remote, carried,
-                           split and split.remote_carried)
+    events = encode_events(placement, producers, workers, rank, dependencies and dependencies.remote, carried,
+                           dependencies and dependencies.remote_carried)
     remote_producers = {}
     if world_size > 1:
-        remote_producers = _connect_ranks(tasks, placement, events, split, rank, exchange)
+        remote_producers = _connect_ranks(tasks, placement, events, dependencies, rank, exchange)
     return build_tables(tasks, placement, events, specs=specs, op_names=op_names, workers=workers,
                         rank=rank, world_size=world_size, remote_producers=remote_producers)
 
 
-def _receive_credits(split: Split, rank: int, exchange: Exchange) -> None:
-    """Exchange the credits: each writer's task learns the remote tasks it waits for (``split.remote``)."""
-    remote = [list(r) for r in split.remote]
-    remote_carried = [list(r) for r in split.remote_carried]
-    for reader, asks in enumerate(exchange(split.credits)):
+def _receive_credits(dependencies: Dependencies, rank: int, exchange: Exchange) -> None:
+    """Exchange the credits: each writer's task learns the remote tasks it waits for (``dependencies.remote``)."""
+    remote = [list(r) for r in dependencies.remote]
+    remote_carried = [list(r) for r in dependencies.remote_carried]
+    for reader, asks in enumerate(exchange(dependencies.credits)):
         for writer, task, local, is_carried in asks:
             if writer == rank:
                 (remote_carried if is_carried else remote)[task].append((reader, local))
-    split.remote = [tuple(sorted(r)) for r in remote]
-    split.remote_carried = [tuple(sorted(r)) for r in remote_carried]
+    dependencies.remote = [tuple(sorted(r)) for r in remote]
+    dependencies.remote_carried = [tuple(sorted(r)) for r in remote_carried]
 
 
-def _connect_ranks(tasks: Tasks, placement: Placement, events: Events, split: Split, rank: int,
+def _connect_ranks(tasks: Tasks, placement: Placement, events: Events, dependencies: Dependencies, rank: int,
                    exchange: Exchange) -> dict[int, list[tuple[int, int, int, int, int]]]:
     """Last exchange: tell each remote producer which of this rank's events to raise, and learn where
     it runs. Appends the remote signals to ``events.signals``."""
     position = queue_positions(placement)
     signalling = {tid for tid, remote in enumerate(tasks.remote) if remote}  # puts, and readers owing credits
-    signalling.update(local for _, _, local, _ in split.credits)
+    signalling.update(local for _, _, local, _ in dependencies.credits)
     where = {tid: (placement.worker[tid], position[tid], tasks.op[tid]) for tid in signalling}
     every = exchange((events.remote_signals, where))
     for dst, (asks, _) in enumerate(every):

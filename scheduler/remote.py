@@ -70,7 +70,7 @@ def with_remote_producers(tasks: Tasks, incoming: list[RemoteWrite]) -> tuple[Ta
 
 
 @dataclass
-class Split:
+class Dependencies:
     """One rank's dependencies, local and cross-rank. Remote tasks are named ``(rank, task)``.
 
     ``credits`` are the edges that point the other way: a remote write (a put of rank ``src_rank``'s
@@ -85,20 +85,20 @@ class Split:
     credits: list[tuple[int, int, int, bool]]       # (src_rank, src_task, local task, carried)
 
 
-def split_producers(deps: list[tuple[int, ...]], carried: list[tuple[int, ...]], origin: list[int | None],
-                    incoming: list[RemoteWrite], op: list[int], describe) -> Split:
+def rank_dependencies(deps: list[tuple[int, ...]], carried: list[tuple[int, ...]], origin: list[int | None],
+                      incoming: list[RemoteWrite], op: list[int], describe) -> Dependencies:
     """Per local task of the merged program: its local producers and its remote ones, in the step and
-    across the wrap; and the credits remote writes need (``Split``)."""
+    across the wrap; and the credits remote writes need (``Dependencies``)."""
     local_id = {}
     for m, o in enumerate(origin):
         if o is None:
             local_id[m] = len(local_id)
     writer = lambda m: (incoming[origin[m]].src_rank, incoming[origin[m]].src_task)  # noqa: E731
-    split = Split([], [], [], [], [])
+    dependencies = Dependencies([], [], [], [], [])
     for m, o in enumerate(origin):
         if o is None:
-            for producers, into, remote_into in ((deps[m], split.local, split.remote),
-                                                 (carried[m], split.carried, split.remote_carried)):
+            for producers, into, remote_into in ((deps[m], dependencies.local, dependencies.remote),
+                                                 (carried[m], dependencies.carried, dependencies.remote_carried)):
                 into.append(tuple(local_id[d] for d in producers if origin[d] is None))
                 remote_into.append(tuple(sorted({writer(d) for d in producers if origin[d] is not None})))
             continue
@@ -117,5 +117,5 @@ def split_producers(deps: list[tuple[int, ...]], carried: list[tuple[int, ...]],
                         f"{w.region[0]} that {describe(local_id[d])} uses in the same op; a remote write may only "
                         f"follow this rank's accesses to its target from earlier ops")
                 else:
-                    split.credits.append((w.src_rank, w.src_task, local_id[d], is_carried))
-    return split
+                    dependencies.credits.append((w.src_rank, w.src_task, local_id[d], is_carried))
+    return dependencies

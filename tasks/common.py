@@ -97,6 +97,17 @@ def row_positions(g, op: str, pos, rows: int) -> list[tuple[int, tuple]]:
     return [(flat.addr(0, r if per_row else 0), flat.region(0, 1, r if per_row else 0, 1)) for r in range(rows)]
 
 
+def routed_rows(x, experts):
+    """Per (token b, slot s) of a routed linear (``experts`` [tokens, slots]), in order: ``(b, s, row,
+    x_row)``, with ``row = b * slots + s`` the output row and ``x_row`` the input row it reads (``x`` has a
+    row per slot, or one per token that its every slot reads)."""
+    tokens, slots = experts.rows, experts.cols
+    for b in range(tokens):
+        for s in range(slots):
+            row = b * slots + s
+            yield b, s, row, row if x.rows == tokens * slots else b
+
+
 def heap_index(heap, offset: int, bound: int) -> int:
     """The int64 index at heap ``offset``, for a reference tile, as ``heap`` bounds it
     (``HeapView.checked_index``: the oracle refuses an index out of [0, bound), the torch backend clamps

@@ -16,7 +16,8 @@ import triton.language as tl
 from ..device import checked_index, heap_ptr
 from ..errors import is_count
 from . import quantized
-from .common import TaskType, Tiling, heap_index, load_block, require_float, rounded, store_block, vector_aligned
+from .common import (TaskType, Tiling, heap_index, load_block, require_float, rounded, routed_rows, store_block,
+                     vector_aligned)
 from .linear import gemv_blocks, gemv_one_row, plan
 
 
@@ -134,17 +135,14 @@ def expert_rows(g, x, w, experts, count: int):
     opcode = g.opcode(EXPERT_LINEAR, X_DTYPE=x.dtype, W_DTYPE=w.dtype, Y_DTYPE=y.dtype, BLOCK_N=block_n,
                       BLOCK_K=block_k, EVEN_K=k_total % block_k == 0, ALIGNED=aligned)
     whole_w = w.region(0, w.rows, 0, k_total)  # the rows read depend on the router: all of them, as far as order goes
-    for b in range(tokens):
-        for s in range(slots):
-            row = b * slots + s
-            x_row = row if x.rows == tokens * slots else b
-            for c0 in range(0, n_total, tile_rows):
-                n = min(tile_rows, n_total - c0)
-                g.add_task(opcode, y=y.addr(row, c0), x=x.addr(x_row, 0), w=w.addr(c0, 0), expert=experts.addr(b, s),
-                           count=count, expert_bytes=expert_bytes, n=n, k=k_total, w_stride=w.row_stride,
-                           reads=(x.region(x_row, 1, 0, k_total), experts.region(b, 1, s, 1), whole_w),
-                           writes=(y.region(row, 1, c0, n),),
-                           bytes=k_total * x_size + n * k_total * w_size + n * y_size, flops=2 * n * k_total)
+    for b, s, row, x_row in routed_rows(x, experts):
+        for c0 in range(0, n_total, tile_rows):
+            n = min(tile_rows, n_total - c0)
+            g.add_task(opcode, y=y.addr(row, c0), x=x.addr(x_row, 0), w=w.addr(c0, 0), expert=experts.addr(b, s),
+                       count=count, expert_bytes=expert_bytes, n=n, k=k_total, w_stride=w.row_stride,
+                       reads=(x.region(x_row, 1, 0, k_total), experts.region(b, 1, s, 1), whole_w),
+                       writes=(y.region(row, 1, c0, n),),
+                       bytes=k_total * x_size + n * k_total * w_size + n * y_size, flops=2 * n * k_total)
     return y
 
 

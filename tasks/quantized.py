@@ -31,7 +31,7 @@ import triton.language as tl
 from ..device import checked_index, heap_ptr, row_position
 from ..errors import is_count
 from .common import (TaskType, ceil_div, dot, heap_index, history_row, next_power_of_2, require_float, rounded,
-                     row_offsets, row_positions, token_row, vector_aligned)
+                     routed_rows, row_offsets, row_positions, token_row, vector_aligned)
 from .reduction import sum_slices
 
 FP8_SCALE_BLOCK = 128  # the columns of a row one fp8_block scale covers
@@ -480,17 +480,14 @@ def expert_rows(g, x, w: Quantized, experts, count: int):
     whole = (w.data.region(0, w.rows, 0, w.data.cols),) + \
         ((w.scales.region(0, w.scales.rows, 0, w.scales.cols),) if w.scales is not None else ())
     row_bytes = w.data.cols + 4 * (w.scales.cols if w.format.scales == "block" else w.scales is not None)
-    for b in range(tokens):
-        for s in range(slots):
-            row = b * slots + s
-            x_row = row if x.rows == tokens * slots else b
-            for c0 in range(0, n_total, TILE_ROWS):
-                n = min(TILE_ROWS, n_total - c0)
-                g.add_task(opcode, y=y.addr(row, c0), x=x.addr(x_row, 0), w=w.data.addr(0, 0), expert=experts.addr(b, s),
-                           count=count, expert_rows=n_total, row0=c0, n=n, k=k_total, w_stride=w.data.row_stride,
-                           **_scale_words(w), reads=(x.region(x_row, 1, 0, k_total), experts.region(b, 1, s, 1), *whole),
-                           writes=(y.region(row, 1, c0, n),),
-                           bytes=k_total * x.element_size + n * row_bytes + n * y.element_size, flops=2 * n * k_total)
+    for b, s, row, x_row in routed_rows(x, experts):
+        for c0 in range(0, n_total, TILE_ROWS):
+            n = min(TILE_ROWS, n_total - c0)
+            g.add_task(opcode, y=y.addr(row, c0), x=x.addr(x_row, 0), w=w.data.addr(0, 0), expert=experts.addr(b, s),
+                       count=count, expert_rows=n_total, row0=c0, n=n, k=k_total, w_stride=w.data.row_stride,
+                       **_scale_words(w), reads=(x.region(x_row, 1, 0, k_total), experts.region(b, 1, s, 1), *whole),
+                       writes=(y.region(row, 1, c0, n),),
+                       bytes=k_total * x.element_size + n * row_bytes + n * y.element_size, flops=2 * n * k_total)
     return y
 
 

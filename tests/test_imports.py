@@ -6,6 +6,9 @@ import ast
 import importlib
 import pkgutil
 from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
+
+import pytest
 
 GROUND_FLOOR = {"megakernel.errors", "megakernel.layout", "megakernel.device"}
 LOWER_PACKAGES = ("megakernel.tasks", "megakernel.scheduler")
@@ -77,3 +80,11 @@ def test_no_project_module_is_imported_inside_a_function_but_the_optional_server
                 body = ast.Module(body=function.body, type_ignores=[])
                 inside |= {(name, m) for m in _imports(name, path, modules, body)}
     assert inside <= LAZY, sorted(inside - LAZY)
+
+
+def test_every_package_is_in_the_wheel():
+    """``pyproject.toml`` lists the packages a (non-editable) install copies: every package of the tree."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    packages = {name for name, path in _modules().items() if path.endswith("__init__.py")}
+    listed = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert packages == set(listed), (sorted(packages - set(listed)), sorted(set(listed) - packages))

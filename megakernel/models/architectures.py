@@ -3,7 +3,7 @@
 A record says what the class's transformers code computes that the decode step builds (the MLP's
 activation, the norms' scale, q/k norms, the embedding's scale), which of its config fields that code
 reads (``mlp_bias``, ``sliding_window`` and ``layer_types``, the sparse MLP's sizes and routing), the
-other ways its state dicts and checkpoints keep the weights (``schema.Layout``: fused projections,
+other ways its state dicts and checkpoints keep the weights (``schema.Packing``: fused projections,
 stacked or renamed experts), and the config fields it builds one way only. ``hf.config_of`` reads a
 model's config through its record into a ``DecoderConfig``; no other module names a class, so that a
 class is added, or a variant of one, by its record here (and, for math the step does not build yet, its
@@ -16,7 +16,7 @@ from enum import Enum
 from typing import Any
 
 from ..errors import GraphError
-from .schema import FUSED_PROJECTIONS, MIXTRAL_EXPERTS, STACKED_EXPERTS, Layout
+from .schema import FUSED_PROJECTIONS, MIXTRAL_EXPERTS, STACKED_EXPERTS, Packing
 
 
 class Window(Enum):
@@ -83,7 +83,7 @@ class Architecture:
     mlp_bias: bool = False           # config.mlp_bias puts biases on gate, up and down (Llama's)
     window: Window = Window.NONE
     moe: MoEReader | None = None     # sparse MLPs on the layers whose mlp has experts
-    layouts: tuple[Layout, ...] = ()  # other ways its weights are kept (``schema.Stored``'s names are read always)
+    packings: tuple[Packing, ...] = ()  # other ways its weights are kept (``schema.Stored``'s names are read always)
     fixed: tuple[tuple[str, Any, tuple], ...] = ()
     longrope_within_original: bool = False
 
@@ -96,7 +96,7 @@ class Architecture:
     def decoder_fields(self) -> dict[str, Any]:
         """The ``DecoderConfig`` fields that the class alone decides."""
         return dict(activation=self.activation.op, norm_unit_offset=self.norm_unit_offset,
-                    embed_scaled=self.embed_scaled, qk_norm=self.qk_norm, layouts=self.layouts)
+                    embed_scaled=self.embed_scaled, qk_norm=self.qk_norm, packings=self.packings)
 
 
 ARCHITECTURES: dict[str, Architecture] = {}
@@ -123,14 +123,14 @@ register(Architecture("LlamaForCausalLM", mlp_bias=True))
 register(Architecture("MistralForCausalLM", window=Window.EVERY_LAYER))
 register(Architecture("Qwen2ForCausalLM", window=Window.BY_LAYER_TYPES))
 register(Architecture("Qwen3ForCausalLM", qk_norm=True, window=Window.BY_LAYER_TYPES))
-register(Architecture("Phi3ForCausalLM", window=Window.EVERY_LAYER, layouts=FUSED_PROJECTIONS,
+register(Architecture("Phi3ForCausalLM", window=Window.EVERY_LAYER, packings=FUSED_PROJECTIONS,
                       longrope_within_original=True))
 # Gemma's attention drops its causal mask under sdpa when use_bidirectional_attention is set
 register(Architecture("GemmaForCausalLM", activation=GELU_TANH, norm_unit_offset=True, embed_scaled=True,
                       fixed=(("use_bidirectional_attention", None, (None, False)),)))
 register(Architecture("Qwen3MoeForCausalLM", qk_norm=True, window=Window.EVERY_LAYER,
                       moe=MoEReader("num_experts", "moe_intermediate_size", "norm_topk_prob", False),
-                      layouts=STACKED_EXPERTS))
+                      packings=STACKED_EXPERTS))
 register(Architecture("MixtralForCausalLM", window=Window.EVERY_LAYER,
                       moe=MoEReader("num_local_experts", "intermediate_size", None, True),
-                      layouts=STACKED_EXPERTS + MIXTRAL_EXPERTS))
+                      packings=STACKED_EXPERTS + MIXTRAL_EXPERTS))

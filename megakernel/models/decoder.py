@@ -1,7 +1,7 @@
 """Llama / Mistral / Qwen3 decoder layers and whole decode steps as megakernel graphs, tensor-parallel.
 
 Per rank: column-parallel fused QKV and gate/up projections (this rank's heads and intermediate
-columns; in a sparse MLP, every expert's share of its columns), row-parallel O and down projections
+columns; in a sparse MLP, every expert's span of its columns), row-parallel O and down projections
 followed by a tile-granular all-reduce, and a
 vocabulary-parallel LM head followed by an all-gather, so every rank ends with the full logits. The
 KV cache, the token history and the position are on the heap: one graph, compiled once, serves every
@@ -22,7 +22,7 @@ from ..tasks.quantized import FORMATS, Format, Quantized, quantized_input, rows_
 from ..tasks.sampling import PARAMS
 from ..tasks.speculation import STATS
 from .packed import concat
-from .schema import EMBED, HEAD, NORM, Layout, Weight, head_in_embedding, layer_weights, part_name
+from .schema import EMBED, HEAD, NORM, Packing, Weight, head_in_embedding, layer_weights, part_name
 from .serving_config import ServingConfig
 
 
@@ -61,8 +61,8 @@ class DecoderConfig:
     max_logprobs: int = ServingConfig.max_logprobs  # the most likely tokens whose log-probabilities a step writes
     # per row (0: none)
     formats: tuple[tuple[str, str], ...] = ()  # (weight input, format) of the weights kept quantized (tasks.quantized)
-    tied: bool = False         # the LM head is the embedding: read from its rows where a rank's share allows
-    layouts: tuple[Layout, ...] = ()  # other ways a state dict may keep the weights (Phi-3's fused projections, ...)
+    tied: bool = False         # the LM head is the embedding: read from its rows where a rank's span allows
+    packings: tuple[Packing, ...] = ()  # other ways a state dict may keep the weights (Phi-3's fused projections, ...)
     # tokens drafted per batch row and step, verified in it (tasks.speculation; 0: none)
     draft_tokens: int = ServingConfig.draft_tokens
 
@@ -102,8 +102,8 @@ class DecoderConfig:
 
 
 @dataclass(frozen=True)
-class Share:
-    """A rank's share of a dimension split among ranks: entries ``start .. start + real`` of the whole,
+class Span:
+    """A rank's span of a dimension split among ranks: entries ``start .. start + real`` of the whole,
     then zeros up to ``size`` entries, so that every rank has the same shapes whatever the division
     leaves (a zero head, intermediate column or vocabulary row adds nothing)."""
 
@@ -112,12 +112,12 @@ class Share:
     size: int
 
     @classmethod
-    def even(cls, total: int, rank: int, world: int) -> "Share":
+    def even(cls, total: int, rank: int, world: int) -> "Span":
         size = -(-total // world)
         return cls(rank * size, max(0, min(size, total - rank * size)), size)
 
     def take(self, weight: torch.Tensor, unit: int = 1, dim: int = 0) -> torch.Tensor:
-        """This share of ``weight`` along ``dim``, in entries of ``unit`` rows or columns (``weight`` a tensor
+        """This span of ``weight`` along ``dim``, in entries of ``unit`` rows or columns (``weight`` a tensor
         or anything with ``narrow``, ``shape``, ``new_zeros`` and ``contiguous``: a checkpoint's lazy slice, a
         ``Packed`` quantized weight)."""
         part = weight.narrow(dim, self.start * unit if self.real else 0, self.real * unit).contiguous()
@@ -141,26 +141,26 @@ class Shard:
 
     rank: int
     world: int
-    q: Share       # query heads
-    kv: Share      # KV heads
-    mlp: Share     # intermediate columns
-    lm: Share      # vocabulary rows
-    moe: Share     # each expert's intermediate columns
+    q: Span       # query heads
+    kv: Span      # KV heads
+    mlp: Span     # intermediate columns
+    lm: Span      # vocabulary rows
+    moe: Span     # each expert's intermediate columns
 
     @classmethod
     def of(cls, c: DecoderConfig, rank: int, world: int) -> "Shard":
         group = c.heads // c.kv_heads
-        if c.kv_heads < world and world % c.kv_heads == 0:  # each KV head shared by `share` ranks
-            share = world // c.kv_heads
-            kv_head, part = divmod(rank, share)
-            per_rank = -(-group // share)
-            kv = Share(kv_head, 1, 1)
-            q = Share(kv_head * group + part * per_rank, max(0, min(per_rank, group - part * per_rank)), per_rank)
+        if c.kv_heads < world and world % c.kv_heads == 0:  # each KV head shared by `sharing` ranks
+            sharing = world // c.kv_heads
+            kv_head, part = divmod(rank, sharing)
+            per_rank = -(-group // sharing)
+            kv = Span(kv_head, 1, 1)
+            q = Span(kv_head * group + part * per_rank, max(0, min(per_rank, group - part * per_rank)), per_rank)
         else:
-            kv = Share.even(c.kv_heads, rank, world)
-            q = Share(kv.start * group, kv.real * group, kv.size * group)
-        return cls(rank, world, q, kv, Share.even(c.intermediate, rank, world), Share.even(c.vocab, rank, world),
-                   Share.even(c.moe_intermediate, rank, world))
+            kv = Span.even(c.kv_heads, rank, world)
+            q = Span(kv.start * group, kv.real * group, kv.size * group)
+        return cls(rank, world, q, kv, Span.even(c.intermediate, rank, world), Span.even(c.vocab, rank, world),
+                   Span.even(c.moe_intermediate, rank, world))
 
 
 @dataclass(frozen=True)
@@ -208,17 +208,17 @@ def project(g: Graph, x: Tensor, w: Tensor | Quantized | tuple) -> Tensor:
 
 def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, inv_freq: Tensor, i: int,
                   w: dict[str, Tensor] | None = None, kv: KVCache | None = None, row0: int = 0,
-                  chunk: bool = False, kv_only: bool = False) -> Tensor | None:
+                  consecutive: bool = False, kv_only: bool = False) -> Tensor | None:
     """One pre-norm decoder layer over the residual stream ``x`` [rows, hidden]; returns the new stream.
 
     ``w``: the layer's inputs (``layer_inputs``; made here by default), ``kv``: its paged cache (by
     default a contiguous one made here, ``max_seq_len`` positions per row), ``row0``: the first row of
-    the biases that ``x``'s rows use; ``chunk``: the rows are a prefill chunk (``chunk_attention``: blocks
-    of a sequence's consecutive positions) rather than a batch of one position per sequence;
+    the biases that ``x``'s rows use; ``consecutive``: the rows hold runs of a sequence's consecutive
+    positions (a prefill chunk, verification rows: ``chunk_attention``) rather than one position per sequence;
     ``kv_only``: stop after the KV cache append and return None (a prefill chunk's last layer, whose
     output nothing reads)."""
     hd, q_cols, kv_cols = c.head_dim, s.q.size * c.head_dim, s.kv.size * c.head_dim
-    g.require(not chunk or kv is not None, "decoder_layer: a prefill chunk needs its sequences' paged cache (kv)")
+    g.require(not consecutive or kv is not None, "decoder_layer: consecutive rows need a paged cache (kv)")
     w = w or layer_inputs(g, c, s, i)
     bias = lambda name: w[name][row0:row0 + x.rows]  # noqa: E731
     h = g.rms_norm(x, w["input_norm"], c.eps, unit_offset=c.norm_unit_offset)
@@ -243,12 +243,12 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     if kv_only:
         return None
     window = c.windows[i] if c.windows else None
-    attn = (g.chunk_attention(q, k_cache, v_cache, pos, hd, window=window, **paging) if chunk
+    attn = (g.chunk_attention(q, k_cache, v_cache, pos, hd, window=window, **paging) if consecutive
             else g.decode_attention(q, k_cache, v_cache, pos, x.rows, hd, window=window, **paging))
     out = _row_parallel(g, s, g.linear(attn, w["o"]))
     x = g.add(x, g.add(out, bias("o_bias")) if c.o_bias else out)  # a row-parallel bias: once, after
     h = g.rms_norm(x, w["post_norm"], c.eps, unit_offset=c.norm_unit_offset)
-    if c.moe and c.moe[i]:  # each rank: every expert's share of columns; the partial sums all-reduced
+    if c.moe and c.moe[i]:  # each rank: every expert's span of columns; the partial sums all-reduced
         out = g.moe_mlp(h, w["router"], w["experts.gate_up"], w["experts.down"], c.top_k, c.norm_topk,
                         c.router_weight_dtype)
         return g.add(x, _row_parallel(g, s, out))
@@ -314,7 +314,7 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
 
 @dataclass(frozen=True)
 class StepInputs:
-    """What the parts of a step share: rank ``s``'s share, the sequences' state (``history``, ``pos``,
+    """What the parts of a step share: rank ``s``'s shard, the sequences' state (``history``, ``pos``,
     ``prompt_len``), the paged cache's block ``table``, RoPE's ``inv_freq``, the embedding and its scale
     (None: the class does not scale embeddings)."""
 
@@ -410,11 +410,11 @@ def _layers(g: Graph, c: DecoderConfig, inputs: StepInputs, rows: BatchRows, x: 
                 with g.scope("prefill"), g.guarded(prefill.pos[0]):
                     chunk = decoder_layer(g, c, s, chunk, prefill.pos, inputs.inv_freq, i, w,
                                           KVCache(k, v, table[c.batch:], c.page_size), row0=c.batch_rows,
-                                          chunk=True, kv_only=i == c.layers - 1)
+                                          consecutive=True, kv_only=i == c.layers - 1)
             with rows.guard():
                 x = decoder_layer(g, c, s, x, rows.pos, inputs.inv_freq, i, w,
                                   KVCache(k, v, table[:c.batch], c.page_size, c.rows_per_sequence),
-                                  chunk=bool(c.draft_tokens))
+                                  consecutive=bool(c.draft_tokens))
     return x
 
 

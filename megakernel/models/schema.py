@@ -1,7 +1,7 @@
 """The weights of a decoder model, each declared once: the graph input a decode step binds (``Weight``: its
 name, its shape on a rank, the config flag it exists under, how it is stored), made of tensors as
 ``transformers`` names and shapes them (``Stored``: where a state dict or checkpoint keeps it, how ranks
-split it), and the other ways a state dict may keep those (``Layout``: Phi-3's fused q/k/v and gate/up,
+split it), and the other ways a state dict may keep those (``Packing``: Phi-3's fused q/k/v and gate/up,
 every expert in one tensor, Mixtral's names; a class's record lists those it reads, ``architectures``).
 
 The tables, one per layer kind: ``MODEL`` (embedding, final norm, LM head), ``LAYER`` (every decoder
@@ -29,12 +29,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Dim:
     """A dimension of a stored tensor: ``count`` entries of ``unit`` rows or columns each (``DecoderConfig``
-    fields; no unit: 1). Ranks that split along it each hold their ``Shard``'s ``share`` of the entries
-    (zero-padded to the same size on every rank); no share: ranks never split it."""
+    fields; no unit: 1). Ranks that split along it each hold their ``Shard``'s ``span`` of the entries
+    (zero-padded to the same size on every rank); no span: ranks never split it."""
 
     count: str
     unit: str | None = None
-    share: str | None = None
+    span: str | None = None
 
     def per_entry(self, c: DecoderConfig) -> int:
         return getattr(c, self.unit) if self.unit else 1
@@ -43,21 +43,21 @@ class Dim:
         return getattr(c, self.count) * self.per_entry(c)
 
     def on_rank(self, c: DecoderConfig, s: Shard) -> int:
-        return getattr(s, self.share).size * self.per_entry(c)
+        return getattr(s, self.span).size * self.per_entry(c)
 
 
 HIDDEN = Dim("hidden")
 HEAD_DIM = Dim("head_dim")
-Q_HEADS = Dim("heads", "head_dim", share="q")
-KV_HEADS = Dim("kv_heads", "head_dim", share="kv")
-INTERMEDIATE = Dim("intermediate", share="mlp")
-EXPERT_INTERMEDIATE = Dim("moe_intermediate", share="moe")
+Q_HEADS = Dim("heads", "head_dim", span="q")
+KV_HEADS = Dim("kv_heads", "head_dim", span="kv")
+INTERMEDIATE = Dim("intermediate", span="mlp")
+EXPERT_INTERMEDIATE = Dim("moe_intermediate", span="moe")
 EXPERTS = Dim("experts")
-VOCAB = Dim("vocab", share="lm")
+VOCAB = Dim("vocab", span="lm")
 
 
-class Split(Enum):
-    """How ranks split a stored tensor; the value is the dimension split."""
+class Partition(Enum):
+    """How ranks partition a stored tensor; the value is the dimension each rank holds a span of."""
 
     REPLICATED = None  # every rank holds it whole
     COLUMN = 0         # column-parallel: each rank its output rows (its heads, MLP columns, vocabulary rows)
@@ -72,29 +72,29 @@ class Stored:
 
     key: str
     shape: tuple[Dim, ...]
-    split: Split = Split.REPLICATED
+    partition: Partition = Partition.REPLICATED
     gguf: str | None = None
 
     def __post_init__(self):
-        if self.split is not Split.REPLICATED and self.shape[self.split.value].share is None:
-            raise ValueError(f"{self.key}: split along a dimension ranks do not split")
+        if self.partition is not Partition.REPLICATED and self.shape[self.partition.value].span is None:
+            raise ValueError(f"{self.key}: partitioned along a dimension ranks do not split")
 
     def whole_shape(self, c: DecoderConfig) -> tuple[int, ...]:
         return tuple(d.whole(c) for d in self.shape)
 
     def rank_shape(self, c: DecoderConfig, s: Shard) -> tuple[int, ...]:
-        return tuple(d.on_rank(c, s) if k == self.split.value else d.whole(c) for k, d in enumerate(self.shape))
+        return tuple(d.on_rank(c, s) if k == self.partition.value else d.whole(c) for k, d in enumerate(self.shape))
 
     def take(self, tensor: Any, c: DecoderConfig, s: Shard) -> Any:
         """Rank ``s``'s slice of ``tensor`` (this stored tensor, whole: a tensor or a lazy checkpoint slice)."""
-        if self.split is Split.REPLICATED:
+        if self.partition is Partition.REPLICATED:
             return tensor
-        dim = self.shape[self.split.value]
-        return getattr(s, dim.share).take(tensor, dim.per_entry(c), self.split.value)
+        dim = self.shape[self.partition.value]
+        return getattr(s, dim.span).take(tensor, dim.per_entry(c), self.partition.value)
 
 
 @dataclass(frozen=True)
-class Layout:
+class Packing:
     """Another way a state dict keeps stored tensors: one tensor ``key`` holding ``holds`` concatenated
     along dim 0 (a renaming holds one); ``stacked``: the tensor is [experts, ...], expert e's at index e."""
 
@@ -142,52 +142,54 @@ def _block(key: str) -> str:
 
 EMBED_TOKENS = Stored("model.embed_tokens.weight", (VOCAB, HIDDEN), gguf="token_embd.weight")
 FINAL_NORM = Stored("model.norm.weight", (HIDDEN,), gguf="output_norm.weight")
-LM_HEAD = Stored("lm_head.weight", (VOCAB, HIDDEN), Split.COLUMN, gguf="output.weight")  # vocabulary-parallel
+LM_HEAD = Stored("lm_head.weight", (VOCAB, HIDDEN), Partition.COLUMN, gguf="output.weight")  # vocabulary-parallel
 TIED = {LM_HEAD: EMBED_TOKENS}  # what tie_word_embeddings stores as what
 
 INPUT_NORM = Stored(_layer("input_layernorm.weight"), (HIDDEN,), gguf=_block("attn_norm.weight"))
 POST_NORM = Stored(_layer("post_attention_layernorm.weight"), (HIDDEN,), gguf=_block("ffn_norm.weight"))
-Q_PROJ = Stored(_layer("self_attn.q_proj.weight"), (Q_HEADS, HIDDEN), Split.COLUMN, gguf=_block("attn_q.weight"))
-K_PROJ = Stored(_layer("self_attn.k_proj.weight"), (KV_HEADS, HIDDEN), Split.COLUMN, gguf=_block("attn_k.weight"))
-V_PROJ = Stored(_layer("self_attn.v_proj.weight"), (KV_HEADS, HIDDEN), Split.COLUMN, gguf=_block("attn_v.weight"))
-O_PROJ = Stored(_layer("self_attn.o_proj.weight"), (HIDDEN, Q_HEADS), Split.ROW, gguf=_block("attn_output.weight"))
-Q_BIAS = Stored(_layer("self_attn.q_proj.bias"), (Q_HEADS,), Split.COLUMN, gguf=_block("attn_q.bias"))
-K_BIAS = Stored(_layer("self_attn.k_proj.bias"), (KV_HEADS,), Split.COLUMN, gguf=_block("attn_k.bias"))
-V_BIAS = Stored(_layer("self_attn.v_proj.bias"), (KV_HEADS,), Split.COLUMN, gguf=_block("attn_v.bias"))
+Q_PROJ = Stored(_layer("self_attn.q_proj.weight"), (Q_HEADS, HIDDEN), Partition.COLUMN, gguf=_block("attn_q.weight"))
+K_PROJ = Stored(_layer("self_attn.k_proj.weight"), (KV_HEADS, HIDDEN), Partition.COLUMN, gguf=_block("attn_k.weight"))
+V_PROJ = Stored(_layer("self_attn.v_proj.weight"), (KV_HEADS, HIDDEN), Partition.COLUMN, gguf=_block("attn_v.weight"))
+O_PROJ = Stored(_layer("self_attn.o_proj.weight"), (HIDDEN, Q_HEADS), Partition.ROW, gguf=_block("attn_output.weight"))
+Q_BIAS = Stored(_layer("self_attn.q_proj.bias"), (Q_HEADS,), Partition.COLUMN, gguf=_block("attn_q.bias"))
+K_BIAS = Stored(_layer("self_attn.k_proj.bias"), (KV_HEADS,), Partition.COLUMN, gguf=_block("attn_k.bias"))
+V_BIAS = Stored(_layer("self_attn.v_proj.bias"), (KV_HEADS,), Partition.COLUMN, gguf=_block("attn_v.bias"))
 O_BIAS = Stored(_layer("self_attn.o_proj.bias"), (HIDDEN,))  # added once, after the all-reduce
 Q_NORM = Stored(_layer("self_attn.q_norm.weight"), (HEAD_DIM,), gguf=_block("attn_q_norm.weight"))
 K_NORM = Stored(_layer("self_attn.k_norm.weight"), (HEAD_DIM,), gguf=_block("attn_k_norm.weight"))
-GATE_PROJ = Stored(_layer("mlp.gate_proj.weight"), (INTERMEDIATE, HIDDEN), Split.COLUMN, gguf=_block("ffn_gate.weight"))
-UP_PROJ = Stored(_layer("mlp.up_proj.weight"), (INTERMEDIATE, HIDDEN), Split.COLUMN, gguf=_block("ffn_up.weight"))
-DOWN_PROJ = Stored(_layer("mlp.down_proj.weight"), (HIDDEN, INTERMEDIATE), Split.ROW, gguf=_block("ffn_down.weight"))
-GATE_BIAS = Stored(_layer("mlp.gate_proj.bias"), (INTERMEDIATE,), Split.COLUMN)
-UP_BIAS = Stored(_layer("mlp.up_proj.bias"), (INTERMEDIATE,), Split.COLUMN)
+GATE_PROJ = Stored(_layer("mlp.gate_proj.weight"), (INTERMEDIATE, HIDDEN), Partition.COLUMN,
+                   gguf=_block("ffn_gate.weight"))
+UP_PROJ = Stored(_layer("mlp.up_proj.weight"), (INTERMEDIATE, HIDDEN), Partition.COLUMN, gguf=_block("ffn_up.weight"))
+DOWN_PROJ = Stored(_layer("mlp.down_proj.weight"), (HIDDEN, INTERMEDIATE), Partition.ROW,
+                   gguf=_block("ffn_down.weight"))
+GATE_BIAS = Stored(_layer("mlp.gate_proj.bias"), (INTERMEDIATE,), Partition.COLUMN)
+UP_BIAS = Stored(_layer("mlp.up_proj.bias"), (INTERMEDIATE,), Partition.COLUMN)
 DOWN_BIAS = Stored(_layer("mlp.down_proj.bias"), (HIDDEN,))  # added once, after the all-reduce
 ROUTER = Stored(_layer("mlp.gate.weight"), (EXPERTS, HIDDEN))
-EXPERT_GATE = Stored(_layer("mlp.experts.{e}.gate_proj.weight"), (EXPERT_INTERMEDIATE, HIDDEN), Split.COLUMN)
-EXPERT_UP = Stored(_layer("mlp.experts.{e}.up_proj.weight"), (EXPERT_INTERMEDIATE, HIDDEN), Split.COLUMN)
-EXPERT_DOWN = Stored(_layer("mlp.experts.{e}.down_proj.weight"), (HIDDEN, EXPERT_INTERMEDIATE), Split.ROW)
+EXPERT_GATE = Stored(_layer("mlp.experts.{e}.gate_proj.weight"), (EXPERT_INTERMEDIATE, HIDDEN), Partition.COLUMN)
+EXPERT_UP = Stored(_layer("mlp.experts.{e}.up_proj.weight"), (EXPERT_INTERMEDIATE, HIDDEN), Partition.COLUMN)
+EXPERT_DOWN = Stored(_layer("mlp.experts.{e}.down_proj.weight"), (HIDDEN, EXPERT_INTERMEDIATE), Partition.ROW)
 
 # The other ways a state dict keeps stored tensors, by the classes that keep them so (``architectures``: a
-# record's ``layouts``, copied into ``DecoderConfig.layouts``).
+# record's ``packings``, copied into ``DecoderConfig.packings``).
 # Phi-3's: q, k and v rows in one projection, gate and up rows in another
 FUSED_PROJECTIONS = (
-    Layout(_layer("self_attn.qkv_proj.weight"), (Q_PROJ, K_PROJ, V_PROJ)),
-    Layout(_layer("self_attn.qkv_proj.bias"), (Q_BIAS, K_BIAS, V_BIAS)),
-    Layout(_layer("mlp.gate_up_proj.weight"), (GATE_PROJ, UP_PROJ)),
-    Layout(_layer("mlp.gate_up_proj.bias"), (GATE_BIAS, UP_BIAS)),
+    Packing(_layer("self_attn.qkv_proj.weight"), (Q_PROJ, K_PROJ, V_PROJ)),
+    Packing(_layer("self_attn.qkv_proj.bias"), (Q_BIAS, K_BIAS, V_BIAS)),
+    Packing(_layer("mlp.gate_up_proj.weight"), (GATE_PROJ, UP_PROJ)),
+    Packing(_layer("mlp.gate_up_proj.bias"), (GATE_BIAS, UP_BIAS)),
 )
 # sparse MLPs as transformers holds them in memory: every expert in one tensor
 STACKED_EXPERTS = (
-    Layout(_layer("mlp.experts.gate_up_proj"), (EXPERT_GATE, EXPERT_UP), stacked=True),
-    Layout(_layer("mlp.experts.down_proj"), (EXPERT_DOWN,), stacked=True),
+    Packing(_layer("mlp.experts.gate_up_proj"), (EXPERT_GATE, EXPERT_UP), stacked=True),
+    Packing(_layer("mlp.experts.down_proj"), (EXPERT_DOWN,), stacked=True),
 )
 # Mixtral's checkpoints: w1 the gate, w3 the up, w2 the down projection
 MIXTRAL_EXPERTS = (
-    Layout(_layer("block_sparse_moe.gate.weight"), (ROUTER,)),
-    Layout(_layer("block_sparse_moe.experts.{e}.w1.weight"), (EXPERT_GATE,)),
-    Layout(_layer("block_sparse_moe.experts.{e}.w3.weight"), (EXPERT_UP,)),
-    Layout(_layer("block_sparse_moe.experts.{e}.w2.weight"), (EXPERT_DOWN,)),
+    Packing(_layer("block_sparse_moe.gate.weight"), (ROUTER,)),
+    Packing(_layer("block_sparse_moe.experts.{e}.w1.weight"), (EXPERT_GATE,)),
+    Packing(_layer("block_sparse_moe.experts.{e}.w3.weight"), (EXPERT_UP,)),
+    Packing(_layer("block_sparse_moe.experts.{e}.w2.weight"), (EXPERT_DOWN,)),
 )
 
 # Each table in the order the decode step declares its inputs (the heap's layout).
@@ -254,7 +256,7 @@ def part_name(name: str, index: int) -> str:
 
 def head_in_embedding(c: DecoderConfig, s: Shard) -> bool:
     """The LM head is rows of the embedding's table, not an input of its own: the model ties them and the
-    ranks split the vocabulary evenly (a padded share would need zero rows the table does not have; then
+    ranks split the vocabulary evenly (a padded span would need zero rows the table does not have; then
     every rank keeps a copy, so that all ranks build the same graph)."""
     return c.tied and c.vocab % s.world == 0
 
@@ -265,7 +267,7 @@ def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_fr
     frequencies (float32).
 
     ``tensors``: the model's weights by their ``transformers`` state-dict names (``Stored``, or any of
-    ``c.layouts``), as tensors (``from_hf``) or as lazy slices of a checkpoint (``from_pretrained``: only
+    ``c.packings``), as tensors (``from_hf``) or as lazy slices of a checkpoint (``from_pretrained``: only
     what is taken here is read; a missing tensor is the mapping's error, naming it), or as ``Packed``
     quantized weights (the inputs ``name`` and ``name.scales``, as ``c.formats`` says). ``tied``: the LM
     head is the embedding.
@@ -306,8 +308,8 @@ def _find(tensors: Mapping[str, Any], stored: Stored, c: DecoderConfig, layer: i
     tensor = tensors.get(key)
     if tensor is not None:
         return tensor
-    for layout in c.layouts:
-        packed = tensors.get(layout.key.format(i=layer, e=expert)) if stored in layout.holds else None
+    for packing in c.packings:
+        packed = tensors.get(packing.key.format(i=layer, e=expert)) if stored in packing.holds else None
         if packed is not None:
-            return layout.unpack(packed, stored, c, expert)
+            return packing.unpack(packed, stored, c, expert)
     return tensors[key]  # kept nowhere: the mapping's error names the tensor
