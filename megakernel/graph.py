@@ -151,12 +151,19 @@ class Graph:
     of the task library (the ops section); ``dir(graph)`` lists them with those of modules outside it.
     """
 
-    def __init__(self, world_size: int | None = None, rank: int | None = None, parallelism: int = 1):
+    def __init__(self, world_size: int | None = None, rank: int | None = None, parallelism: int = 1,
+                 few_tiles: bool = False):
         """``parallelism``: the number of workers the graph is meant for; ops whose natural tiling gives
-        fewer tiles split finer (split-K linears, more attention splits) to keep that many busy."""
+        fewer tiles split finer (split-K linears, more attention splits) to keep that many busy.
+        ``few_tiles``: cut each op into about ``parallelism`` tiles, each looping over the blocks it
+        covers, rather than a tile per block: for a backend whose every tile costs a host call (torch's
+        ~10-30 us), not the few hundred cycles of a GPU's."""
         if not is_count(parallelism):
             raise GraphError(f"parallelism must be a positive integer, got {parallelism!r}")
+        if not isinstance(few_tiles, bool):
+            raise GraphError(f"few_tiles must be a bool, got {few_tiles!r}")
         self.parallelism = parallelism
+        self.few_tiles = few_tiles
         group_size, group_rank = current_world()
         self.world_size = group_size if world_size is None else world_size
         self.rank = group_rank if rank is None else rank

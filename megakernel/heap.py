@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -103,6 +104,13 @@ class HeapView:
         # as_strided counts from the storage's start: an area that is a slice of a larger allocation
         # (the comm area, virtual ranks' heaps) begins at its own storage offset
         return torch.as_strided(typed, (rows, cols), (row_stride, 1), typed.storage_offset() + offset // dtype.itemsize)
+
+    def derived(self, key: tuple, sources: tuple[torch.Tensor, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """What ``make()`` derives from the heap views ``sources`` (a reference tile's weights unpacked from
+        their packed bytes), ``key`` naming it: made at every call here, as an oracle should; a torch
+        backend worker keeps it while the sources hold the same bytes (``WorkerHeap``). The result is read,
+        never written."""
+        return make()
 
     def word(self, offset: int) -> int:
         """The int64 at heap ``offset`` (a position, a token id, a page number), for a reference tile."""

@@ -30,7 +30,7 @@ import triton.language as tl
 from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
 from ..errors import is_count
 from .common import (TaskType, ceil_div, copy_row, heap_index, next_power_of_2, require_float, rounded, row_offsets,
-                     row_positions, vector_aligned)
+                     position_runs, row_positions, vector_aligned)
 
 SPLIT = 64           # positions per partial tile: at most, and at parallelism 1 (``split_size``)
 BLOCK_S = 32         # positions per step of a partial tile (K and V: 2 x 32 x head_dim elements, 16 KiB at
@@ -51,45 +51,62 @@ def cache_row(base, table, position, pages, PAGE: tl.constexpr):
 
 @triton.jit
 def kv_append_tile(base, status,
-                   cache,          # heap offset of the batch row's first cache row (paged: the pool's)
-                   x,              # heap offset of the row to append
-                   pos,            # heap offset of the int64 position
-                   seq_len,        # positions of the batch row: positions below it are valid
-                   table, pages,   # paged: heap offset of the row's block table row, the pool's pages
+                   cache,          # heap offset of the cache's first row (paged: the pool's)
+                   x, x_stride,    # heap offset of the first row to append, the rows' stride in elements
+                   pos, pos_step,  # heap offset of the first row's int64 position, bytes to the next row's (0: the same)
+                   first, rows,    # the tile's batch rows: first .. first + rows (one on a GPU)
+                   seq_len,        # positions of a batch row: positions below it are valid
+                   table,          # paged: heap offset of the block table
+                   table_stride,   # paged: bytes from one block table row to the next
+                   group,          # paged: batch rows per block table row (a sequence's verification rows)
+                   pages,          # paged: the pool's pages
                    cols,           # elements per row
                    cache_stride,   # the cache's row stride, in elements
                    DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
-    """Copy the row into the cache row of position ``*pos`` (``cache_row``; a position outside the
-    sequence, or a page outside the pool: no copy, reported; the cache keeps every row it had; a row of
-    no sequence: no copy)."""
-    position = tl.load(heap_ptr(base, pos, tl.int64))
-    checked = row_position(status, heap_ptr(base, pos, tl.int64), seq_len)  # NO_SEQUENCE, or in [0, seq_len)
-    write = (checked == position) & (checked >= 0)
-    if PAGE != 0:
-        page = tl.load(heap_ptr(base, table, tl.int64) + tl.maximum(checked, 0) // PAGE)
-        write = write & (checked_index(status, page, pages) == page)
-    if write:
-        row = cache_row(base, table, checked, pages, PAGE)
-        copy_row(base, cache + row * cache_stride * DTYPE.primitive_bitwidth // 8, x, cols, DTYPE, BLOCK_N)
+    """Copy each row into the cache row of its position (``cache_row``: row ``b * seq_len + position`` of a
+    contiguous cache; a position outside the sequence, or a page outside the pool: no copy, reported; the
+    cache keeps every row it had; a row of no sequence: no copy)."""
+    element_bytes: tl.constexpr = DTYPE.primitive_bitwidth // 8
+    for r in range(0, rows):
+        at = heap_ptr(base, pos + r * pos_step, tl.int64)
+        position = tl.load(at)
+        checked = row_position(status, at, seq_len)  # NO_SEQUENCE, or in [0, seq_len)
+        write = (checked == position) & (checked >= 0)
+        row_table = table + ((first + r).to(tl.int32) // group.to(tl.int32)) * table_stride  # int32 division
+        if PAGE != 0:
+            page = tl.load(heap_ptr(base, row_table, tl.int64) + tl.maximum(checked, 0) // PAGE)
+            write = write & (checked_index(status, page, pages) == page)
+            row = cache_row(base, row_table, checked, pages, PAGE)
+        else:
+            row = (first + r) * seq_len + checked
+        if write:
+            copy_row(base, cache + row * cache_stride * element_bytes, x + r * x_stride * element_bytes, cols, DTYPE,
+                     BLOCK_N)
 
 
 def _append_reference(heap, task) -> None:
-    if _no_sequence(heap, task.pos):
+    x = heap.tensor(task.x, task.DTYPE, task.rows, task.cols, task.x_stride)
+    for r in range(task.rows):
+        _append_row(heap, task, task.first + r, task.pos + r * task.pos_step, x[r:r + 1])
+
+
+def _append_row(heap, task, b: int, pos: int, source: torch.Tensor) -> None:
+    """``kv_append_tile``'s copy of batch row ``b`` (its position at heap offset ``pos``, its row ``source``)."""
+    if _no_sequence(heap, pos):
         return
-    position = heap_index(heap, task.pos, task.seq_len)
-    row = position
+    position = heap_index(heap, pos, task.seq_len)
+    row = b * task.seq_len + position
     if task.PAGE != 0:
-        at = task.table + 8 * (position // task.PAGE)
+        at = task.table + b // task.group * task.table_stride + 8 * (position // task.PAGE)
         page = heap.word(at)
         frame = heap.checked_index(page, task.pages, f"heap offset {at} (a block table)")
         row = frame * task.PAGE + position % task.PAGE
         if frame != page:
             return  # a page clamped (the torch backend): no copy, as the tile
-    if position != heap.word(task.pos):
+    if position != heap.word(pos):
         return  # a position clamped: no copy, the cache keeps every row it had, as the tile
-    x = heap.tensor(task.x, task.DTYPE, 1, task.cols, task.cols)
     stride = task.cache_stride
-    heap.tensor(task.cache + row * stride * x.element_size(), task.DTYPE, 1, task.cols, stride).copy_(x)
+    heap.tensor(task.cache + row * stride * source.element_size(), task.DTYPE, 1, task.cols, stride).copy_(source)
 
 
 def reference_cache(heap, task, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,24 +219,35 @@ def _partial_reference(heap, task) -> None:
 
 @triton.jit
 def attention_combine_tile(base, status,
-                           out,           # heap offset of the query head's output
-                           o, ml,         # heap offsets of the head's o and m in split 0's partials
+                           out,           # heap offset of the first query head's output
+                           o, ml,         # heap offsets of the first head's o and m in split 0's partials
+                           heads,         # query heads of one KV head: the first's and the next ones (one on a GPU)
                            splits,        # partials per (batch row, KV head)
                            pos,           # heap offset of the int64 position
                            seq_len,       # cache rows of the batch row: positions below it are valid
                            split,         # cache positions per split
                            DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_P: tl.constexpr, ALIGNED: tl.constexpr):
-    """One query head: ``out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s``, M = max_s m_s, over the
-    splits that reach the current position (``*pos // split + 1`` of them; the others are empty); zero
-    for a row of no sequence.
+    """Each of ``heads`` query heads: ``out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s``, M = max_s
+    m_s, over the splits that reach the current position (``*pos // split + 1`` of them; the others are
+    empty); zero for a row of no sequence.
 
-    The head's partials are ``o_s`` at ``o + s * GROUP * HEAD_DIM`` floats, ``m_s`` at ``ml + s * 2 * GROUP``
-    and ``l_s`` GROUP floats after it; BLOCK_P splits are read per step.
+    A head's partials are ``o_s`` at ``o + s * GROUP * HEAD_DIM`` floats, ``m_s`` at ``ml + s * 2 * GROUP``
+    and ``l_s`` GROUP floats after it; the next head's are a row of o and a float of m and l later, its
+    output HEAD_DIM elements later. BLOCK_P splits are read per step.
     """
     position = row_position(status, heap_ptr(base, pos, tl.int64), seq_len)
     reached = position.to(tl.int32) // split.to(tl.int32) + 1  # int32 division (common.py)
     active = tl.where(position < 0, 0, tl.minimum(splits, reached))
+    for j in range(0, heads):
+        _combine_head(base, out + j * HEAD_DIM * (DTYPE.primitive_bitwidth // 8), o + j * HEAD_DIM * 4, ml + j * 4,
+                      active, DTYPE, GROUP, HEAD_DIM, BLOCK_D, BLOCK_P, ALIGNED)
+
+
+@triton.jit
+def _combine_head(base, out, o, ml, active, DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, ALIGNED: tl.constexpr):
+    """One query head's combine over its ``active`` splits (``attention_combine_tile``)."""
     o_ptr = (base + o).to(tl.pointer_type(tl.float32))
     if ALIGNED:
         o_ptr = tl.multiple_of(o_ptr, 16)
@@ -245,19 +273,19 @@ def attention_combine_tile(base, status,
 
 def _combine_reference(heap, task) -> None:
     group, hd = task.GROUP, task.HEAD_DIM
+    out = heap.tensor(task.out, task.DTYPE, 1, task.heads * hd, task.heads * hd).view(task.heads, hd)
     if _no_sequence(heap, task.pos):
-        heap.tensor(task.out, task.DTYPE, 1, hd, hd).zero_()
+        out.zero_()
         return
     splits = min(task.splits, heap_index(heap, task.pos, task.seq_len) // task.split + 1)
-    o = heap.tensor(task.o, torch.float32, splits, hd, group * hd)                   # [splits, hd]
-    m = heap.tensor(task.ml, torch.float32, splits, 1, 2 * group)[:, 0]             # [splits]
-    l = heap.tensor(task.ml + group * 4, torch.float32, splits, 1, 2 * group)[:, 0]
-    out = heap.tensor(task.out, task.DTYPE, 1, hd, hd)
+    o = heap.tensor(task.o, torch.float32, splits, task.heads * hd, group * hd).view(splits, task.heads, hd)
+    m = heap.tensor(task.ml, torch.float32, splits, task.heads, 2 * group)             # [splits, heads]
+    l = heap.tensor(task.ml + group * 4, torch.float32, splits, task.heads, 2 * group)
     if splits == 1:  # the weight is exp(0) = 1
-        out.copy_(o / l)
+        out.copy_(o[0] / l[0][:, None])
     else:
-        weight = (m - m.max()).exp()
-        out.copy_((weight[:, None] * o).sum(0) / (weight * l).sum())
+        weight = (m - m.max(0).values).exp()                                           # [splits, heads]
+        out.copy_((weight[..., None] * o).sum(0) / (weight * l).sum(0)[:, None])
 
 
 def _no_sequence(heap, offset: int) -> bool:
@@ -266,7 +294,8 @@ def _no_sequence(heap, offset: int) -> bool:
 
 def kv_append(g, cache, x, pos, batch: int, table=None, page_size: int | None = None, rows_per_sequence: int = 1):
     """Write row b of ``x`` [batch, cols] at the cache row of position ``*pos`` of batch row b (``pos``: one
-    position, or one per row, ``common.row_positions``): contiguous, row ``b * max_seq + *pos``; paged
+    position, or one per row, ``common.row_positions``; a tile per row, or with ``Graph.few_tiles`` per run
+    of rows, ``common.position_runs``): contiguous, row ``b * max_seq + *pos``; paged
     (``table`` [batch, max_pages] int64 and ``page_size``), through the block table (module docstring);
     with ``rows_per_sequence`` R, rows ``b * R ..`` are one sequence's, at block table row b.
     Returns ``cache``."""
@@ -277,13 +306,16 @@ def kv_append(g, cache, x, pos, batch: int, table=None, page_size: int | None = 
               f"kv_append: rows_per_sequence {rows_per_sequence!r} needs a block table (a paged cache)")
     paging = Paging.checked(g, "kv_append", cache, batch, table, page_size, rows_per_sequence)
     opcode = g.opcode(KV_APPEND, DTYPE=x.dtype, BLOCK_N=min(next_power_of_2(x.cols), 1024), PAGE=paging.page)
-    for b, (position, position_region) in enumerate(row_positions(g, "kv_append", pos, batch)):
-        g.add_task(opcode, cache=cache.addr(paging.first_row(b), 0), x=x.addr(b, 0), pos=position,
-                   seq_len=paging.max_seq, table=paging.table_row(b), pages=paging.pages, cols=x.cols,
-                   cache_stride=cache.row_stride,
-                   reads=(x.region(b, 1, 0, x.cols), position_region, *paging.table_region(b)),
-                   writes=(paging.written(cache, b),),
-                   bytes=2 * x.cols * x.element_size, flops=0)
+    for run in position_runs(g, "kv_append", pos, batch):
+        rows = range(run.row, run.row + run.rows)
+        g.add_task(opcode, cache=cache.addr(0, 0), x=x.addr(run.row, 0), x_stride=x.row_stride, pos=run.pos,
+                   pos_step=run.pos_step, first=run.row, rows=run.rows, seq_len=paging.max_seq,
+                   table=paging.table_row(0), table_stride=8 * paging.table.row_stride if paging.page else 0,
+                   group=paging.group, pages=paging.pages, cols=x.cols, cache_stride=cache.row_stride,
+                   reads=(x.region(run.row, run.rows, 0, x.cols), run.region,
+                          *(region for b in rows for region in paging.table_region(b))),
+                   writes=tuple(paging.written(cache, b) for b in rows),
+                   bytes=2 * run.rows * x.cols * x.element_size, flops=0)
     return cache
 
 
@@ -347,12 +379,15 @@ class Paging:
         return cache.region((self.table.row0 + b) % cache.rows, 1, 0, cache.cols)
 
 
-def split_size(sequences: int, max_seq: int, parallelism: int) -> int:
+def split_size(sequences: int, max_seq: int, parallelism: int, few_tiles: bool = False) -> int:
     """Cache positions per partial tile, for ``sequences`` (batch rows x KV heads) of ``max_seq`` positions.
 
     SPLIT (64) when that makes at least ``parallelism`` partial tiles (always at parallelism 1);
     otherwise halved, down to BLOCK_S, until it does, so that every worker gets a split at long contexts.
+    With ``few_tiles``: as few splits per sequence as give ``parallelism`` tiles (whole BLOCK_S steps).
     """
+    if few_tiles:
+        return ceil_div(ceil_div(max_seq, ceil_div(parallelism, sequences)), BLOCK_S) * BLOCK_S
     size = SPLIT
     while size > BLOCK_S and sequences * ceil_div(max_seq, size) < parallelism:
         size //= 2
@@ -393,7 +428,7 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
               f"decode_attention: window must be None or a positive integer, got {window!r}")
     group = heads // kv_heads
     max_seq = paging.max_seq
-    split = split_size(batch * kv_heads, max_seq, g.parallelism)
+    split = split_size(batch * kv_heads, max_seq, g.parallelism, g.few_tiles)
     splits = ceil_div(max_seq, split)
     partial_o = g.new_tensor((batch * kv_heads * splits * group, head_dim), torch.float32)
     partial_ml = g.new_tensor((batch * kv_heads * splits * 2, group), torch.float32)
@@ -433,13 +468,15 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
             slot = (b * kv_heads + h) * splits
             reads = (partial_o.region(slot * group, splits * group, 0, head_dim),
                      partial_ml.region(slot * 2, splits * 2, 0, group), position_region)
-            for j in range(group):
+            heads_per_tile = group if g.few_tiles else 1
+            for j in range(0, group, heads_per_tile):
                 head = h * group + j
                 g.add_task(combine, out=out.addr(b, head * head_dim), o=partial_o.addr(slot * group + j, 0),
-                           ml=partial_ml.addr(slot * 2, j), splits=splits, pos=position, seq_len=max_seq,
-                           split=split,
-                           reads=reads, writes=(out.region(b, 1, head * head_dim, head_dim),),
-                           bytes=splits * (head_dim + 2) * 4, flops=2 * splits * head_dim)
+                           ml=partial_ml.addr(slot * 2, j), heads=heads_per_tile, splits=splits, pos=position,
+                           seq_len=max_seq, split=split,
+                           reads=reads, writes=(out.region(b, 1, head * head_dim, heads_per_tile * head_dim),),
+                           bytes=heads_per_tile * splits * (head_dim + 2) * 4,
+                           flops=2 * heads_per_tile * splits * head_dim)
     return out
 
 

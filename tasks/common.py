@@ -97,6 +97,30 @@ def row_positions(g, op: str, pos, rows: int) -> list[tuple[int, tuple]]:
     return [(flat.addr(0, r if per_row else 0), flat.region(0, 1, r if per_row else 0, 1)) for r in range(rows)]
 
 
+@dataclass(frozen=True)
+class PositionRun:
+    """A tile's run of rows ``row .. row + rows`` and where their positions are: ``pos``, the heap offset of
+    the first's, ``pos_step`` bytes from one to the next (0: one position for every row), ``region`` read."""
+
+    row: int
+    rows: int
+    pos: int
+    pos_step: int
+    region: tuple
+
+
+def position_runs(g, op: str, pos, rows: int) -> list[PositionRun]:
+    """The runs of rows, each a tile's, of an op over ``rows`` batch rows at positions ``pos``
+    (``row_positions``): a row each, or with ``Graph.few_tiles`` up to ``parallelism`` even runs."""
+    positions = row_positions(g, op, pos, rows)
+    per_row = rows > 1 and positions[1][0] != positions[0][0]
+    size = ceil_div(rows, g.parallelism) if g.few_tiles else 1
+    flat = pos.block()
+    return [PositionRun(r0, min(size, rows - r0), positions[r0][0], 8 * per_row,
+                        flat.region(0, 1, r0, min(size, rows - r0)) if per_row else positions[r0][1])
+            for r0 in range(0, rows, size)]
+
+
 def routed_rows(x, experts):
     """Per (token b, slot s) of a routed linear (``experts`` [tokens, slots]), in order: ``(b, s, row,
     x_row)``, with ``row = b * slots + s`` the output row and ``x_row`` the input row it reads (``x`` has a
@@ -149,14 +173,21 @@ def vector_aligned(*byte_counts: int) -> bool:
 @dataclass(frozen=True)
 class Tiling:
     """Blocks of at most BLOCK_ELEMENTS elements (at most MAX_BLOCK_ROWS rows high) covering ``rows x
-    cols``: the tiling of elementwise, reduction and copy ops. Iterating gives each tile's (row, rows,
-    col, cols)."""
+    cols``: the tiling of elementwise, reduction and copy ops, a tile per block; or, with ``parts``
+    (``Graph.few_tiles``: the graph's parallelism), at most that many tiles of whole blocks, which the
+    tile loops over (``many_blocks``). Iterating gives each tile's (row, rows, col, cols)."""
 
     rows: int
     cols: int
+    parts: int = 0
 
     BLOCK_ELEMENTS = 1024
     MAX_BLOCK_ROWS = 8
+
+    @classmethod
+    def of(cls, g, rows: int, cols: int) -> "Tiling":
+        """The tiling of ``rows x cols`` in graph ``g``."""
+        return cls(rows, cols, g.parallelism if g.few_tiles else 0)
 
     @property
     def block_m(self) -> int:
@@ -166,11 +197,43 @@ class Tiling:
     def block_n(self) -> int:
         return min(triton.next_power_of_2(self.cols), self.BLOCK_ELEMENTS // self.block_m)
 
+    @property
+    def tile_shape(self) -> tuple[int, int]:
+        """A tile's rows and columns: a block's, or with ``parts`` whole blocks in at most that many tiles
+        (rows first: the row groups, then the columns of each among the parts left)."""
+        if not self.parts:
+            return self.block_m, self.block_n
+        row_blocks, col_blocks = ceil_div(self.rows, self.block_m), ceil_div(self.cols, self.block_n)
+        row_groups = min(self.parts, row_blocks)
+        col_groups = min(col_blocks, max(1, self.parts // row_groups))
+        return self.block_m * ceil_div(row_blocks, row_groups), self.block_n * ceil_div(col_blocks, col_groups)
+
+    @property
+    def many_blocks(self) -> bool:
+        """Whether a tile spans more than one block (its tile loops over them: a ``MANY_BLOCKS`` constexpr,
+        so that a GPU's tiles of one block carry no loop and none of its registers)."""
+        return self.tile_shape != (self.block_m, self.block_n)
+
     def __iter__(self) -> Iterator[tuple[int, int, int, int]]:
-        block_m, block_n = self.block_m, self.block_n
-        for r0 in range(0, self.rows, block_m):
-            for c0 in range(0, self.cols, block_n):
-                yield r0, min(block_m, self.rows - r0), c0, min(block_n, self.cols - c0)
+        tile_m, tile_n = self.tile_shape
+        for r0 in range(0, self.rows, tile_m):
+            for c0 in range(0, self.cols, tile_n):
+                yield r0, min(tile_m, self.rows - r0), c0, min(tile_n, self.cols - c0)
+
+
+@triton.jit
+def block_at(t, cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(row, column) of block ``t`` of a tile ``cols`` wide, row-major, blocks of BLOCK_M x BLOCK_N: a tile
+    of ``Tiling`` walks ``t`` over ``block_count`` (one block on a GPU, whose tiles are one each). int32
+    division: a 64-bit one is a subroutine call on NVIDIA."""
+    column_blocks = tl.cdiv(cols.to(tl.int32), BLOCK_N)
+    return t // column_blocks * BLOCK_M, t % column_blocks * BLOCK_N
+
+
+@triton.jit
+def block_count(rows, cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The BLOCK_M x BLOCK_N blocks of a ``rows x cols`` tile."""
+    return tl.cdiv(rows.to(tl.int32), BLOCK_M) * tl.cdiv(cols.to(tl.int32), BLOCK_N)
 
 
 # Read by triton at import, as here: under the interpreter (the cpu backend's workers) every jit function runs

@@ -7,18 +7,33 @@ import triton
 import triton.language as tl
 
 from ..device import heap_ptr
-from .common import TaskType, Tiling, load_block, require_float, store_block
+from .common import TaskType, Tiling, block_at, block_count, load_block, require_float, store_block
 
 
 @triton.jit
 def binary_tile(base,
                 out, a, b,                        # heap offsets of the tiles' first elements
-                rows, cols,                       # the tile: rows x cols <= BLOCK_M x BLOCK_N
+                rows, cols,                       # the tile: rows x cols, blocks of BLOCK_M x BLOCK_N
                 out_stride, a_stride, b_stride,   # row strides, in elements
-                OP: tl.constexpr, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``out = a OP b`` over one tile, computed in float32."""
-    x = load_block(heap_ptr(base, a, DTYPE), a_stride, rows, cols, BLOCK_M, BLOCK_N)
-    y = load_block(heap_ptr(base, b, DTYPE), b_stride, rows, cols, BLOCK_M, BLOCK_N)
+                OP: tl.constexpr, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                MANY_BLOCKS: tl.constexpr):
+    """``out = a OP b`` over one tile, computed in float32: one block, or with MANY_BLOCKS
+    (``Tiling.many_blocks``) every block in turn."""
+    if MANY_BLOCKS:
+        for t in range(0, block_count(rows, cols, BLOCK_M, BLOCK_N)):
+            r0, c0 = block_at(t, cols, BLOCK_M, BLOCK_N)
+            _binary_block(base, out, a, b, r0, c0, rows, cols, out_stride, a_stride, b_stride, OP, DTYPE, BLOCK_M,
+                          BLOCK_N)
+    else:
+        _binary_block(base, out, a, b, 0, 0, rows, cols, out_stride, a_stride, b_stride, OP, DTYPE, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _binary_block(base, out, a, b, r0, c0, rows, cols, out_stride, a_stride, b_stride, OP: tl.constexpr,
+                  DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``binary_tile``'s block at row ``r0``, column ``c0`` of the tile."""
+    x = load_block(heap_ptr(base, a, DTYPE) + r0 * a_stride + c0, a_stride, rows - r0, cols - c0, BLOCK_M, BLOCK_N)
+    y = load_block(heap_ptr(base, b, DTYPE) + r0 * b_stride + c0, b_stride, rows - r0, cols - c0, BLOCK_M, BLOCK_N)
     if OP == "add":
         z = x + y
     elif OP == "mul":
@@ -28,7 +43,8 @@ def binary_tile(base,
     else:  # "gelu_tanh_mul": gelu(x) * y with gelu's tanh approximation (Gemma's GeGLU); tanh(u) = 1 - 2 / (e^2u + 1)
         u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2 / pi) (x + 0.044715 x^3)
         z = 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)) * y
-    store_block(heap_ptr(base, out, DTYPE), out_stride, rows, cols, z, BLOCK_M, BLOCK_N)
+    store_block(heap_ptr(base, out, DTYPE) + r0 * out_stride + c0, out_stride, rows - r0, cols - c0, z, BLOCK_M,
+                BLOCK_N)
 
 
 def _reference(heap, task) -> None:
@@ -45,8 +61,9 @@ def binary(g, op: str, a, b):
     g.require(a.dtype == b.dtype, f"{op}: dtypes differ: a {a.dtype}, b {b.dtype}")
     require_float(g, op, a=a, b=b)
     out = g.new_tensor(a.shape, a.dtype)
-    tiling = Tiling(out.rows, out.cols)
-    opcode = g.opcode(BINARY, OP=op, DTYPE=a.dtype, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n)
+    tiling = Tiling.of(g, out.rows, out.cols)
+    opcode = g.opcode(BINARY, OP=op, DTYPE=a.dtype, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n,
+                      MANY_BLOCKS=tiling.many_blocks)
     for r0, m, c0, n in tiling:
         g.add_task(opcode, out=out.addr(r0, c0), a=a.addr(r0, c0), b=b.addr(r0, c0), rows=m, cols=n,
                    out_stride=out.row_stride, a_stride=a.row_stride, b_stride=b.row_stride,

@@ -29,8 +29,8 @@ import triton.language as tl
 from ..device import heap_ptr
 from ..errors import is_count
 from . import quantized
-from .common import (TaskType, ceil_div, dot, next_power_of_2, require_float, rounded, row_offsets, store_block,
-                     vector_aligned)
+from .common import (TaskType, block_at, block_count, ceil_div, dot, next_power_of_2, require_float, rounded,
+                     row_offsets, store_block, vector_aligned)
 from .reduction import sum_slices
 
 DOT_MIN_M = 16
@@ -208,8 +208,28 @@ def _store_rows(base, y, y_stride, m, r0, n, acc, Y_DTYPE: tl.constexpr, BLOCK_M
 @triton.jit
 def _dot_tile(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
               Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              ALIGNED: tl.constexpr):
-    """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` for m <= BLOCK_M, n <= BLOCK_N with ``tl.dot``."""
+              ALIGNED: tl.constexpr, MANY_BLOCKS: tl.constexpr):
+    """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` with ``tl.dot``: one block (m <= BLOCK_M, n <= BLOCK_N, as
+    a GPU's tiles are), or with MANY_BLOCKS (``Graph.few_tiles``) every BLOCK_M x BLOCK_N block in turn, a
+    block's operands found by heap offsets as the tile's are (aligned where the tile's are). The loop is
+    a constexpr's: around the GPU's one block it would cost registers that the kernel has none of."""
+    if not MANY_BLOCKS:
+        _dot_block(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M, BLOCK_N,
+                   BLOCK_K, ALIGNED)
+        return
+    for t in range(0, block_count(m, n, BLOCK_M, BLOCK_N)):
+        r0, c0 = block_at(t, n, BLOCK_M, BLOCK_N)
+        _dot_block(base, y + (r0 * y_stride + c0) * (Y_DTYPE.primitive_bitwidth // 8),
+                   x + r0 * x_stride * (X_DTYPE.primitive_bitwidth // 8),
+                   w + c0 * w_stride * (W_DTYPE.primitive_bitwidth // 8), m - r0, n - c0, k, y_stride, x_stride,
+                   w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, ALIGNED)
+
+
+@triton.jit
+def _dot_block(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
+               Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               ALIGNED: tl.constexpr):
+    """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` over one block: the first min(m, BLOCK_M) x min(n, BLOCK_N)."""
     x_ptr, w_ptr, k = _operands(base, x, w, k, X_DTYPE, W_DTYPE, BLOCK_K, False, ALIGNED)
     rm = tl.arange(0, BLOCK_M)[:, None]
     rn = tl.arange(0, BLOCK_N)[:, None]
@@ -231,17 +251,18 @@ def linear_tile(base,
                 y_stride, x_stride, w_stride,    # row strides, in elements
                 X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
-                ALIGNED: tl.constexpr):
-    """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` for ``m <= BLOCK_M``, any k; float32 accumulation.
+                ALIGNED: tl.constexpr, MANY_BLOCKS: tl.constexpr):
+    """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T``, any k; float32 accumulation.
 
-    GEMV tiles take any n (BLOCK_N rows at a time), ``tl.dot`` tiles ``n <= BLOCK_N``. ``EVEN_K``: k is
+    GEMV tiles take ``m <= BLOCK_M`` and any n (BLOCK_N rows at a time), ``tl.dot`` tiles one BLOCK_M x
+    BLOCK_N block, or any m and n with ``MANY_BLOCKS`` (``Graph.few_tiles``). ``EVEN_K``: k is
     a multiple of BLOCK_K. ``ALIGNED``: x, w and their row strides 16-byte aligned, k a whole number of
     16-byte vectors. Both are checked by the host; with them the GEMV loads are unmasked 16-byte vectors,
     with ALIGNED alone masked ones (the ``tl.dot`` tiles' too).
     """
     if USE_DOT:
         _dot_tile(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M,
-                  BLOCK_N, BLOCK_K, ALIGNED)
+                  BLOCK_N, BLOCK_K, ALIGNED, MANY_BLOCKS)
     elif BLOCK_M == 1:
         gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_N, BLOCK_K, EVEN_K, ALIGNED)
     else:
@@ -257,10 +278,12 @@ def _reference(heap, task) -> None:
 
 @dataclass(frozen=True)
 class Plan:
-    """How a linear is cut: ``tile_rows`` of w per tile (a multiple of BLOCK_N) and the K-ranges."""
+    """How a linear is cut: ``tile_rows`` of w per tile (a multiple of BLOCK_N), the K-ranges, and
+    ``tile_m`` rows of x per tile (BLOCK_M, or every row: ``few_tiles``)."""
 
     tile_rows: int
     k_ranges: tuple[tuple[int, int], ...]
+    tile_m: int
 
 
 def whole_block_ranges(k_total: int, splits: int, block_k: int) -> tuple[tuple[int, int], ...]:
@@ -272,9 +295,11 @@ def whole_block_ranges(k_total: int, splits: int, block_k: int) -> tuple[tuple[i
 
 
 def plan(m: int, n: int, k: int, blocks: tuple[int, int, int], w_size: int, parallelism: int,
-         split_k: int | None) -> Plan:
+         split_k: int | None, few_tiles: bool = False) -> Plan:
     """The tiling of ``[m, k] @ [n, k].T`` for ``parallelism`` workers.
 
+    - ``few_tiles`` (``Graph.few_tiles``): every row of x in each tile, w's rows in ``parallelism`` even
+      tiles (of whole BLOCK_N blocks), K split only as ``split_k`` asks.
     - An explicit ``split_k``: that many K-ranges (of whole blocks when K has that many blocks).
     - parallelism 1: TILE_ROWS rows per GEMV tile (BLOCK_N per ``tl.dot`` tile), no split.
     - Otherwise, when the output's blocks (BLOCK_M x BLOCK_N) are fewer than the workers, K is split
@@ -290,6 +315,9 @@ def plan(m: int, n: int, k: int, blocks: tuple[int, int, int], w_size: int, para
     gemv = block_m < DOT_MIN_M
     row_blocks, m_tiles, k_blocks = ceil_div(n, block_n), ceil_div(m, block_m), ceil_div(k, block_k)
     default_rows = max(block_n, TILE_ROWS // block_n * block_n) if gemv else block_n
+    if few_tiles:
+        k_ranges = ((0, k),) if split_k is None else plan(m, n, k, blocks, w_size, 1, split_k).k_ranges
+        return Plan(ceil_div(row_blocks, parallelism) * block_n, k_ranges, m)
     if split_k is not None:
         if k_blocks >= split_k:
             k_ranges = whole_block_ranges(k, split_k, block_k)
@@ -298,7 +326,7 @@ def plan(m: int, n: int, k: int, blocks: tuple[int, int, int], w_size: int, para
             k_ranges = tuple((k0, min(step, k - k0)) for k0 in range(0, k, step))
         candidates = [k_ranges]
     elif parallelism == 1:
-        return Plan(default_rows, ((0, k),))
+        return Plan(default_rows, ((0, k),), block_m)
     else:
         output_blocks = row_blocks * m_tiles
         max_splits = max(1, min(MAX_SPLIT_K, k_blocks // MIN_SPLIT_BLOCKS))
@@ -306,7 +334,7 @@ def plan(m: int, n: int, k: int, blocks: tuple[int, int, int], w_size: int, para
         last = fewest if output_blocks >= parallelism or not gemv else max_splits
         candidates = [whole_block_ranges(k, s, block_k) for s in range(fewest, last + 1)]
     if parallelism == 1 or not gemv:
-        return Plan(default_rows, candidates[0])
+        return Plan(default_rows, candidates[0], block_m)
     best = None
     for k_ranges in candidates:
         splits = len(k_ranges) * m_tiles
@@ -319,7 +347,7 @@ def plan(m: int, n: int, k: int, blocks: tuple[int, int, int], w_size: int, para
                     + (len(k_ranges) > 1) * TASK_OVERHEAD_BYTES)
             key = (cost, len(k_ranges), tiles)
             if best is None or key < best[0]:
-                best = (key, Plan(g * block_n, k_ranges))
+                best = (key, Plan(g * block_n, k_ranges, block_m))
     return best[1]
 
 
@@ -346,7 +374,7 @@ def linear(g, x, w, split_k: int | None = None, out=None):
     use_dot = m_total >= DOT_MIN_M
     blocks = (DOT_BLOCK_M, DOT_BLOCK_N, DOT_BLOCK_K) if use_dot else gemv_blocks(m_total, w.dtype, k_total)
     block_m, block_n, block_k = blocks
-    cut = plan(m_total, n_total, k_total, blocks, w.element_size, g.parallelism, split_k)
+    cut = plan(m_total, n_total, k_total, blocks, w.element_size, g.parallelism, split_k, g.few_tiles)
     k_ranges, tile_rows = cut.k_ranges, cut.tile_rows
     target = y if len(k_ranges) == 1 else g.new_tensor((len(k_ranges) * m_total, n_total), torch.float32)
     x_size, w_size, y_size = x.element_size, w.element_size, target.element_size
@@ -356,7 +384,7 @@ def linear(g, x, w, split_k: int | None = None, out=None):
                              *(kk * x_size for kk in starts_and_lengths), *(kk * w_size for kk in starts_and_lengths))
     opcode = g.opcode(LINEAR, X_DTYPE=x.dtype, W_DTYPE=w.dtype, Y_DTYPE=target.dtype, BLOCK_M=block_m,
                       BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot, EVEN_K=even_k and not use_dot,
-                      ALIGNED=aligned)
+                      ALIGNED=aligned, MANY_BLOCKS=use_dot and (cut.tile_m > block_m or tile_rows > block_n))
     # A big graph has hundreds of thousands of these tiles: a row of them (one x tile, a tile per
     # tile_rows rows of w) is one add_tasks call, the words that change along it made as ranges.
     y_stride, x_stride, w_stride = target.row_stride, x.row_stride, w.row_stride
@@ -365,8 +393,8 @@ def linear(g, x, w, split_k: int | None = None, out=None):
     w_step = tile_rows * w_stride * w_size  # bytes from one tile's w rows to the next tile's
     for s, (k0, k) in enumerate(k_ranges):
         w_tiles = [w.region(c0, n, k0, k) for c0, n in zip(starts, widths)]
-        for r0 in range(0, m_total, block_m):
-            m = min(block_m, m_total - r0)
+        for r0 in range(0, m_total, cut.tile_m):
+            m = min(cut.tile_m, m_total - r0)
             row = s * m_total + r0
             x_tile = x.region(r0, m, k0, k)
             y_addr = target.addr(row, 0)

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..device import heap_ptr
 from ..errors import is_number
-from .common import TaskType, require_float, rounded
+from .common import TaskType, ceil_div, require_float, rounded
 
 ROWS_PER_TILE = 4
 MAX_BLOCK_N = 1024
@@ -75,7 +75,8 @@ def rms_norm(g, x, weight, eps: float = 1e-6, head_dim: int | None = None, unit_
     require_float(g, "rms_norm", x=x, weight=weight)
     out = g.new_tensor(x.shape, x.dtype)
     segments = x.cols // size
-    rows_per_tile = min(x.rows, max(1, ROWS_PER_TILE // segments))  # a tile holds whole rows
+    rows_per_tile = (ceil_div(x.rows, g.parallelism) if g.few_tiles  # a tile holds whole rows
+                     else min(x.rows, max(1, ROWS_PER_TILE // segments)))
     block_m = triton.next_power_of_2(rows_per_tile * segments)
     block_n = min(triton.next_power_of_2(size), MAX_BLOCK_N)
     opcode = g.opcode(RMS_NORM, EPS=float(eps), UNIT_OFFSET=bool(unit_offset), X_DTYPE=x.dtype, W_DTYPE=weight.dtype, BLOCK_M=block_m,

@@ -12,17 +12,20 @@ columns) of ``block`` elements in ``block_bytes`` bytes each:
   per row and 128 columns (``fp8_block``, scales [rows, ceil(cols / 128)]: an FP8 checkpoint's 128 x 128
   block scales, ``weight_scale_inv``, repeated for each row of their block on the host, so that ranks
   and fused projections cut and join rows anywhere; 4 bytes per 128 weights more than the checkpoint).
+  A rank's columns may start inside a scale block: its weight's ``scale_offset`` columns of the first
+  block belong to the rank before (an element's block is (column + scale_offset) // 128).
 
 Each element is rebuilt as its format defines it, in float32, by integer operations on the loaded bytes
 and IEEE multiplications (the FP8 byte is decoded from its bits, not by a hardware conversion): the same
 value on every target, the interpreter included, and the value gguf's (and so transformers') own
 dequantization gives. ``dequantize`` is the torch version, the references' and the tests'.
 
-A split across ranks or across K cuts at whole blocks: a tile's K-range starts on a block.
+A split across ranks or across K cuts at whole blocks of the packed bytes (FP8 anywhere: its bytes are
+independent elements): a tile's K-range starts on a block.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -52,11 +55,11 @@ class Format:
         """Bytes of a packed row of ``cols`` elements (a whole number of blocks)."""
         return cols // self.block * self.block_bytes
 
-    def scales_shape(self, rows: int, cols: int) -> tuple[int, ...] | None:
+    def scales_shape(self, rows: int, cols: int, scale_offset: int = 0) -> tuple[int, ...] | None:
         if self.scales == "channel":
             return (rows,)
         if self.scales == "block":
-            return (rows, ceil_div(cols, FP8_SCALE_BLOCK))
+            return (rows, ceil_div(scale_offset + cols, FP8_SCALE_BLOCK))
         return None
 
 
@@ -73,13 +76,16 @@ FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, FP8_CHANNEL, FP8_BL
 @dataclass(frozen=True)
 class Quantized:
     """A weight [rows, cols] in ``format``: ``data`` its packed rows (a uint8 graph tensor [rows, row
-    bytes]), ``scales`` its float32 scales (FP8), ``dtype`` the dtype its values are used in."""
+    bytes]), ``scales`` its float32 scales (FP8), ``dtype`` the dtype its values are used in;
+    ``scale_offset`` (fp8_block): the columns of its first scale block before its own first column (a
+    rank's, as its addresses: left out of the description ranks compare)."""
 
     data: object          # graph Tensor
     format: Format
     cols: int
     dtype: torch.dtype
     scales: object = None  # graph Tensor
+    scale_offset: int = field(default=0, repr=False)
 
     @property
     def rows(self) -> int:
@@ -98,18 +104,28 @@ def rows_of(weight, start: int, length: int):
     scales = weight.scales
     if scales is not None:
         scales = scales[start:start + length]  # [rows] or [rows, column blocks]: a scale row per weight row
-    return Quantized(weight.data[start:start + length], weight.format, weight.cols, weight.dtype, scales)
+    return Quantized(weight.data[start:start + length], weight.format, weight.cols, weight.dtype, scales,
+                     weight.scale_offset)
 
 
-def quantized_input(g, name: str, shape: tuple[int, int], format: Format, dtype: torch.dtype) -> Quantized:
+def quantized_input(g, name: str, shape: tuple[int, int], format: Format, dtype: torch.dtype,
+                    scale_offset: int = 0, scale_blocks: int | None = None) -> Quantized:
     """The graph inputs of a weight ``shape`` kept in ``format``: its bytes, named ``name``, and its scales,
-    named ``name + ".scales"`` (FP8); its values are used in ``dtype``."""
+    named ``name + ".scales"`` (FP8); its values are used in ``dtype``. fp8_block, a rank's columns that
+    start inside a scale block: ``scale_offset``, the columns of the first block before its own;
+    ``scale_blocks``, the scale columns it holds (the same on every rank; None: those it needs)."""
     rows, cols = shape
     g.require(cols % format.block == 0, f"{name}: {cols} columns are not whole {format.name} blocks of {format.block}")
+    g.require(scale_offset == 0 or (format.scales == "block" and 0 < scale_offset < FP8_SCALE_BLOCK),
+              f"{name}: a scale offset of {scale_offset!r} columns; only fp8_block weights have one, below "
+              f"{FP8_SCALE_BLOCK}")
     data = g.input(name, (rows, format.row_bytes(cols)), torch.uint8)
-    scales_shape = format.scales_shape(rows, cols)
+    scales_shape = format.scales_shape(rows, cols, scale_offset)
+    if scale_blocks is not None and format.scales == "block":
+        g.require(scale_blocks >= scales_shape[1], f"{name}: {scale_blocks} scale blocks, {scales_shape[1]} needed")
+        scales_shape = (rows, scale_blocks)
     scales = g.input(name + ".scales", scales_shape, torch.float32) if scales_shape else None
-    return Quantized(data, format, cols, dtype, scales)
+    return Quantized(data, format, cols, dtype, scales, scale_offset)
 
 
 # -- the torch side: one function per format, on packed rows uint8 [n, bytes] ---------------------------------
@@ -158,10 +174,10 @@ GGUF_DEQUANTIZE = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q4_K: _q4_k, Q6_K: _q6
 
 
 def dequantize(format: Format, data: torch.Tensor, cols: int, scales: torch.Tensor | None = None,
-               row0: int = 0, col0: int = 0) -> torch.Tensor:
+               row0: int = 0, col0: int = 0, scale_offset: int = 0) -> torch.Tensor:
     """float32 [n, cols]: packed rows ``data`` (uint8 [n, format.row_bytes(cols)]), which are rows
     ``row0 ..`` and columns ``col0 ..`` of the weight ``scales`` (FP8: the whole weight's, or rows
-    from row0 on) belong to."""
+    from row0 on; fp8_block: their first block starts ``scale_offset`` columns before the weight) belong to."""
     if format.scales is None:
         blocks = data.reshape(data.shape[0], cols // format.block, format.block_bytes)
         return GGUF_DEQUANTIZE[format](blocks).reshape(data.shape[0], cols)
@@ -169,7 +185,7 @@ def dequantize(format: Format, data: torch.Tensor, cols: int, scales: torch.Tens
     rows = torch.arange(row0, row0 + data.shape[0])
     if format.scales == "channel":
         return values * scales[rows].float().unsqueeze(1)
-    columns = torch.arange(col0, col0 + cols)
+    columns = torch.arange(scale_offset + col0, scale_offset + col0 + cols)
     return values * scales[rows][:, columns // FP8_SCALE_BLOCK].float()
 
 
@@ -211,9 +227,9 @@ def _q4_k_value(block, j, q):
 
 
 @triton.jit
-def dequantized(base, w, scales, rows, cols, w_stride, scales_stride, FORMAT: tl.constexpr):
+def dequantized(base, w, scales, rows, cols, w_stride, scales_stride, scale_offset, FORMAT: tl.constexpr):
     """Elements (``rows``, ``cols``) of the weight at heap offset ``w`` (packed rows of ``w_stride`` bytes;
-    ``scales``: its float32 scales, FP8 only), as float32. ``rows`` and ``cols`` broadcast to the block
+    ``scales``: its float32 scales, FP8 only; ``scale_offset``: fp8_block's, see ``Quantized``), as float32. ``rows`` and ``cols`` broadcast to the block
     wanted ([BLOCK_N, 1] and [1, BLOCK_K]) and must be inside the weight."""
     row = heap_ptr(base, w, tl.uint8) + rows.to(tl.int64) * w_stride
     if FORMAT == 1:    # q8_0: d, 32 int8
@@ -248,17 +264,17 @@ def dequantized(base, w, scales, rows, cols, w_stride, scales_stride, FORMAT: tl
         if FORMAT == 6:
             scale = tl.load(scale_ptr + rows)
         else:
-            scale = tl.load(scale_ptr + rows * scales_stride + cols // 128)
+            scale = tl.load(scale_ptr + rows * scales_stride + (cols + scale_offset) // 128)
         value = _e4m3(_byte(row + cols)) * scale
     return value
 
 
 @triton.jit
-def _w_block(base, w, scales, rows, kc, k_end, w_stride, scales_stride, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr):
+def _w_block(base, w, scales, rows, kc, k_end, w_stride, scales_stride, scale_offset, FORMAT: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr):
     """float32 [BLOCK_N, BLOCK_K]: columns ``kc ..`` of rows ``rows`` ([BLOCK_N, 1]) of the weight, 0 from
     ``k_end`` on. ``ALIGNED`` (the host checked: every packed row and the tile's first byte 16-byte
-    aligned, k_end - kc a whole number of BLOCK_K; VECTOR_BLOCKS): FP8 rows are loaded as 16-byte
+    aligned, k_end - kc and scale_offset whole numbers of BLOCK_K; VECTOR_BLOCKS): FP8 rows are loaded as 16-byte
     vectors of 16 elements, a Q4_K super-block's 128 bytes of nibbles as 16-byte vectors of 32 elements;
     each element of the other formats, and of these when not aligned, is gathered from its block
     (``dequantized``)."""
@@ -270,8 +286,8 @@ def _w_block(base, w, scales, rows, kc, k_end, w_stride, scales_stride, FORMAT: 
         scale_ptr = heap_ptr(base, scales, tl.float32)
         if FORMAT == 6:
             value = value * tl.load(scale_ptr + rows)
-        else:  # BLOCK_K columns from a multiple of BLOCK_K: one scale block
-            value = value * tl.load(scale_ptr + rows * scales_stride + kc // 128)
+        else:  # BLOCK_K columns from a multiple of BLOCK_K (scale_offset one too): one scale block
+            value = value * tl.load(scale_ptr + rows * scales_stride + (kc + scale_offset) // 128)
     elif ALIGNED and FORMAT == 4:  # q4_k: columns kc .. kc + 256 are a super-block
         tl.static_assert(BLOCK_K == 256, "the aligned Q4_K block is a super-block")
         row = tl.multiple_of(heap_ptr(base, w, tl.uint8), 16) + row_offsets(rows.to(tl.int64), w_stride, tl.uint8,
@@ -284,14 +300,15 @@ def _w_block(base, w, scales, rows, kc, k_end, w_stride, scales_stride, FORMAT: 
         value = tl.reshape(_q4_k_value(block, tl.arange(0, 8)[None, :, None], q), (BLOCK_N, BLOCK_K))
     else:
         cols = kc + rk
-        value = dequantized(base, w, scales, rows, tl.minimum(cols, k_end - 1), w_stride, scales_stride, FORMAT)
+        value = dequantized(base, w, scales, rows, tl.minimum(cols, k_end - 1), w_stride, scales_stride,
+                            scale_offset, FORMAT)
         value = tl.where(cols < k_end, value, 0.0)
     return value
 
 
 @triton.jit
 def _quantized_rows(base, y, x, w, scales, row0, k0, m, n, k, y_stride, x_stride, w_stride, scales_stride,
-                    X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    scale_offset, X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, ALIGNED: tl.constexpr):
     """``y[:m, :n] = x[:m, :k] @ W[row0:row0 + n, k0:k0 + k].T`` (see ``quantized_linear_tile``); m, n and k
     int32 (a count divides as int32 only: common's docstring)."""
@@ -304,8 +321,8 @@ def _quantized_rows(base, y, x, w, scales, row0, k0, m, n, k, y_stride, x_stride
         rows = row0 + tl.minimum(r0 + rn, n - 1)
         for c0 in range(0, k, BLOCK_K):
             cols = c0 + rk
-            b = _w_block(base, w, scales, rows, k0 + c0, k0 + k, w_stride, scales_stride, FORMAT, BLOCK_N, BLOCK_K,
-                         ALIGNED)
+            b = _w_block(base, w, scales, rows, k0 + c0, k0 + k, w_stride, scales_stride, scale_offset, FORMAT,
+                         BLOCK_N, BLOCK_K, ALIGNED)
             if USE_DOT:
                 a = tl.load(x_ptr + rm * x_stride + tl.trans(cols), mask=(rm < m) & (tl.trans(cols) < k), other=0.0)
                 acc += dot(b, a)  # [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]
@@ -326,6 +343,7 @@ def quantized_linear_tile(base,
                           y_stride, x_stride,   # row strides, in elements
                           w_stride,             # bytes from one packed row of w to the next
                           scales_stride,        # fp8_block: scales per row of scales
+                          scale_offset,         # fp8_block: columns of the first scale block before w's
                           X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, FORMAT: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                           ALIGNED: tl.constexpr):
@@ -335,7 +353,7 @@ def quantized_linear_tile(base,
     (BLOCK_M >= 16: prefill rows): the products by ``tl.dot`` in IEEE float32 (the dequantized weights
     are float32), otherwise reduced per row of x. ``ALIGNED``: see ``_w_block``."""
     _quantized_rows(base, y, x, w, scales, row0, k0, m.to(tl.int32), n.to(tl.int32), k.to(tl.int32), y_stride,
-                    x_stride, w_stride, scales_stride, X_DTYPE, Y_DTYPE, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
+                    x_stride, w_stride, scales_stride, scale_offset, X_DTYPE, Y_DTYPE, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
                     ALIGNED)
 
 
@@ -346,40 +364,46 @@ def quantized_expert_linear_tile(base, status,
                                  count,            # the number of experts
                                  expert_rows,      # rows of w per expert
                                  row0, n, k,       # the tile is rows row0 .. row0 + n of the expert's, k long
-                                 w_stride, scales_stride,
+                                 w_stride, scales_stride, scale_offset,
                                  X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, FORMAT: tl.constexpr,
                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr):
     """``y[0, :n] = x[0, :k] @ W_e[row0:row0 + n].T`` for the expert ``e`` read from the heap (outside
     [0, count): expert 0, reported), W_e the rows of expert e in the stacked quantized weight."""
     e = checked_index(status, tl.load(heap_ptr(base, expert, tl.int64)), count)
     _quantized_rows(base, y, x, w, scales, e * expert_rows + row0, 0, 1, n.to(tl.int32), k.to(tl.int32), n, k,
-                    w_stride, scales_stride, X_DTYPE, Y_DTYPE, FORMAT, 1, BLOCK_N, BLOCK_K, False, ALIGNED)
+                    w_stride, scales_stride, scale_offset, X_DTYPE, Y_DTYPE, FORMAT, 1, BLOCK_N, BLOCK_K, False,
+                    ALIGNED)
 
 
-def _weight(heap, format: Format, w: int, w_stride: int, scales: int, scales_stride: int, rows: int, cols: int,
-            row0: int, col0: int) -> torch.Tensor:
-    """float32 [rows, cols]: the weight at heap offset ``w`` from row ``row0``, column ``col0`` (a block's)."""
+def _weight(heap, format: Format, w: int, w_stride: int, scales: int, scales_stride: int, scale_offset: int,
+            rows: int, cols: int, row0: int, col0: int) -> torch.Tensor:
+    """float32 [rows, cols]: the weight at heap offset ``w`` from row ``row0``, column ``col0`` (a block's),
+    unpacked where the heap keeps what tiles derive (``HeapView.derived``: a torch backend's worker
+    unpacks a tile's weights once, not at every step, and again if their bytes change)."""
     data = heap.tensor(w + row0 * w_stride + format.row_bytes(col0), torch.uint8, rows, format.row_bytes(cols),
                        w_stride)
+    key = ("dequantized", format.code, w, w_stride, scales, scales_stride, scale_offset, rows, cols, row0, col0)
     if format.scales == "channel":
         scales = heap.tensor(scales, torch.float32, 1, row0 + rows, row0 + rows)[0]
     elif format.scales == "block":
-        scales = heap.tensor(scales, torch.float32, row0 + rows, ceil_div(col0 + cols, FP8_SCALE_BLOCK), scales_stride)
-    return dequantize(format, data, cols, scales, row0, col0)
+        scales = heap.tensor(scales, torch.float32, row0 + rows, ceil_div(scale_offset + col0 + cols, FP8_SCALE_BLOCK),
+                             scales_stride)
+    sources = (data,) if format.scales is None else (data, scales)
+    return heap.derived(key, sources, lambda: dequantize(format, data, cols, scales, row0, col0, scale_offset))
 
 
 def _expert_linear_reference(heap, task) -> None:
     e = heap_index(heap, task.expert, task.count)
     x = heap.tensor(task.x, task.X_DTYPE, 1, task.k, task.k).float()
-    w = _weight(heap, FORMATS_BY_CODE[task.FORMAT], task.w, task.w_stride, task.scales, task.scales_stride, task.n,
-                task.k, e * task.expert_rows + task.row0, 0)
+    w = _weight(heap, FORMATS_BY_CODE[task.FORMAT], task.w, task.w_stride, task.scales, task.scales_stride,
+                task.scale_offset, task.n, task.k, e * task.expert_rows + task.row0, 0)
     heap.tensor(task.y, task.Y_DTYPE, 1, task.n, task.n).copy_(x @ w.T)
 
 
 def _linear_reference(heap, task) -> None:
     x = heap.tensor(task.x, task.X_DTYPE, task.m, task.k, task.x_stride).float()
-    w = _weight(heap, FORMATS_BY_CODE[task.FORMAT], task.w, task.w_stride, task.scales, task.scales_stride, task.n,
-                task.k, task.row0, task.k0)
+    w = _weight(heap, FORMATS_BY_CODE[task.FORMAT], task.w, task.w_stride, task.scales, task.scales_stride,
+                task.scale_offset, task.n, task.k, task.row0, task.k0)
     heap.tensor(task.y, task.Y_DTYPE, task.m, task.n, task.y_stride).copy_(x @ w.T)
 
 
@@ -389,7 +413,7 @@ BLOCK_N, BLOCK_K = 16, 64  # the block of w a tile dequantizes at a time: 8 elem
 # ... on the vector paths, 2 KiB of packed bytes, 16 per thread (one 16-byte vector each): FP8 32 rows x 64
 # columns, Q4_K 16 rows x a super-block (128 bytes of nibbles)
 VECTOR_BLOCKS = {"fp8_channel": (32, 64), "fp8_block": (32, 64), "q4_k": (16, 256)}
-TILE_ROWS = 64       # rows of w per tile
+TILE_ROWS = 64       # rows of w per tile (with ``Graph.few_tiles``: a worker's share)
 MAX_BLOCK_M = 16     # rows of x per tile
 DOT_MIN_M = 16       # from this many rows of x a tile multiplies with tl.dot
 EMBEDDING_BLOCK_N = 256
@@ -420,18 +444,20 @@ def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=block_m >= DOT_MIN_M, ALIGNED=aligned)
     f, data, scales = w.format, w.data, w.scales
     scale_words = _scale_words(w)
+    tile_rows = ceil_div(n_total, g.parallelism) if g.few_tiles else TILE_ROWS  # a tile takes any n
     for s, (k0, k) in enumerate(k_ranges):
         byte0, nbytes = f.row_bytes(k0), f.row_bytes(k)
         for r0 in range(0, m_total, block_m):
             m = min(block_m, m_total - r0)
             row = s * m_total + r0
-            for c0 in range(0, n_total, TILE_ROWS):
-                n = min(TILE_ROWS, n_total - c0)
+            for c0 in range(0, n_total, tile_rows):
+                n = min(tile_rows, n_total - c0)
                 scale_reads, scale_bytes = (), 0
                 if f.scales is not None:  # a float32 per row, or per row and 128 columns
-                    per_row = 1 if f.scales == "channel" else ceil_div(k, FP8_SCALE_BLOCK)
+                    first = (w.scale_offset + k0) // FP8_SCALE_BLOCK
+                    per_row = 1 if f.scales == "channel" else ceil_div(w.scale_offset + k0 + k, FP8_SCALE_BLOCK) - first
                     scale_reads, scale_bytes = (scales.region(0, 1, c0, n) if f.scales == "channel" else
-                                                scales.region(c0, n, k0 // FP8_SCALE_BLOCK, per_row),), 4 * n * per_row
+                                                scales.region(c0, n, first, per_row),), 4 * n * per_row
                 g.add_task(opcode, y=target.addr(row, c0), x=x.addr(r0, k0), w=data.addr(0, 0), row0=c0, k0=k0,
                            m=m, n=n, k=k, y_stride=target.row_stride, x_stride=x.row_stride,
                            w_stride=data.row_stride, **scale_words,
@@ -447,10 +473,10 @@ def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
 def tile_blocks(w: Quantized, starts: list[int], lengths: list[int]) -> tuple[int, int, bool]:
     """(BLOCK_N, BLOCK_K, ALIGNED) of tiles reading columns ``start .. start + length`` of ``w``: its
     format's vector path (``_w_block``, VECTOR_BLOCKS) when its rows and every start's byte are 16-byte
-    aligned and every length whole BLOCK_K steps; else the gathered one."""
+    aligned and every length and its scale offset whole BLOCK_K steps; else the gathered one."""
     f = w.format
     block_n, block_k = VECTOR_BLOCKS.get(f.name, (BLOCK_N, BLOCK_K))
-    aligned = f.name in VECTOR_BLOCKS and all(k % block_k == 0 for k in lengths) and \
+    aligned = f.name in VECTOR_BLOCKS and all(k % block_k == 0 for k in (*lengths, w.scale_offset)) and \
         vector_aligned(w.data.addr(0, 0), w.data.row_stride, *(f.row_bytes(k0) for k0 in starts))
     return (block_n, block_k, True) if aligned else (BLOCK_N, BLOCK_K, False)
 
@@ -458,7 +484,7 @@ def tile_blocks(w: Quantized, starts: list[int], lengths: list[int]) -> tuple[in
 def _scale_words(w: Quantized) -> dict:
     scales = w.scales
     return {"scales": scales.addr(0, 0) if scales is not None else 0,
-            "scales_stride": scales.row_stride if scales is not None else 0}
+            "scales_stride": scales.row_stride if scales is not None else 0, "scale_offset": w.scale_offset}
 
 
 def expert_rows(g, x, w: Quantized, experts, count: int):
@@ -494,13 +520,15 @@ def expert_rows(g, x, w: Quantized, experts, count: int):
 # -- the embedding lookup of a quantized table ----------------------------------------------------------------
 
 @triton.jit
-def _dequantized_row(base, out, table, scales, row, cols, table_stride, scales_stride, OUT_DTYPE: tl.constexpr,
+def _dequantized_row(base, out, table, scales, row, cols, table_stride, scales_stride, scale_offset,
+                     OUT_DTYPE: tl.constexpr,
                      FORMAT: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[:cols] = row ``row`` of the quantized table, BLOCK_N elements at a time."""
     c = tl.arange(0, BLOCK_N)
     for c0 in range(0, cols, BLOCK_N):
         at = c0 + c
-        value = dequantized(base, table, scales, row, tl.minimum(at, cols - 1), table_stride, scales_stride, FORMAT)
+        value = dequantized(base, table, scales, row, tl.minimum(at, cols - 1), table_stride, scales_stride,
+                            scale_offset, FORMAT)
         tl.store(heap_ptr(base, out, OUT_DTYPE) + at, rounded(value, OUT_DTYPE), mask=at < cols)
 
 
@@ -510,11 +538,12 @@ def quantized_embedding_tile(base, status,
                              token,                # heap offset of the int64 token id
                              rows, cols,           # the table's shape, in elements
                              table_stride,         # bytes between packed rows
-                             scales_stride,
+                             scales_stride, scale_offset,
                              OUT_DTYPE: tl.constexpr, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr):
     """Row ``*token`` of the quantized table, dequantized, to the output row (out of range: row 0, reported)."""
     row = checked_index(status, tl.load(heap_ptr(base, token, tl.int64)), rows)
-    _dequantized_row(base, out, table, scales, row, cols, table_stride, scales_stride, OUT_DTYPE, FORMAT, BLOCK_N)
+    _dequantized_row(base, out, table, scales, row, cols, table_stride, scales_stride, scale_offset, OUT_DTYPE, FORMAT,
+                     BLOCK_N)
 
 
 @triton.jit
@@ -525,18 +554,19 @@ def quantized_embedding_at_tile(base, status,
                                 history_cols,         # positions of the history
                                 rows, cols,           # the table's shape, in elements
                                 table_stride,         # bytes between packed rows
-                                scales_stride,
+                                scales_stride, scale_offset,
                                 OUT_DTYPE: tl.constexpr, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr):
     """Row ``history[*pos]`` of the quantized table, dequantized, to the output row (as ``embedding_at``)."""
     at = row_position(status, heap_ptr(base, pos, tl.int64), history_cols)
     token = tl.load(heap_ptr(base, history, tl.int64) + tl.maximum(at, 0))
     row = checked_index(status, tl.where(at < 0, 0, token), rows)
-    _dequantized_row(base, out, table, scales, row, cols, table_stride, scales_stride, OUT_DTYPE, FORMAT, BLOCK_N)
+    _dequantized_row(base, out, table, scales, row, cols, table_stride, scales_stride, scale_offset, OUT_DTYPE, FORMAT,
+                     BLOCK_N)
 
 
 def _copy_row(heap, task, row: int) -> None:
     value = _weight(heap, FORMATS_BY_CODE[task.FORMAT], task.table, task.table_stride, task.scales,
-                    task.scales_stride, 1, task.cols, row, 0)
+                    task.scales_stride, task.scale_offset, 1, task.cols, row, 0)
     heap.tensor(task.out, task.OUT_DTYPE, 1, task.cols, task.cols).copy_(value)
 
 

@@ -13,55 +13,60 @@ import triton.language as tl
 
 from ..device import heap_ptr
 from ..errors import is_number
-from .common import TaskType, require_float, rounded, row_positions
+from .common import TaskType, position_runs, require_float, rounded
 
 
 @triton.jit
 def rope_tile(base,
-              out, x,      # heap offsets of one row of heads * HEAD_DIM elements
-              inv_freq,    # heap offset of HEAD_DIM / 2 float32 inverse frequencies
-              pos,         # heap offset of the int64 position
-              heads,       # heads in the row, <= BLOCK_H
+              out, x,               # heap offsets of the first of ``rows`` rows of heads * HEAD_DIM elements
+              out_stride, x_stride,  # row strides, in elements
+              inv_freq,             # heap offset of HEAD_DIM / 2 float32 inverse frequencies
+              pos,                  # heap offset of the first row's int64 position
+              pos_step,             # bytes from one row's position to the next (0: one position for every row)
+              rows, heads,          # rows of the tile (one on a GPU; ``Graph.few_tiles``: more), heads per row <= BLOCK_H
               DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, SCALING: tl.constexpr, BLOCK_H: tl.constexpr,
               BLOCK_D: tl.constexpr):
-    """``out = x * s cos(p f) + rotate_half(x) * s sin(p f)`` for every head, p = *pos, f = inv_freq,
-    s = SCALING."""
+    """``out = x * s cos(p f) + rotate_half(x) * s sin(p f)`` for every head of every row, p the row's
+    position, f = inv_freq, s = SCALING."""
     half: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < heads) & (d < half)
-    position = tl.load(heap_ptr(base, pos, tl.int64)).to(tl.float32)
-    angle = position * tl.load(heap_ptr(base, inv_freq, tl.float32) + d, mask=d < half, other=0.0)
-    cos, sin = tl.cos(angle), tl.sin(angle)
-    if SCALING != 1.0:
-        cos, sin = cos * SCALING, sin * SCALING
-    x_ptr = heap_ptr(base, x, DTYPE) + h * HEAD_DIM + d
-    out_ptr = heap_ptr(base, out, DTYPE) + h * HEAD_DIM + d
-    x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + half, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr, rounded(x1 * cos - x2 * sin, DTYPE), mask=mask)
-    tl.store(out_ptr + half, rounded(x2 * cos + x1 * sin, DTYPE), mask=mask)
+    frequencies = tl.load(heap_ptr(base, inv_freq, tl.float32) + d, mask=d < half, other=0.0)
+    for r in range(0, rows):
+        angle = tl.load(heap_ptr(base, pos + r * pos_step, tl.int64)).to(tl.float32) * frequencies
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        if SCALING != 1.0:
+            cos, sin = cos * SCALING, sin * SCALING
+        x_ptr = heap_ptr(base, x, DTYPE) + r * x_stride + h * HEAD_DIM + d
+        out_ptr = heap_ptr(base, out, DTYPE) + r * out_stride + h * HEAD_DIM + d
+        x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + half, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr, rounded(x1 * cos - x2 * sin, DTYPE), mask=mask)
+        tl.store(out_ptr + half, rounded(x2 * cos + x1 * sin, DTYPE), mask=mask)
 
 
 def _reference(heap, task) -> None:
-    half, heads = task.HEAD_DIM // 2, task.heads
-    x = heap.tensor(task.x, task.DTYPE, heads, 2 * half, 2 * half).float()
-    position = heap.tensor(task.pos, torch.int64, 1, 1, 1).float()
-    angle = position * heap.tensor(task.inv_freq, torch.float32, 1, half, half)
+    half, heads, rows = task.HEAD_DIM // 2, task.heads, task.rows
+    x = heap.tensor(task.x, task.DTYPE, rows, heads * 2 * half, task.x_stride).float().view(rows, heads, 2 * half)
+    positions = (heap.tensor(task.pos, torch.int64, rows, 1, task.pos_step // 8) if task.pos_step
+                 else heap.tensor(task.pos, torch.int64, 1, 1, 1)).float()
+    angle = (positions * heap.tensor(task.inv_freq, torch.float32, 1, half, half))[:, None, :]  # [rows, 1, half]
     cos, sin = angle.cos(), angle.sin()
     if task.SCALING != 1.0:
         cos, sin = cos * task.SCALING, sin * task.SCALING
-    x1, x2 = x[:, :half], x[:, half:]
-    out = heap.tensor(task.out, task.DTYPE, heads, 2 * half, 2 * half)
-    out[:, :half] = x1 * cos - x2 * sin
-    out[:, half:] = x2 * cos + x1 * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    out = heap.tensor(task.out, task.DTYPE, rows, heads * 2 * half, task.out_stride).view(rows, heads, 2 * half)
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half:] = x2 * cos + x1 * sin
 
 
 def rope(g, x, inv_freq, pos, head_dim: int, scaling: float = 1.0):
     """Rotate every ``head_dim`` head of each row of ``x`` [B, heads * head_dim] by position ``*pos``.
 
     ``inv_freq`` is float32 [head_dim / 2]; ``pos`` an int64 tensor of one element, or one per row
-    (``common.row_positions``); ``scaling`` multiplies cos and sin.
+    (``common.position_runs``); ``scaling`` multiplies cos and sin. A tile per row (``Graph.few_tiles``:
+    per worker's run of rows).
     """
     g.require(is_number(scaling) and 0 < scaling < float("inf"),
               f"rope: scaling must be a positive number, got {scaling!r}")
@@ -75,12 +80,14 @@ def rope(g, x, inv_freq, pos, head_dim: int, scaling: float = 1.0):
     opcode = g.opcode(ROPE, DTYPE=x.dtype, HEAD_DIM=head_dim, SCALING=float(scaling),
                       BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim // 2))
     src, dst = x.block(), out.block()
-    for r, (position, position_region) in enumerate(row_positions(g, "rope", pos, src.rows)):
-        g.add_task(opcode, out=dst.addr(r, 0), x=src.addr(r, 0), inv_freq=inv_freq.addr(0, 0),
-                   pos=position, heads=heads,
-                   reads=(src.region(r, 1, 0, src.cols), inv_freq.region(0, 1, 0, head_dim // 2), position_region),
-                   writes=(dst.region(r, 1, 0, src.cols),),
-                   bytes=2 * x.cols * x.element_size, flops=6 * x.cols)
+    for run in position_runs(g, "rope", pos, src.rows):
+        g.add_task(opcode, out=dst.addr(run.row, 0), x=src.addr(run.row, 0), out_stride=dst.row_stride,
+                   x_stride=src.row_stride, inv_freq=inv_freq.addr(0, 0), pos=run.pos, pos_step=run.pos_step,
+                   rows=run.rows, heads=heads,
+                   reads=(src.region(run.row, run.rows, 0, src.cols), inv_freq.region(0, 1, 0, head_dim // 2),
+                          run.region),
+                   writes=(dst.region(run.row, run.rows, 0, src.cols),),
+                   bytes=2 * run.rows * x.cols * x.element_size, flops=6 * run.rows * x.cols)
     return out
 
 

@@ -36,7 +36,9 @@ from megakernel.tools.examples import every_task_type
 
 pytestmark = pytest.mark.aot  # compiled for the GPU targets: the interpreter accepts code the compiler rejects
 
-KERNELS = ["every task type", "decode step"]
+# the decode step as a GPU runs it, and as the torch backend cuts it (``Graph.few_tiles``: its tiles loop over
+# their blocks), with prefill rows (``tl.dot`` tiles of many blocks); a GPU may be given such a graph too
+KERNELS = ["every task type", "decode step", "few tiles"]
 NVIDIA = [t for t, gpu in TARGETS.items() if gpu.backend == "cuda"]
 AMD = [t for t, gpu in TARGETS.items() if gpu.backend == "hip"]
 FAST = ("sm_90", "gfx942")  # one target of each vendor in the fast tier; the others with the slow tests
@@ -72,6 +74,9 @@ def graph(kernel: str) -> tuple[mk.Graph, int]:
         return every_task_type(), 32
     config = DecoderConfig(hidden=96, heads=4, kv_heads=2, head_dim=48, intermediate=200, layers=1, vocab=128,
                            eps=1e-6, qk_norm=True, max_seq_len=80, batch=2, dtype=torch.bfloat16)
+    if kernel == "few tiles":
+        config = replace(config, prefill_chunk=16)
+        return decode_step(config, mk.Graph(world_size=1, rank=0, parallelism=2, few_tiles=True)), 16
     return decode_step(config, mk.Graph(world_size=1, rank=0)), 16
 
 

@@ -325,27 +325,31 @@ def device_generation(model):
             tokens = m.generate(prompt(1, length), max_new_tokens=NEW_TOKENS, tokens_per_launch=per_launch)
             results.append((tokens, m.kernel.launches - launches))
             barriers.append(m.kernel.host_barriers)
-        return results, barriers
+        return results, barriers, m.config.prefill_chunk
     finally:
         m.close()
 
 
 @pytest.mark.parametrize("family,world", [("llama", 1), ("qwen3", 2), ("llama", 4)])
 def test_generation_on_the_device_matches_transformers(family, world):
-    """The whole prompt and the new tokens in ceil((T + new - 1) / tokens_per_launch) launches, sampled on
-    the device: transformers' tokens, the same history on every rank, no host meeting after the first run."""
+    """The whole prompt and the new tokens sampled on the device, the prompt's first T - 1 tokens prefilled in
+    the first step (the backend's prefill rows): ceil(new / tokens_per_launch) launches, or without prefill
+    rows ceil((T + new - 1) / tokens_per_launch); transformers' tokens, the same history on every rank, no
+    host meeting after the first run."""
     model = hf_model(family, kv_heads=1 if family == "llama" else 2, layers=1)  # one model: the ranks are threads
     job = functools.partial(device_generation, model)
     results = mk.launch(job, world_size=world, virtual=True, timeout=600) if world > 1 else [job()]
     for (length, per_launch), *per_rank in zip(GENERATION_CASES, *(r[0] for r in results)):
         with torch.no_grad():
             expected = model.generate(prompt(1, length), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-        steps = length + NEW_TOKENS - 1
+        prefill_chunk = results[0][2]
+        steps = NEW_TOKENS if prefill_chunk and length > 1 else length + NEW_TOKENS - 1
         for rank, (tokens, launches) in enumerate(per_rank):
             what = f"{family} over {world} ranks, prompt {length}, {per_launch} tokens per launch, rank {rank}"
             assert torch.equal(tokens, expected), what
             assert launches == -(-steps // (per_launch or steps)), what
-    for rank, (_, barriers) in enumerate(results):
+    assert results[0][2] == 64  # the torch backend's default: the prefilled path is the one tested
+    for rank, (_, barriers, _) in enumerate(results):
         assert len(set(barriers)) == 1, f"rank {rank} met the others on the host after its first run: {barriers}"
 
 
@@ -358,14 +362,16 @@ def test_generation_stops_after_the_end_of_sequence_token():
     model.generation_config.eos_token_id = eos
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    m = from_hf(model, max_seq_len=12, workers=1)
-    try:
-        launches = m.kernel.launches
-        tokens = m.generate(ids, max_new_tokens=8, tokens_per_launch=2, eos_token_id=eos)
-        assert torch.equal(tokens, expected) and tokens[0, -1] == eos
-        assert m.kernel.launches - launches == 3  # steps 0-1, 2-3, then 4-5: step 4 samples the eos at 5, stop
-    finally:
-        m.close()
+    for prefill_chunk, expected_launches in ((None, 2), (0, 3)):
+        m = from_hf(model, max_seq_len=12, prefill_chunk=prefill_chunk, workers=1)
+        try:
+            launches = m.kernel.launches
+            tokens = m.generate(ids, max_new_tokens=8, tokens_per_launch=2, eos_token_id=eos)
+            assert torch.equal(tokens, expected) and tokens[0, -1] == eos
+            # steps 0-1, 2-3, then 4-5 (step 4 samples the eos at 5, stop); prefilled, the first step is 2
+            assert m.kernel.launches - launches == expected_launches, prefill_chunk
+        finally:
+            m.close()
 
 
 def test_mistral_windows_every_layer_whatever_layer_types_says():

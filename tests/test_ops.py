@@ -1,4 +1,6 @@
 """Every op against torch in float64, at shapes that are and are not multiples of the tiles."""
+import collections
+
 import pytest
 import torch
 
@@ -249,3 +251,59 @@ def test_decode_attention_splits(dtype, batch, heads, kv_heads, head_dim, max_se
             out = run_checked(g, inputs, kernel=kernel)["y"]
             expected = _attention_reference(inputs["q"], inputs["k"], inputs["v"], p, batch, head_dim)
             assert_close(out, expected, tolerance(dtype), f"attention at position {p}")
+
+
+def _rope64(x, inv_freq, positions, head_dim):
+    """Llama's rotate-half RoPE in float64, row r at ``positions[r]``."""
+    angle = positions.double()[:, None] * inv_freq.double()[None, :]        # [rows, half]
+    cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
+    heads = x.double().view(x.shape[0], -1, head_dim)
+    half = head_dim // 2
+    rotated = torch.cat([-heads[..., half:], heads[..., :half]], dim=-1)
+    return (heads * cos[:, None] + rotated * sin[:, None]).reshape(x.shape)
+
+
+@pytest.mark.interpreter  # the tiles' block loops, on the interpreter and as the torch references
+@pytest.mark.parametrize("parallelism", [1, 3])
+def test_few_tiles_cut_each_op_into_a_tile_per_worker_that_loops_over_its_blocks(parallelism):
+    """``Graph.few_tiles`` (the torch backend's graphs): each op is at most ``parallelism`` tiles, each
+    walking every block it covers (elementwise over row and column blocks, ``tl.dot`` linears over
+    BLOCK_M x BLOCK_N blocks, the sum of split-K partials, RoPE and cache appends over rows at positions
+    of their own), and computes what float64 torch does."""
+    g = mk.Graph(parallelism=parallelism, few_tiles=True)
+    a, b = g.input("a", (9, 1000), torch.float32), g.input("b", (9, 1000), torch.float32)
+    x1, x40 = g.input("x1", (1, 96), torch.float32), g.input("x40", (40, 50), torch.float32)
+    w, w50 = g.input("w", (70, 96), torch.float32), g.input("w50", (70, 50), torch.float32)
+    norm_w = g.input("norm_w", (1000,), torch.float32)
+    q, pos = g.input("q", (5, 4 * 16), torch.float32), g.input("pos", (5,), torch.int64)
+    inv_freq = g.input("inv_freq", (8,), torch.float32)
+    cache = g.input("cache", (5 * 12, 4 * 16), torch.float32)
+    g.output("silu_mul", g.silu_mul(a, b))
+    g.output("norm", g.rms_norm(a, norm_w, 1e-5))
+    g.output("gemv", g.linear(x1, w))
+    g.output("dot", g.linear(x40, w50))
+    g.output("split", g.linear(x1, w, split_k=2))
+    rotated = g.rope(q, inv_freq, pos, 16)
+    g.output("rope", rotated)
+    g.output("cache", g.kv_append(cache, rotated, pos, 5))
+    tiles = collections.Counter(g.specs[op].task_type for op in g.tasks.opcode)
+    assert tiles == {"binary": min(parallelism, 2),  # 9 rows: two blocks of 8 rows, each whole columns
+                     "rms_norm": parallelism, "linear": 4 * parallelism,  # two K-ranges of p tiles for split-K
+                     "sum_slices": 1,  # one block: 70 columns
+                     "rope": parallelism, "kv_append": parallelism}
+    inputs = random_inputs(g, seed=parallelism)
+    positions = torch.tensor([3, 0, 11, 7, 5])
+    inputs.update(pos=positions, inv_freq=1.0 / 10000 ** (torch.arange(8) / 8))
+    out = run_checked(g, inputs)
+    f64 = {name: t.double() for name, t in inputs.items()}
+    assert_close(out["silu_mul"], torch.nn.functional.silu(f64["a"]) * f64["b"], 1e-5, "silu_mul")
+    assert_close(out["norm"], _rms(inputs["a"], inputs["norm_w"], 1e-5), 1e-5, "rms_norm")
+    assert_close(out["gemv"], f64["x1"] @ f64["w"].T, 1e-5, "gemv")
+    assert_close(out["dot"], f64["x40"] @ f64["w50"].T, 1e-5, "dot")
+    assert_close(out["split"], f64["x1"] @ f64["w"].T, 1e-5, "split-K")
+    expected = _rope64(inputs["q"], inputs["inv_freq"], positions, 16)
+    assert_close(out["rope"], expected, 1e-5, "rope")
+    appended = inputs["cache"].double().clone()
+    for row, p in enumerate(positions.tolist()):
+        appended[row * 12 + p] = expected[row]
+    assert_close(out["cache"], appended, 1e-5, "kv_append")

@@ -8,6 +8,8 @@ import torch
 from helpers import SMOLLM2_NEW_TOKENS, SMOLLM2_PROMPT, run_checked, smollm2_path
 
 import megakernel as mk
+from megakernel.backends.torch_loop import WorkerHeap
+from megakernel.heap import HeapView, RankHeap
 from megakernel.tasks.quantized import FORMATS, FP8_BLOCK, FP8_SCALE_BLOCK, Q4_K, Q8_0, dequantize, quantized_input
 
 gguf = pytest.importorskip("gguf")
@@ -95,26 +97,31 @@ def test_tiles_dequantize_every_element_as_the_format_defines(format):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("format,k", [(Q8_0, 544), (Q4_K, 512), (FP8_BLOCK, 512), (FP8_BLOCK, 544)],
-                         ids=["q8_0", "q4_k-vectors", "fp8-vectors", "fp8-gathered"])
+@pytest.mark.parametrize("format,k,scale_offset", [(Q8_0, 544, 0), (Q4_K, 512, 0), (FP8_BLOCK, 512, 0),
+                                                   (FP8_BLOCK, 544, 0), (FP8_BLOCK, 512, 64), (FP8_BLOCK, 544, 80)],
+                         ids=["q8_0", "q4_k-vectors", "fp8-vectors", "fp8-gathered", "fp8-vectors-inside-a-block",
+                              "fp8-gathered-inside-a-block"])
 @pytest.mark.parametrize("rows_of_x,split_k", [(1, None), (3, 2), (20, None)])
-def test_quantized_linear_matches_float64(format, k, rows_of_x, split_k):
+def test_quantized_linear_matches_float64(format, k, scale_offset, rows_of_x, split_k):
     """A GEMV of a weight, its split-K form and its ``tl.dot`` form (16 rows of x and 4), against float64
     over the dequantized weight, every output element written: Q8_0 with a K that is not whole BLOCK_K
-    steps, and the formats with a 16-byte vector path (FP8, Q4_K) with it (aligned) and without."""
+    steps, and the formats with a 16-byte vector path (FP8, Q4_K) with it (aligned) and without; FP8
+    block scales also for columns that start inside a scale block (a rank's of a bigger weight)."""
     n = 70
     inputs = {}
     if format.scales is None:
         packed = torch.from_numpy(random_blocks(format, n, k, seed=5))
         weight = dequantize(format, packed, k).double()
-    else:
-        packed, inputs["w.scales"], _ = fp8_weight(format, n, k, seed=5)
+    else:  # the columns scale_offset.. of a weight of scale_offset + k
+        packed, inputs["w.scales"], _ = fp8_weight(format, n, scale_offset + k, seed=5)
         packed[(packed & 0x7F) == 0x7F] -= 1  # no NaN weights
         inputs["w.scales"] = inputs["w.scales"].clamp(-1e3, 1e3)
-        weight = dequantize(format, packed, k, inputs["w.scales"]).double()
+        weight = dequantize(format, packed, scale_offset + k, inputs["w.scales"])[:, scale_offset:].double()
+        packed = packed[:, scale_offset:].contiguous()
     g = mk.Graph(world_size=1, rank=0)
     x = g.input("x", (rows_of_x, k), torch.float32)
-    g.output("y", g.linear(x, quantized_input(g, "w", (n, k), format, torch.float32), split_k=split_k))
+    w = quantized_input(g, "w", (n, k), format, torch.float32, scale_offset)
+    g.output("y", g.linear(x, w, split_k=split_k))
     xs = torch.randn(rows_of_x, k, dtype=torch.float64)
     out = run_checked(g, {"x": xs.float(), "w": packed, **inputs})
     expected = xs @ weight.T
@@ -125,6 +132,9 @@ def test_quantized_weights_refuse_partial_blocks_and_bad_splits():
     g = mk.Graph(world_size=1, rank=0)
     with pytest.raises(mk.GraphError, match="not whole q8_0 blocks"):
         quantized_input(g, "w", (4, 48), Q8_0, torch.float32)
+    for format, offset in ((Q8_0, 32), (FP8_BLOCK, 128), (FP8_BLOCK, -1)):
+        with pytest.raises(mk.GraphError, match="only fp8_block weights have one"):
+            quantized_input(g, f"w.{format.name}.{offset}", (4, 64), format, torch.float32, offset)
     w = quantized_input(g, "w2", (4, 512), Q8_0, torch.float32)
     with pytest.raises(mk.GraphError, match="split_k of a quantized weight"):
         g.linear(g.input("x", (1, 512), torch.float32), w, split_k=3)
@@ -184,17 +194,18 @@ def fp8_quantized(w: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Ten
     return q, scales, q.float() * per_element
 
 
-def fp8_llama(path, method: str):
-    """A 1-layer Llama whose dimensions are not multiples of 128 (hidden 160, vocabulary 300), its
-    projections saved in FP8 in ``path`` with ``method``'s scales; returns the model with the dequantized
-    weights (the reference)."""
+def fp8_llama(path, method: str, block_gains: bool = False, **sizes):
+    """A 1-layer Llama whose dimensions are not multiples of 128 (hidden 160, vocabulary 300; ``sizes``:
+    other LlamaConfig sizes), its projections saved in FP8 in ``path`` with ``method``'s scales; returns
+    the model with the dequantized weights (the reference). ``block_gains``: each 128-column block of a
+    projection scaled by 1/8, 1 or 8 in turn first, so that its block scales differ a lot."""
     import json
 
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(hidden_size=160, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=64, num_hidden_layers=1, vocab_size=300, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(**{**dict(hidden_size=160, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=64), **sizes},
+                         num_hidden_layers=1, vocab_size=300, max_position_embeddings=64, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = None
@@ -202,6 +213,8 @@ def fp8_llama(path, method: str):
     with torch.no_grad():
         for key, w in model.state_dict().items():
             if key.endswith("proj.weight"):
+                if block_gains:
+                    w.mul_((8.0 ** (torch.arange(w.shape[1]) // 128 % 3 - 1)).repeat(w.shape[0], 1))
                 q, scales, dequantized = fp8_quantized(w, method)
                 tensors[key], tensors[key.removesuffix("weight") + FP8_SCHEMES[method]] = q, scales
                 w.copy_(dequantized)
@@ -214,11 +227,12 @@ def fp8_llama(path, method: str):
     return model
 
 
-def _fp8_tokens(path):
+def _fp8_tokens(path, workers: int = 2):
+    """Greedy tokens, the bytes of weights held, and the logits of the last step."""
     from megakernel.serving import from_pretrained
-    model = from_pretrained(path, max_seq_len=16, workers=2)
+    model = from_pretrained(path, max_seq_len=16, workers=workers)
     try:
-        return model.generate(FP8_IDS, 3), model.weight_bytes
+        return model.generate(FP8_IDS, 3), model.weight_bytes, model.logits[0].clone()
     finally:
         model.close()
 
@@ -236,10 +250,55 @@ def test_fp8_checkpoint_decodes_as_its_dequantized_model(tmp_path, torch_backend
     results = mk.launch(lambda: _fp8_tokens(tmp_path), world_size=world, virtual=True, timeout=600)
     float_bytes = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
     projections = sum(t.numel() for k, t in reference.state_dict().items() if k.endswith("proj.weight"))
-    for rank, (tokens, weight_bytes) in enumerate(results):
+    for rank, (tokens, weight_bytes, _) in enumerate(results):
         assert torch.equal(tokens, expected), f"rank {rank}: {tokens.tolist()} vs {expected.tolist()}"
         if world == 1:  # the projections at a byte per weight (and their scales), the rest as stored
             assert weight_bytes < float_bytes - 2.5 * projections, (weight_bytes, float_bytes)
+
+
+@pytest.mark.slow  # models end to end
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp8_block_scales_split_anywhere_among_ranks(tmp_path, torch_backend, world):
+    """Row-parallel FP8 weights whose ranks' columns start inside 128-column scale blocks (o_proj's 288
+    columns at heads of 48: rank columns from 96 and 192; down_proj's 200: from 67, 100 and 134) and end
+    in zero padding: each rank keeps the scales of the blocks it touches, and the greedy tokens are the
+    dequantized model's, its logits too (each block's weights scaled by 1/8, 1 or 8 first: a rank that used
+    another block's scale would be off by 8x)."""
+    reference = fp8_llama(tmp_path, "fp8", block_gains=True, hidden_size=192, num_attention_heads=6,
+                          num_key_value_heads=3, head_dim=48, intermediate_size=200)
+    with torch.no_grad():
+        expected = reference.generate(FP8_IDS, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        expected_logits = reference(expected[:, :-1]).logits[0, -1]
+    for rank, (tokens, _, logits) in enumerate(mk.launch(lambda: _fp8_tokens(tmp_path, workers=1), world_size=world,
+                                                         virtual=True, timeout=600)):
+        assert torch.equal(tokens, expected), f"rank {rank}: {tokens.tolist()} vs {expected.tolist()}"
+        error = (logits[:expected_logits.numel()] - expected_logits).abs().max().item()
+        assert error <= 1e-4 * expected_logits.abs().max().item(), f"rank {rank}: logits off by {error}"
+
+
+def test_a_packed_fp8_weight_cut_inside_scale_blocks_keeps_the_scales_it_touches():
+    """Narrowing, zero-padding and joining a Packed fp8_block weight at columns inside scale blocks
+    dequantizes to the same columns of the whole weight; joining real columns inside a block is refused."""
+    from megakernel.models.packed import Packed, concat
+    data, scales, expected = fp8_weight(FP8_BLOCK, 5, 400, seed=6)
+    whole = Packed("w", data, FP8_BLOCK, 400, scales)
+
+    def values(p: Packed) -> torch.Tensor:
+        p = p.contiguous()
+        return dequantize(p.format, p.data, p.cols, p.scales, scale_offset=p.scale_offset)
+    for start, length in ((80, 100), (100, 156), (256, 144), (0, 130), (390, 10)):
+        part = whole.narrow(1, start, length)
+        assert part.scale_offset == start % FP8_SCALE_BLOCK and same(values(part), expected[:, start:start + length])
+        cut = length // 3
+        inner = part.narrow(1, cut, length - cut)  # narrowed again: offsets add up
+        assert same(values(inner), expected[:, start + cut:start + length])
+        padded = concat([part, part.new_zeros((5, 300))], 1)  # a rank's padding after its real columns
+        assert padded.cols == length + 300 and same(values(padded)[:, :length], expected[:, start:start + length])
+        assert not values(padded)[:, length:].any()
+    # whole blocks side by side, then real columns that would start inside the block before
+    assert same(values(concat([whole.narrow(1, 40, 216), whole.narrow(1, 256, 144)], 1)), expected[:, 40:])
+    with pytest.raises(mk.GraphError, match="columns joined inside a scale block"):
+        concat([whole.narrow(1, 0, 100), whole.narrow(1, 100, 50)], 1)
 
 
 # -- GGUF files written here: every block format end to end, and files that are wrong ------------------------
@@ -470,3 +529,58 @@ def test_fp8_moe_checkpoint_streams_fp8_experts(tmp_path, torch_backend, world):
             model.close()
     for rank, result in enumerate(mk.launch(tokens, world_size=world, virtual=True, timeout=600)):
         assert torch.equal(result, expected), f"rank {rank}: {result.tolist()} vs {expected.tolist()}"
+
+
+@pytest.mark.parametrize("format", [Q4_K, FP8_BLOCK], ids=["q4_k", "fp8_block"])
+def test_the_torch_backend_unpacks_weights_once_and_again_when_their_bytes_change(format):
+    """A torch worker keeps a tile's unpacked weights between launches (``WorkerHeap.derived``): launches
+    that bind other weight bytes, or only other FP8 scales, compute with those, as float64 does."""
+    n, k = 40, 512
+    g = mk.Graph(world_size=1, rank=0, parallelism=2, few_tiles=True)
+    x = g.input("x", (3, k), torch.float32)
+    g.output("y", g.linear(x, quantized_input(g, "w", (n, k), format, torch.float32)))
+    xs = torch.randn(3, k, dtype=torch.float64)
+
+    def weights(seed):
+        if format.scales is None:
+            packed = torch.from_numpy(random_blocks(format, n, k, seed))
+            return {"w": packed}, dequantize(format, packed, k).double()
+        packed, scales, _ = fp8_weight(format, n, k, seed)
+        packed[(packed & 0x7F) == 0x7F] -= 1  # no NaN weights
+        scales = scales.clamp(-1e3, 1e3)
+        return {"w": packed, "w.scales": scales}, dequantize(format, packed, k, scales).double()
+
+    first, w1 = weights(1)
+    second, w2 = weights(2)
+    cases = [(first, w1), (first, w1), (second, w2)]
+    if format.scales is not None:  # the same bytes, other scales
+        rescaled = {"w": second["w"], "w.scales": second["w.scales"] * 2}
+        cases.append((rescaled, dequantize(format, rescaled["w"], k, rescaled["w.scales"]).double()))
+    with mk.Megakernel(g, backend="torch", workers=2) as kernel:
+        for bound, weight in cases:  # poisoned, and the reference executor's unpacking of the same heap
+            out = run_checked(g, {"x": xs.float(), **bound}, kernel=kernel, exact=True)
+            expected = xs @ weight.T
+            assert torch.allclose(out["y"].double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_a_worker_keeps_what_it_derives_within_its_budget_and_while_the_bytes_hold():
+    whole = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    made = []
+
+    def make():
+        made.append(1)
+        return heap.tensor(0, torch.uint8, 4, 64, 64).float() * 2
+
+    heap = WorkerHeap(whole, derived_bytes=4 * 64 * 5)
+    source = heap.tensor(0, torch.uint8, 4, 64, 64)
+    for _ in range(3):
+        assert torch.equal(heap.derived(("a",), (source,), make), source.float() * 2)
+    assert len(made) == 1
+    whole[5] ^= 1  # a byte of the source changes: made again
+    assert torch.equal(heap.derived(("a",), (source,), make), source.float() * 2) and len(made) == 2
+    other = heap.tensor(1024, torch.uint8, 4, 64, 64)  # no room left for a second: made at every call
+    heap.derived(("b",), (other,), make), heap.derived(("b",), (other,), make)
+    assert len(made) == 4
+    oracle = HeapView(RankHeap(whole, whole[:0]))  # the reference executor's: made at every call
+    oracle.derived(("a",), (source,), make), oracle.derived(("a",), (source,), make)
+    assert len(made) == 6

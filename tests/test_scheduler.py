@@ -204,7 +204,7 @@ def test_a_row_of_tasks_at_once_is_the_same_as_one_at_a_time():
     from megakernel.tasks.elementwise import BINARY
     for graph, (x, out) in zip((g, h), rows):
         graph.op_names.append("rows")
-        opcode = graph.opcode(BINARY, OP="add", DTYPE=torch.float32, BLOCK_M=1, BLOCK_N=64)
+        opcode = graph.opcode(BINARY, OP="add", DTYPE=torch.float32, BLOCK_M=1, BLOCK_N=64, MANY_BLOCKS=False)
         words = dict(a=x.addr(0, 0), b=x.addr(0, 0), cols=64, out_stride=64, a_stride=64, b_stride=64)
         regions = [((x.region(r, 1, 0, 64),), (out.region(r, 1, 0, 64),)) for r in range(4)]
         if graph is g:
@@ -229,7 +229,7 @@ def test_a_region_of_the_wrong_width_is_refused_and_truncating_restores_the_colu
     g.add(x, x)
     before = (list(g.tasks.reads), list(g.tasks.writes), len(g.tasks))
     from megakernel.tasks.elementwise import BINARY
-    opcode = g.opcode(BINARY, OP="add", DTYPE=torch.float32, BLOCK_M=1, BLOCK_N=64)
+    opcode = g.opcode(BINARY, OP="add", DTYPE=torch.float32, BLOCK_M=1, BLOCK_N=64, MANY_BLOCKS=False)
     with pytest.raises(ValueError, match="other than 5 ints"):
         g.add_task(opcode, out=0, a=0, b=0, rows=1, cols=64, out_stride=64, a_stride=64, b_stride=64,
                    reads=((0, 0, 1, 0),), writes=(), bytes=0, flops=0)

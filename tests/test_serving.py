@@ -1,6 +1,7 @@
 """Serving: sequences at positions of their own in the rows of one batch, joining and leaving (continuous
 batching), their KV cache in pages of a pool, their prompts prefilled in chunks, each generating what it
 would alone (``transformers.generate``)."""
+import collections
 import functools
 
 import pytest
@@ -113,10 +114,10 @@ def test_a_full_pool_is_a_clear_error_that_harms_no_other_sequence():
     """Two sequences that need 3 pages each and a pool of 5: the launch that would take the sixth raises,
     naming the sequence and the pool, having run nothing; the other goes on to what it makes alone."""
     model = hf_model("llama", layers=1)
-    m = from_hf(model, max_seq_len=16, max_batch=2, page_size=4, kv_pages=5, workers=1)
+    m = from_hf(model, max_seq_len=16, max_batch=2, page_size=4, kv_pages=5, prefill_chunk=0, workers=1)
     try:
         a, b = m.add(_prompt(3), 10), m.add(_prompt(4), 9)
-        m.step(4), m.step(4)  # positions 0-7: two pages each
+        m.step(4), m.step(4)  # positions 0-7 (a position a step, the prompts' too): two pages each
         launches = m.kernel.launches
         with pytest.raises(KVCacheFull, match=f"sequence {b} needs 1 more page.*the pool has 5 pages and 0 free"):
             m.step(4)
@@ -191,18 +192,21 @@ def test_bad_requests_are_refused_with_clear_errors():
 
 
 @pytest.mark.interpreter  # a tile's semantics
-@pytest.mark.parametrize("page_size", [4, 16])
-def test_paged_attention_follows_the_block_table(page_size):
+@pytest.mark.parametrize("page_size,few_tiles", [(4, False), (16, False), (4, True)])
+def test_paged_attention_follows_the_block_table(page_size, few_tiles):
     """Rows whose pages are scattered over a pool (in no order, shared by no one): the append lands in
-    the page of its position, and attention over the pages equals float64 attention over the positions."""
+    the page of its position, and attention over the pages equals float64 attention over the positions.
+    With ``few_tiles`` (2 workers): an append tile takes a run of rows, a combine tile both query heads."""
     batch, head_dim, max_pages = 3, 16, 3
     pool_pages = batch * max_pages + 1
-    g = mk.Graph(world_size=1, rank=0)
+    g = mk.Graph(world_size=1, rank=0, parallelism=2 if few_tiles else 1, few_tiles=few_tiles)
     q, x = g.input("q", (batch, 32), torch.float32), g.input("x", (batch, 16), torch.float32)
     pos, table = g.input("pos", (batch,), torch.int64), g.input("table", (batch, max_pages), torch.int64)
     pool = g.input("pool", (pool_pages * page_size, 16), torch.float32)
     cache = g.kv_append(pool, x, pos, batch, table=table, page_size=page_size)
     g.output("out", g.decode_attention(q, cache, cache, pos, batch, head_dim, table=table, page_size=page_size))
+    tiles = collections.Counter(g.specs[op].task_type for op in g.tasks.opcode)
+    assert (tiles["kv_append"], tiles["attention_combine"]) == ((2, 3) if few_tiles else (3, 6))
     gen = torch.Generator().manual_seed(page_size)
     pages = torch.randperm(pool_pages, generator=gen)[:batch * max_pages].reshape(batch, max_pages)
     positions = torch.tensor([max_pages * page_size - 1, -1, page_size + 1])

@@ -97,6 +97,8 @@ class BackendKind:
     # The workers a model's tiles are best sized for (``Graph.parallelism``), given the workers asked for
     # (None: the backend's default); None: the kernel's own, known once it is built (a GPU's resident programs)
     tile_parallelism: Callable[[int | None], int | None]
+    few_tiles: bool = False  # a tile costs a host call here: ops cut into few tiles that loop (``Graph.few_tiles``)
+    prefill_rows: bool = True  # a model has prefill rows by default (``ServingConfig.prefill_chunk``)
 
 
 def _make_cpu(request: BackendRequest) -> Backend:
@@ -112,12 +114,13 @@ def _make_gpu(request: BackendRequest) -> Backend:
                       request.workers, request.timeout)
 
 
-# The interpreter runs a few tiles of each op best (parallelism 1: 32-row GEMV tiles); torch pays ~30 us a
-# task, so its tiles are the large ones of parallelism 2 or more (the plan that fills 2 workers).
+# The interpreter runs a few tiles of each op best (parallelism 1: 32-row GEMV tiles); torch pays ~10-30 us a
+# task, so each op is about one tile per worker there (few tiles, each a torch call over all its blocks).
 KINDS: dict[str, BackendKind] = {
-    "cpu": BackendKind(target="interpreter", gpu=False, make=_make_cpu, tile_parallelism=lambda workers: 1),
+    "cpu": BackendKind(target="interpreter", gpu=False, make=_make_cpu, tile_parallelism=lambda workers: 1,
+                       prefill_rows=False),
     "torch": BackendKind(target="interpreter", gpu=False, make=_make_torch,
-                         tile_parallelism=lambda workers: max(2, workers or 2)),
+                         tile_parallelism=lambda workers: workers or 2, few_tiles=True),
     "cuda": BackendKind(target="cuda", gpu=True, make=_make_gpu, tile_parallelism=lambda workers: workers),
     "hip": BackendKind(target="hip", gpu=True, make=_make_gpu, tile_parallelism=lambda workers: workers),
 }

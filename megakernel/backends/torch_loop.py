@@ -40,6 +40,7 @@ from .cpu import CpuBackend, WorkerPool
 
 SPIN_S = 1e-3       # a wait polls this long before it first yields its core, when every worker has a core
 SHORT_SPIN_S = 20e-6  # ... when workers share cores
+DERIVED_SHARE = 4  # a quarter of the machine's memory, over the job's workers, holds what tiles derive
 MAX_NAP_S = 1e-3    # the longest sleep between two polls
 
 
@@ -60,20 +61,50 @@ class TorchBackend(CpuBackend):
     def _launch_extras(self) -> dict:
         # the job's worker processes on this machine (its ranks', virtual or not): a core each, or sharing
         processes, cores = self.workers * self.group.world_size, os.cpu_count() or 1
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return dict(specs=self.specs, threads=max(1, cores // processes),  # torch's own threads
-                    spin_s=SPIN_S if processes <= cores else SHORT_SPIN_S)
+                    spin_s=SPIN_S if processes <= cores else SHORT_SPIN_S,
+                    derived_bytes=memory // DERIVED_SHARE // processes)
+
+
+@dataclass
+class Derived:
+    """What a tile derived (``HeapView.derived``), the bytes it was derived from, and the bytes both take."""
+
+    value: torch.Tensor
+    sources: tuple[torch.Tensor, ...]
+    size: int
 
 
 class WorkerHeap(HeapView):
     """A rank's heap as one worker's tiles see it: one flat area (offsets as the kernel reads them,
     ``layout.device_words``), and a data-dependent index out of range clamped and noted in the
-    worker's status record, as ``device.checked_index`` does."""
+    worker's status record, as ``device.checked_index`` does. What tiles derive from the heap (weights
+    unpacked from a GGUF file's bytes) is kept, up to ``derived_bytes``, and made again when its sources'
+    bytes change (the host may bind other weights between launches): a comparison reads the packed bytes
+    twice, where unpacking them would cost tens of torch calls per block format."""
 
-    def __init__(self, whole: torch.Tensor, status: np.ndarray | None = None):
+    def __init__(self, whole: torch.Tensor, status: np.ndarray | None = None, derived_bytes: int = 0):
         super().__init__(RankHeap(whole, whole[:0]))
         self.status = status  # this worker's record, on this rank's heap; None for a peer's heap
         self._views: dict[tuple, torch.Tensor] = {}
         self._words = whole[:whole.numel() // 8 * 8].view(torch.int64).numpy()
+        self._derived: dict[tuple, Derived] = {}
+        self._derived_room = derived_bytes  # bytes left for more
+
+    def derived(self, key: tuple, sources: tuple[torch.Tensor, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        kept = self._derived.get(key)
+        if kept is not None:
+            if all(torch.equal(now, then) for now, then in zip(sources, kept.sources)):
+                return kept.value
+            del self._derived[key]
+            self._derived_room += kept.size
+        value = make()
+        size = value.nbytes + sum(source.nbytes for source in sources)
+        if size <= self._derived_room:
+            self._derived[key] = Derived(value, tuple(source.clone() for source in sources), size)
+            self._derived_room -= size
+        return value
 
     def word(self, offset: int) -> int:
         """``HeapView.word`` read through numpy: a tile reads a few every step (~0.3 us, not ~5)."""
@@ -150,20 +181,20 @@ def _program(words: np.ndarray, args: dict[str, int], rank: int, worker: int, sp
 
 
 def run_worker(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str, int], programs: dict,
-               specs: list[Spec], threads: int, spin_s: float) -> None:
+               specs: list[Spec], threads: int, spin_s: float, derived_bytes: int) -> None:
     """One worker's launch: ``args["steps"]`` steps of its queue on rank ``rank``'s heap (``heaps[r]``: rank r's
     whole heap as mapped here), as ``device.persistent_loop`` runs them. ``programs``: what earlier
     launches on this heap made of its tables (by worker: the tables read, the program), kept while they
     stay the same. ``threads``: torch's threads in this process; ``spin_s``: how long a wait polls before
-    it yields."""
+    it yields; ``derived_bytes``: what this worker's tiles may keep of what they derive (``WorkerHeap``)."""
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     with torch.inference_mode():  # no autograd bookkeeping: a small tile's torch calls cost ~40% less
-        _run(heaps, rank, worker, args, programs, specs, spin_s)
+        _run(heaps, rank, worker, args, programs, specs, spin_s, derived_bytes)
 
 
 def _run(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str, int], programs: dict,
-         specs: list[Spec], spin_s: float) -> None:
+         specs: list[Spec], spin_s: float, derived_bytes: int) -> None:
     words = heaps[rank].view(torch.int64).numpy()
     base = heaps[rank].data_ptr()
     status_at = args["status_off"] // 8
@@ -172,11 +203,13 @@ def _run(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str, int]
     tables = _tables_bytes(words, args, specs)
     cached = programs.get(worker)
     if cached is None or cached[0] != tables:
-        views = {r: WorkerHeap(h, status if r == rank else None) for r, h in enumerate(heaps)}
+        views = {r: WorkerHeap(h, status if r == rank else None, derived_bytes if r == rank else 0)
+                 for r, h in enumerate(heaps)}
         cached = programs[worker] = (tables, _program(words, args, rank, worker, specs, views))
     program = cached[1]
     trace = args["trace_off"] // 8 if args["TRACE"] else -1
-    wait = Waits(words, base, args["events_off"] // 8, abort, status, args["timeout_ns"], spin_s).wait
+    events = args["events_off"] // 8
+    wait = Waits(words, base, events, abort, status, args["timeout_ns"], spin_s, _Addresses(base + 8 * events)).wait
     epoch = int(status[EPOCH]) + 1
     running = words[abort] == 0  # a stall the host has not read yet: keep its records
     for step in range(args["steps"]):
@@ -229,6 +262,7 @@ class Waits:
     status: np.ndarray   # this worker's record
     timeout_ns: int
     spin_s: float        # how long a wait polls before it first yields
+    addresses: dict[int, np.ndarray]  # each event counter's address, as ``atomics`` takes it (``_Addresses``)
 
     def wait(self, event: int, target: int, task: int) -> bool:
         """Wait until ``event`` counts ``target`` (no wait for event -1 or a target of 0), the rank is
@@ -248,7 +282,7 @@ class Waits:
                     return False
                 time.sleep(nap)  # 0: a yield
                 nap = min(MAX_NAP_S, max(nap * 2, 20e-6)) if nap else 1e-6
-        atomics.load_acquire(atomics.addresses(self.base + 8 * at))  # the producers' stores are visible from here
+        atomics.load_acquire(self.addresses[event])  # the producers' stores are visible from here
         return True
 
     def _report_stall(self, task: int, event: int, target: int) -> None:
@@ -257,3 +291,16 @@ class Waits:
         status[OBSERVED] = words[self.events + event]
         status[STATE] = STOPPED if words[self.abort] != 0 else TIMED_OUT
         atomics.exchange(atomics.addresses(self.base + 8 * self.abort), 1)
+
+
+class _Addresses(dict):
+    """Event counter ``e``'s address as ``atomics`` takes it (the counters are int64 words from ``first``),
+    made on first use."""
+
+    def __init__(self, first: int):
+        super().__init__()
+        self.first = first
+
+    def __missing__(self, event: int) -> np.ndarray:
+        address = self[event] = atomics.addresses(self.first + 8 * event)
+        return address

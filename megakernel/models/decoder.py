@@ -22,7 +22,7 @@ from ..tasks.quantized import FORMATS, Format, Quantized, quantized_input, rows_
 from ..tasks.sampling import PARAMS
 from ..tasks.speculation import STATS
 from .packed import concat
-from .schema import EMBED, HEAD, NORM, Packing, Weight, head_in_embedding, layer_weights, part_name
+from .schema import EMBED, HEAD, NORM, Packing, Stored, Weight, head_in_embedding, layer_weights, part_name
 from .serving_config import ServingConfig
 
 
@@ -57,7 +57,7 @@ class DecoderConfig:
     router_weight_dtype: torch.dtype = torch.float32  # the dtype the weights are applied in (Qwen3-MoE: the model's)
     page_size: int = ServingConfig.page_size  # KV cache positions per page
     kv_pages: int = 0          # pages in the pool (0: every batch row at max_seq_len); one more is the spill page
-    prefill_chunk: int = ServingConfig.prefill_chunk  # prompt tokens a step can prefill besides its batch rows
+    prefill_chunk: int = 0     # prompt tokens a step can prefill besides its batch rows
     max_logprobs: int = ServingConfig.max_logprobs  # the most likely tokens whose log-probabilities a step writes
     # per row (0: none)
     formats: tuple[tuple[str, str], ...] = ()  # (weight input, format) of the weights kept quantized (tasks.quantized)
@@ -187,10 +187,17 @@ def weight_input(g: Graph, c: DecoderConfig, s: Shard, w: Weight, prefix: str = 
     format = c.format_of(name)
     if c.format_of(part_name(name, 0)) is not None:  # parts in formats of their own (``project``)
         return tuple(quantized_input(g, part_name(name, i), part.rank_shape(c, s), c.format_of(part_name(name, i)),
-                                     c.dtype) for i, part in enumerate(w.parts))
+                                     c.dtype, *scale_layout(c.format_of(part_name(name, i)), part, c, s))
+                     for i, part in enumerate(w.parts))
     if format is None:
         return g.input(name, w.shape(c, s), c.dtype)
-    return quantized_input(g, name, w.shape(c, s), format, c.dtype)
+    return quantized_input(g, name, w.shape(c, s), format, c.dtype, *scale_layout(format, w.parts[0], c, s))
+
+
+def scale_layout(format: Format, stored: Stored, c: DecoderConfig, s: Shard) -> tuple[int, int | None]:
+    """``quantized_input``'s scale offset and blocks of rank ``s``'s slice of ``stored`` (``Stored.scale_layout``
+    for fp8_block; the parts of a weight share their columns)."""
+    return stored.scale_layout(c, s) if format.scales == "block" else (0, None)
 
 
 def project(g: Graph, x: Tensor, w: Tensor | Quantized | tuple) -> Tensor:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch
 
 from ..errors import GraphError
+from ..tasks.common import ceil_div
+from ..tasks.quantized import FP8_SCALE_BLOCK
 from .packed import Packed, concat
 
 if TYPE_CHECKING:
@@ -85,12 +87,35 @@ class Stored:
     def rank_shape(self, c: DecoderConfig, s: Shard) -> tuple[int, ...]:
         return tuple(d.on_rank(c, s) if k == self.partition.value else d.whole(c) for k, d in enumerate(self.shape))
 
+    def first_column(self, c: DecoderConfig, s: Shard) -> int:
+        """The column of the whole tensor rank ``s``'s first column is (0 unless ranks split its columns)."""
+        if self.partition is not Partition.ROW:
+            return 0
+        dim = self.shape[self.partition.value]
+        span = getattr(s, dim.span)
+        return span.start * dim.per_entry(c) if span.real else 0
+
+    def scale_layout(self, c: DecoderConfig, s: Shard) -> tuple[int, int]:
+        """(scale offset, scale blocks) of rank ``s``'s slice kept with fp8_block scales: where in its first
+        128-column block its columns start, and the scale columns every rank holds (those of the rank
+        whose columns start deepest into a block: the ranks' graphs have the same shapes)."""
+        cols = self.rank_shape(c, s)[-1]
+        offsets = [self.first_column(c, s.of(c, r, s.world)) % FP8_SCALE_BLOCK for r in range(s.world)]
+        return offsets[s.rank], max(ceil_div(offset + cols, FP8_SCALE_BLOCK) for offset in offsets)
+
     def take(self, tensor: Any, c: DecoderConfig, s: Shard) -> Any:
         """Rank ``s``'s slice of ``tensor`` (this stored tensor, whole: a tensor or a lazy checkpoint slice)."""
         if self.partition is Partition.REPLICATED:
             return tensor
         dim = self.shape[self.partition.value]
-        return getattr(s, dim.span).take(tensor, dim.per_entry(c), self.partition.value)
+        part = getattr(s, dim.span).take(tensor, dim.per_entry(c), self.partition.value)
+        if isinstance(part, Packed) and part.format.scales == "block":
+            offset, blocks = self.scale_layout(c, s)
+            if part.scale_offset != offset:
+                raise GraphError(f"{part.name}: rank {s.rank}'s columns start {part.scale_offset} columns into a scale "
+                                 f"block, its graph says {offset}")
+            part = part.with_scale_blocks(blocks)
+        return part
 
 
 @dataclass(frozen=True)

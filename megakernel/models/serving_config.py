@@ -18,6 +18,9 @@ from ..tasks.chunk_attention import BLOCK_ROWS
 MAX_BATCH, MAX_PREFILL_CHUNK = 4096, 65536  # rows of a decode step: each has tiles in every layer
 MAX_DRAFT_TOKENS = BLOCK_ROWS - 1  # a sequence's verification rows are one block of chunk attention
 MAX_LOGPROBS = 20  # the most likely tokens a step can report per row (OpenAI's top_logprobs allows 20)
+# Prefill rows by default where they help (torch, GPUs): a chat prompt (30-40 tokens) in one step, not one
+# step per token; the cpu backend's interpreter runs the tiles as proofs, where they would cost every step.
+PREFILL_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -29,9 +32,9 @@ class ServingConfig:
     page_size: int = field(default=16, metadata={"help": "KV cache positions per page"})
     kv_pages: int | None = field(default=None, metadata={"help": "KV cache pages (default: every row at "
                                                                  "max_seq_len)"})
-    prefill_chunk: int = field(default=0, metadata={"help": "prompt tokens a launch prefills besides the batch "
-                                                            "rows (0: a prompt goes through its batch row a token "
-                                                            "per step)"})
+    prefill_chunk: int | None = field(default=None, metadata={
+        "help": "prompt tokens a launch prefills besides the batch rows (0: a prompt goes through its batch row a "
+                f"token per step; default: the backend's, {PREFILL_CHUNK} on torch and GPUs, 0 on cpu)"})
     max_logprobs: int = field(default=0, metadata={"help": "the most likely tokens whose log-probabilities each "
                                                            f"step reports (at most {MAX_LOGPROBS})"})
     draft_tokens: int = field(default=0, metadata={"help": "tokens drafted per sequence and step from its own "
@@ -47,8 +50,9 @@ class ServingConfig:
                                      f"{value!r}")
             elif not is_count(value):
                 raise GraphError(f"{name} must be a positive int, got {value!r}")
-        if not (is_int(self.prefill_chunk) and self.prefill_chunk >= 0):
-            raise GraphError(f"prefill_chunk must be a non-negative int, got {self.prefill_chunk!r}")
+        if not (self.prefill_chunk is None or is_int(self.prefill_chunk) and self.prefill_chunk >= 0):
+            raise GraphError(f"prefill_chunk must be a non-negative int or None (the backend's), got "
+                             f"{self.prefill_chunk!r}")
         self._check_logprobs(MAX_LOGPROBS)
         if not (is_int(self.draft_tokens) and 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS):
             raise GraphError(f"draft_tokens must be an int in [0, {MAX_DRAFT_TOKENS}] (0: no drafts), got "
@@ -56,7 +60,7 @@ class ServingConfig:
         if self.batch_rows > MAX_BATCH:
             raise GraphError(f"max_batch={self.batch_rows:,} is more than a decode step holds; at most {MAX_BATCH:,}"
                              " batch rows x (draft_tokens + 1)")
-        if self.prefill_chunk > MAX_PREFILL_CHUNK:
+        if (self.prefill_chunk or 0) > MAX_PREFILL_CHUNK:
             raise GraphError(f"prefill_chunk={self.prefill_chunk:,} is more than a decode step holds; at most "
                              f"{MAX_PREFILL_CHUNK:,}")
 
@@ -75,12 +79,20 @@ class ServingConfig:
         """Rows a step runs for its batch."""
         return self.max_batch * self.rows_per_sequence
 
+    def for_backend(self, prefill_rows: bool) -> ServingConfig:
+        """This config with the default ``prefill_chunk`` of a backend where it has none: PREFILL_CHUNK
+        where prefill rows help (``BackendKind.prefill_rows``), else 0."""
+        if self.prefill_chunk is not None:
+            return self
+        return replace(self, prefill_chunk=PREFILL_CHUNK if prefill_rows else 0)
+
     def decoder_fields(self, vocab: int) -> dict[str, Any]:
-        """The ``DecoderConfig`` fields of a model of ``vocab`` tokens (which bounds ``max_logprobs`` too)."""
+        """The ``DecoderConfig`` fields of a model of ``vocab`` tokens (which bounds ``max_logprobs`` too); a
+        ``prefill_chunk`` of None is PREFILL_CHUNK (the default of the backends it helps)."""
         self._check_logprobs(min(MAX_LOGPROBS, vocab))
         return dict(max_seq_len=self.max_seq_len, batch=self.max_batch, page_size=self.page_size,
-                    kv_pages=self.kv_pages or 0, prefill_chunk=self.prefill_chunk, max_logprobs=self.max_logprobs,
-                    draft_tokens=self.draft_tokens)
+                    kv_pages=self.kv_pages or 0, prefill_chunk=self.for_backend(True).prefill_chunk,
+                    max_logprobs=self.max_logprobs, draft_tokens=self.draft_tokens)
 
     @classmethod
     def taken_from(cls, serving: ServingConfig | None, options: dict[str, Any]) -> tuple[ServingConfig, dict[str, Any]]:
@@ -96,8 +108,7 @@ class ServingConfig:
 POSITIVE = ("max_seq_len", "max_batch", "page_size", "kv_pages")  # fields that are positive ints (kv_pages: or None)
 
 # ``megakernel serve``'s defaults, where they differ from the library's on purpose: a server batches the
-# requests of many clients (8 batch rows, not 1), prefills their prompts in chunks rather than a token per
-# step (64 prefill rows, not 0: a long prompt would hold its batch row for as many launches), offers a
-# context for chat-length conversations (the library asks for one), and lets a request ask for the
-# log-probabilities of the 5 most likely tokens (OpenAI's completions ``logprobs`` allows 5).
-SERVER = ServingConfig(max_seq_len=2048, max_batch=8, prefill_chunk=64, max_logprobs=5)
+# requests of many clients (8 batch rows, not 1), offers a context for chat-length conversations (the
+# library asks for one), and lets a request ask for the log-probabilities of the 5 most likely tokens
+# (OpenAI's completions ``logprobs`` allows 5). Its prefill rows are the library's: the backend's.
+SERVER = ServingConfig(max_seq_len=2048, max_batch=8, max_logprobs=5)

@@ -153,16 +153,16 @@ class DecodeModel:
         self.weight_bytes = sum(t.numel() * t.element_size() for name, t in weights.items() if name != "inv_freq")
         self.inv_freq = weights["inv_freq"].clone()  # the frequencies bound now (the model may update its own)
         learn = False  # size the tiles for the workers the kernel turns out to hold
+        kind = KINDS[resolve(kernel_options.get("backend", "auto"))]
         if parallelism == "auto":
-            kind = KINDS[resolve(kernel_options.get("backend", "auto"))]
             workers = kernel_options.get("workers")  # a bad value is Megakernel's to refuse
             parallelism = kind.tile_parallelism(workers if is_count(workers) else None)
             learn, parallelism = parallelism is None, parallelism or 1
-        self.graph = decode_step(config, Graph(parallelism=parallelism))
+        self.graph = decode_step(config, Graph(parallelism=parallelism, few_tiles=kind.few_tiles))
         self.kernel = Megakernel(self.graph, **kernel_options)
         if learn and self.kernel.workers > 1:
             self.kernel.close()
-            self.graph = decode_step(config, Graph(parallelism=self.kernel.workers))
+            self.graph = decode_step(config, Graph(parallelism=self.kernel.workers, few_tiles=kind.few_tiles))
             self.kernel = Megakernel(self.graph, **kernel_options)
         self.kernel.bind(weights)
         self.pool = PagePool(config.pool_pages, config.page_size, config.table_rows, config.max_pages)
@@ -219,10 +219,13 @@ class DecodeModel:
                  eos_token_id: int | Iterable[int] | None = None,
                  sampling: SamplingParams | list[SamplingParams] | None = None) -> torch.Tensor:
         """Decoding on the device: the prompt and ``max_new_tokens`` tokens (greedy, or drawn with
-        ``sampling``: one ``SamplingParams`` for every row or prompt, or a list of one per row or prompt) in
-        ``ceil((T + max_new_tokens - 1) / tokens_per_launch)`` launches of ``tokens_per_launch`` steps each
-        (by default all in one; fewer tokens per launch where the RoPE frequencies change with the
-        position, ``rope_at``). After ``eos_token_id`` (one id or several) a row's tokens are dropped:
+        ``sampling``: one ``SamplingParams`` for every row or prompt, or a list of one per row or prompt).
+        With prefill rows (``prefill_chunk``) the prompts' first T - 1 tokens are prefilled in the first
+        step (those past a chunk in a launch of one step each before it), then each step makes a token in
+        ``ceil(max_new_tokens / tokens_per_launch)`` launches; without, a step per position in
+        ``ceil((T + max_new_tokens - 1) / tokens_per_launch)`` launches. ``tokens_per_launch``: by
+        default all in one; fewer where the RoPE frequencies change with the position (``rope_at``, whose
+        prompts go through the batch rows). After ``eos_token_id`` (one id or several) a row's tokens are dropped:
         generation stops (checked between launches) once every row has produced one, and a row that ends
         earlier than others is filled with the id it ended with.
 
@@ -273,11 +276,12 @@ class DecodeModel:
                 self.pool.grow(row, steps, f"batch row {row} ({prompt} prompt + {max_new_tokens} new tokens)")
         history = torch.zeros(c.batch, c.max_seq_len, dtype=torch.int64)
         history[:, :prompt] = ids
-        self.kernel.bind({"history": history, "pos": torch.zeros(c.batch, dtype=torch.int64),
+        self.kernel.bind({"history": history, "pos": torch.full((c.batch,), -1),
                           "prompt_len": torch.full((c.batch,), prompt), "block_table": self.pool.table,
                           **self._ends(steps)})
-        pos = 0
         try:
+            pos = self._prefill_prompts(ids)
+            self.kernel.bind({"pos": torch.full((c.batch,), pos), "block_table": self.pool.table})
             while pos < steps:
                 count = min(tokens_per_launch or steps, steps - pos)
                 frequencies = self._frequencies(pos)
@@ -490,6 +494,25 @@ class DecodeModel:
                 self.pool.share(c.batch + j, s.slot)
         self.kernel.tensor(self.graph.inputs["prefill_tokens"]).copy_(tokens)
         self.kernel.tensor(self.graph.inputs["prefill_pos"]).copy_(positions)
+
+    def _prefill_prompts(self, ids: torch.Tensor) -> int:
+        """``generate``'s prompts [batch, T] through the prefill rows: every launch but the last of one step
+        that only prefills (the batch rows off), the last chunk bound for the next launch, whose first step
+        prefills it before its batch rows read the cache (``decode_step``). Returns the position the batch
+        rows start at: T - 1, or 0 where the prompts go through the batch rows (no prefill rows; RoPE
+        frequencies that follow the position, ``rope_at``, which a chunk of positions cannot share)."""
+        c = self.config
+        if not c.prefill_chunk or self.rope_at is not None or ids.shape[1] == 1:
+            return 0
+        rows = [Sequence(row, row, ids[row], 1, frozenset()) for row in range(c.batch)]
+        while True:
+            chunk = self._plan_prefill(rows)
+            self._bind_prefill(chunk)
+            for s, first, count, _ in chunk.parts:
+                s.prefilled = first + count
+            if not any(s.prefilling for s in rows):
+                return ids.shape[1] - 1
+            self._launch({"block_table": self.pool.table}, 1)  # the prefill rows' rows share their sequences' pages
 
     def _generate_each(self, prompts, max_new_tokens: int, eos_token_id, sampling: list[SamplingParams]
                        ) -> list[torch.Tensor]:

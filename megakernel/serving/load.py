@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..backends import KINDS, resolve
 from ..models.checkpoint import build_pretrained
 from ..models.hf import build_hf
 from ..models.serving_config import ServingConfig
@@ -20,12 +21,12 @@ def from_hf(model, serving: ServingConfig | None = None, *, parallelism: int | s
     compile its decode step. The serving fields: ``max_seq_len`` (required), ``max_batch``; the KV cache, a
     pool of ``kv_pages`` pages of ``page_size`` positions (None: enough for every batch row at
     ``max_seq_len``); ``prefill_chunk``: prompt tokens a launch prefills besides the batch rows (0: a prompt
-    goes through its batch row a token per step); ``max_logprobs``: the most likely tokens whose
+    goes through its batch row a token per step; None: the backend's, ``ServingConfig.for_backend``); ``max_logprobs``: the most likely tokens whose
     log-probabilities each step reports (``Sequence.top``); ``draft_tokens`` K: each step drafts up to K
     tokens per sequence from its own history and verifies them (``tasks.speculation``: the same tokens, in
     fewer steps where the text repeats itself; 0: none). ``parallelism``: the number of workers the step's
     tiles are sized for; "auto" (see ``DecodeModel``)."""
-    serving, kernel_options = ServingConfig.taken_from(serving, options)
+    serving, kernel_options = _for_backend(serving, options)
     return DecodeModel(build_hf(model, serving), parallelism, **kernel_options)
 
 
@@ -35,5 +36,12 @@ def from_pretrained(path, serving: ServingConfig | None = None, *, dequantize: b
     heap (only its slices are read; nothing is downloaded) and compile its decode step
     (``models.build_pretrained``). ``dequantize``: a GGUF file's weights as float32 (``models.gguf``). The
     other arguments are ``from_hf``'s."""
-    serving, kernel_options = ServingConfig.taken_from(serving, options)
+    serving, kernel_options = _for_backend(serving, options)
     return DecodeModel(build_pretrained(path, serving, dequantize), parallelism, **kernel_options)
+
+
+def _for_backend(serving: ServingConfig | None, options: dict[str, Any]) -> tuple[ServingConfig, dict[str, Any]]:
+    """The loader's ``ServingConfig`` (``ServingConfig.taken_from``) with the defaults of the backend asked
+    for, and the kernel's options."""
+    serving, kernel_options = ServingConfig.taken_from(serving, options)
+    return serving.for_backend(KINDS[resolve(kernel_options.get("backend", "auto"))].prefill_rows), kernel_options
