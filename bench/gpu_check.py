@@ -29,7 +29,8 @@
 A section named ``NAME:spin`` runs NAME with the old wait/signal protocol (``MEGAKERNEL_PROTOCOL=spin``:
 every thread spinning on scalar atomics, system-scope signals) instead of the default ``poll``, so one
 table compares them; ``layer:spin`` is left out of the default list (a second compile of the 8B-shaped
-kernel), ask for it with ``--only``.
+kernel), ask for it with ``--only``. Where Triton has no ``tl.atomic_poll`` (3.6) spin is the default
+and the ``:spin`` sections are left out: they would repeat the others.
 
     python bench/gpu_check.py                       # on a machine with an NVIDIA or AMD GPU
     python bench/gpu_check.py --only layer,virtual  # some sections
@@ -39,6 +40,15 @@ kernel), ask for it with ``--only``.
 Each section runs in a process of its own under a time limit (a GPU fault poisons its process; a
 hang must not use up the machine's time), all within BUDGET seconds; ``--smoke`` runs the sections of
 each protocol in one process.
+
+The first GPU run (the device machine: one H200, torch 2.11 + triton 3.6, which ``tests/test_triton36.py``
+checks this script and the compiles under; 15 minutes of device time in all, the machine's start of a
+minute or two included) is one call, ``python bench/gpu_check.py`` with a timeout of 540 s: the sections
+run one after the other, each in its own process under its limit and all within BUDGET (480 s), a
+section that fails, faults or hangs is a FAILED row and the next one starts, and the table (with date,
+GPU, driver, torch and triton on its first line) is printed last whatever happened. That leaves about
+four minutes for one rerun, at once while the machine is still warm, of the sections that failed, fixed
+(``--only NAME,...``, a timeout of 200 s). The table goes into bench/RESULTS.md as printed.
 
 Times are device times of the launch (CUDA events) unless a row says wall.
 """
@@ -64,6 +74,7 @@ import torch
 import torch.nn.functional as F
 
 import megakernel as mk
+from megakernel import device
 from megakernel.models import schema
 from megakernel.models.decoder import DecoderConfig, Shard, decoder_layer
 from megakernel.reference import execute
@@ -741,11 +752,13 @@ SECTIONS = {"types": check_task_types, "decode": check_decode, "layer": check_la
 SPIN = ":spin"  # a section with the old protocol
 DEFAULT = ["types", "decode", "layer", "quantized", "moe", "steps", "dispatch", "dispatch" + SPIN, "virtual",
            "virtual" + SPIN, "serving", "sampling", "speculation"]
+if device.protocol() == "spin":  # the default already: the :spin sections would repeat the others
+    DEFAULT = [name for name in DEFAULT if not name.endswith(SPIN)]
 # Seconds each section may take in its own process (a CUDA fault poisons the process that hit it, a
 # hang must not eat the GPU's time): all of them within BUDGET.
 LIMITS = {"types": 90, "decode": 90, "layer": 240, "quantized": 150, "moe": 150, "steps": 150, "dispatch": 60,
           "virtual": 90, "serving": 150, "sampling": 60, "speculation": 150}
-BUDGET = 540
+BUDGET = 480
 
 
 def run_child(names: list[str], smoke: str | None, limit: float) -> list[Row]:
@@ -771,6 +784,20 @@ def run_child(names: list[str], smoke: str | None, limit: float) -> list[Row]:
     for row in rows if spin else []:
         row.check += " [spin protocol]"
     return rows
+
+
+def driver() -> str:
+    """The driver's version for the table's first line (", driver X"), from nvidia-smi or amd-smi; "" where
+    neither answers."""
+    for command in (["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                    ["amd-smi", "version", "--csv"]):
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if done.returncode == 0 and done.stdout.strip():
+            return f", driver {' '.join(done.stdout.split()[:4])}"
+    return ""
 
 
 def run_here(name: str, setup: Setup) -> list[Row]:
@@ -805,8 +832,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
     gpu = torch.cuda.get_device_name() if setup.device == "cuda" else platform.processor() or "cpu"
-    print(f"# gpu_check {time.strftime('%Y-%m-%d')}: {gpu}; torch {torch.__version__}, triton {triton.__version__}, "
-          f"python {platform.python_version()}", flush=True)
+    print(f"# gpu_check {time.strftime('%Y-%m-%d')}: {gpu}{driver() if setup.device == 'cuda' else ''}; torch "
+          f"{torch.__version__}, triton {triton.__version__}, python {platform.python_version()}, protocol "
+          f"{device.protocol()}", flush=True)
     rows: list[Row] = []
     deadline = time.monotonic() + BUDGET * (3 if args.smoke else 1)
     # on a GPU a process per section (a fault poisons only its own); the smoke run shares one per protocol

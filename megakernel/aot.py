@@ -95,9 +95,9 @@ def ptxas_spilled(compiled) -> int:
             run = subprocess.run([get_ptxas(meta.target.arch).path, *options, str(source), "-o", str(binary)],
                                  capture_output=True, text=True)
             same = run.returncode == 0 and cubin_code(binary.read_bytes()) == cubin_code(compiled.asm["cubin"])
-        stores = re.search(r"(\d+) bytes spill stores", run.stderr)
-        if same and stores is not None:
-            return int(stores.group(1))
+        stores = re.findall(r"(\d+) bytes spill stores", run.stderr)  # the kernel's, and a called function's
+        if same and stores:
+            return sum(map(int, stores))
         runs.append(f"ptxas -v {' '.join(options)}:\n{run.stderr}")
     raise BackendError("no ptxas run reproduces the kernel's machine code:\n" + "\n".join(runs))
 

@@ -279,9 +279,11 @@ def _w_block(base, w, scales, rows, kc, k_end, w_stride, scales_stride, scale_of
     each element of the other formats, and of these when not aligned, is gathered from its block
     (``dequantized``)."""
     rk = tl.arange(0, BLOCK_K)[None, :]
+    if ALIGNED:  # fp8 or q4_k (VECTOR_BLOCKS)
+        # the pointer made and hinted here, not by heap_ptr: triton 3.6 drops a hint put on a helper's return
+        row = tl.multiple_of((base + w).to(tl.pointer_type(tl.uint8)), 16) + row_offsets(rows.to(tl.int64),
+                                                                                         w_stride, tl.uint8, True)
     if ALIGNED and FORMAT >= 6:  # fp8: a byte per element
-        row = tl.multiple_of(heap_ptr(base, w, tl.uint8), 16) + row_offsets(rows.to(tl.int64), w_stride, tl.uint8,
-                                                                             True)
         value = _e4m3(tl.load(row + kc // 16 * 16 + rk).to(tl.int32))  # kc // 16 * 16: kc, provably 16-aligned
         scale_ptr = heap_ptr(base, scales, tl.float32)
         if FORMAT == 6:
@@ -290,8 +292,6 @@ def _w_block(base, w, scales, rows, kc, k_end, w_stride, scales_stride, scale_of
             value = value * tl.load(scale_ptr + rows * scales_stride + (kc + scale_offset) // 128)
     elif ALIGNED and FORMAT == 4:  # q4_k: columns kc .. kc + 256 are a super-block
         tl.static_assert(BLOCK_K == 256, "the aligned Q4_K block is a super-block")
-        row = tl.multiple_of(heap_ptr(base, w, tl.uint8), 16) + row_offsets(rows.to(tl.int64), w_stride, tl.uint8,
-                                                                             True)
         block = (row + kc // 256 * 144)[:, :, None]  # [BLOCK_N, 1, 1]
         runs = tl.load(block + 16 + tl.arange(0, 128)[None, None, :]).to(tl.int32)  # 4 runs of 32 bytes
         runs = tl.reshape(runs, (BLOCK_N, 4, 32))
