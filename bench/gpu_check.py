@@ -41,13 +41,14 @@ Each section runs in a process of its own under a time limit (a GPU fault poison
 hang must not use up the machine's time), all within BUDGET seconds; ``--smoke`` runs the sections of
 each protocol in one process.
 
-The first GPU run (the device machine: one H200, torch 2.11 + triton 3.6, which ``tests/test_triton36.py``
-checks this script and the compiles under; 15 minutes of device time in all, the machine's start of a
-minute or two included) is one call, ``python bench/gpu_check.py`` with a timeout of 540 s: the sections
-run one after the other, each in its own process under its limit and all within BUDGET (480 s), a
-section that fails, faults or hangs is a FAILED row and the next one starts, and the table (with date,
-GPU, driver, torch and triton on its first line) is printed last whatever happened. That leaves about
-four minutes for one rerun, at once while the machine is still warm, of the sections that failed, fixed
+The first GPU run (the device machine: one H200, torch 2.11 and triton 3.6, the Triton that
+``tests/test_triton36.py`` checks this script and the compiles under; 15 minutes of device time in all,
+the machine's start of a minute or two included) is one call, ``python bench/gpu_check.py`` with a
+timeout of 540 s. The sections run one after the other, each in its own process under its limit and
+all within BUDGET (480 s); a section that fails, faults or hangs is a FAILED row and the next one
+starts, and one the budget left no time for is a row too. The output's first line names the date, GPU,
+driver, torch, triton and protocol; the table comes last, whatever happened. That leaves about four
+minutes for one rerun, at once while the machine is still warm, of the sections that failed, fixed
 (``--only NAME,...``, a timeout of 200 s). The table goes into bench/RESULTS.md as printed.
 
 Times are device times of the launch (CUDA events) unless a row says wall.
