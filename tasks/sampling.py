@@ -94,24 +94,21 @@ def tempered(block, top, temperature):
 
 
 @triton.jit
-def weight_at_least(base, logits, cols, temperature, top, key, MASS: tl.constexpr, DTYPE: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
-    """How many z (``tempered``) have an ordered key of at least ``key`` or, with ``MASS``, the sum of their
-    exp(z); float32 (a count is exact below 2^24)."""
+def weight_at_least(base, logits, cols, temperature, top, key, mass, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """How many z (``tempered``) have an ordered key of at least ``key`` or, with ``mass`` (not 0), the sum
+    of their exp(z); float32 (a count is exact below 2^24). ``mass`` is a value, not a constexpr: the two
+    filters share one copy of this code (and of ``threshold_key``'s), which keeps the tile's registers down."""
     total = tl.full((), 0.0, tl.float32)
     for c0 in range(0, cols, BLOCK_N):
         block, c = logits_block(base, logits, c0, cols, DTYPE, BLOCK_N)
         z = tempered(block, top, temperature)
         reach = (ordered_key(z) >= key) & (c < cols)
-        if MASS:
-            total += tl.sum(tl.where(reach, tl.exp(z), 0.0), axis=0)
-        else:
-            total += tl.sum(reach.to(tl.float32), axis=0)
+        total += tl.sum(tl.where(reach, tl.where(mass != 0, tl.exp(z), 1.0), 0.0), axis=0)
     return total
 
 
 @triton.jit
-def threshold_key(base, logits, cols, temperature, top, floor, need, MASS: tl.constexpr, DTYPE: tl.constexpr,
+def threshold_key(base, logits, cols, temperature, top, floor, need, mass, DTYPE: tl.constexpr,
                   BLOCK_N: tl.constexpr):
     """The largest ordered key at or above ``floor`` whose z's (those reaching it) weigh at least ``need``
     (``weight_at_least``): bisection over [floor, key(0)] (0: the largest z), a pass over the logits per
@@ -121,7 +118,7 @@ def threshold_key(base, logits, cols, temperature, top, floor, need, MASS: tl.co
     for _ in range(32):
         if lo < hi:
             mid = lo + (hi - lo + 1) // 2
-            if weight_at_least(base, logits, cols, temperature, top, mid, MASS, DTYPE, BLOCK_N) >= need:
+            if weight_at_least(base, logits, cols, temperature, top, mid, mass, DTYPE, BLOCK_N) >= need:
                 lo = mid
             else:
                 hi = mid - 1
@@ -137,12 +134,17 @@ def draw(base, logits, cols, params, seed, position, top, DTYPE: tl.constexpr, B
     top_p = tl.load(params + 2)
     min_p = tl.load(params + 3)
     floor = tl.full((), -2147483648, tl.int32)  # the least ordered key kept: all of them
-    if (top_k > 0) & (top_k < cols):  # the k-th largest z: the largest key that k z's reach
-        floor = threshold_key(base, logits, cols, temperature, top, floor, top_k.to(tl.float32), False, DTYPE,
-                              BLOCK_N)
-    if top_p < 1.0:  # the largest key whose z's hold top_p of the mass of those top-k kept
-        need = top_p * weight_at_least(base, logits, cols, temperature, top, floor, True, DTYPE, BLOCK_N)
-        floor = threshold_key(base, logits, cols, temperature, top, floor, need, True, DTYPE, BLOCK_N)
+    for mass in range(2):  # one bisection, run for each filter in turn
+        if mass == 0:  # top_k: the k-th largest z, the largest key that k z's reach
+            active = (top_k > 0) & (top_k < cols)
+            need = top_k.to(tl.float32)
+        else:  # top_p: the largest key whose z's hold top_p of the mass of those top-k kept
+            active = top_p < 1.0
+            need = 0.0
+            if active:
+                need = top_p * weight_at_least(base, logits, cols, temperature, top, floor, 1, DTYPE, BLOCK_N)
+        if active:
+            floor = threshold_key(base, logits, cols, temperature, top, floor, need, mass, DTYPE, BLOCK_N)
     z_min = tl.log(min_p)  # min_p 0: -inf
     best = tl.full((), float("-inf"), tl.float32)
     best_index = tl.full((), 0, tl.int64)
@@ -210,7 +212,7 @@ def sample_tile(base, status,
             chosen = tl.load(heap_ptr(base, logits, DTYPE) + token).to(tl.float32)
             tl.store(heap_ptr(base, logprobs, tl.float32) + target, chosen - total)
             value, index = tl.full((), float("inf"), tl.float32), tl.full((), -1, tl.int64)
-            for j in tl.static_range(TOP_N):
+            for j in range(TOP_N):  # a loop, not unrolled: one copy of next_largest (registers)
                 value, index = next_largest(base, logits, cols, value, index, DTYPE, BLOCK_N)
                 tl.store(heap_ptr(base, top_ids, tl.int64) + target * TOP_N + j, index)
                 tl.store(heap_ptr(base, top_logprobs, tl.float32) + target * TOP_N + j, value - total)
