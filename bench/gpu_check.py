@@ -788,17 +788,15 @@ def run_child(names: list[str], smoke: str | None, limit: float) -> list[Row]:
 
 
 def driver() -> str:
-    """The driver's version for the table's first line (", driver X"), from nvidia-smi or amd-smi; "" where
-    neither answers."""
-    for command in (["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                    ["amd-smi", "version", "--csv"]):
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if done.returncode == 0 and done.stdout.strip():
-            return f", driver {' '.join(done.stdout.split()[:4])}"
-    return ""
+    """The driver for the output's first line: NVIDIA's version from nvidia-smi, or ROCm's HIP version."""
+    if torch.version.hip:
+        return f", HIP {torch.version.hip}"
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return f", driver {done.stdout.split()[0]}" if done.returncode == 0 and done.stdout.strip() else ""
 
 
 def run_here(name: str, setup: Setup) -> list[Row]:
