@@ -237,6 +237,12 @@ _default_pools: dict[int, WorkerPool] = {}
 _default_pools_lock = threading.Lock()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a server such as vLLM pins its workers), which its
+    worker processes inherit."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_pool(slot: int = 0) -> WorkerPool:
     """The pool kernels share unless given one, one per virtual rank (``slot``: a rank's workers must
     not be another rank's); ``shutdown()`` stops them (a later kernel starts new ones)."""
@@ -273,7 +279,7 @@ class CpuBackend:
         if self.workers > self.MAX_WORKERS:  # before the scheduler sizes anything by it
             raise GraphError(f"workers={self.workers:,}: the {self.name} backend runs at most {self.MAX_WORKERS} (each a "
                              f"process of ~300 MB)")
-        cores = os.cpu_count() or 1
+        cores = usable_cores()
         if self.workers > 2 * cores:
             warnings.warn(f"{self.workers} {self.name} workers on {cores} cores: each is a process that spins while it waits, "
                           f"so they take turns and a run slows down; each also takes ~2 s and ~300 MB to start",

@@ -36,7 +36,7 @@ from ..layout import (ABORT, DONE, EPOCH, EVENT, EXPECTED, FAULT, FAULT_AT, FAUL
 from ..scheduler import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_GUARD, OPCODE, SIGNAL_COUNT,
                         SIGNAL_START, WAIT_EVENT, Spec, read_signals)
 from ..tasks import TASK_TYPES
-from .cpu import CpuBackend, WorkerPool
+from .cpu import CpuBackend, WorkerPool, usable_cores
 
 SPIN_S = 1e-3       # a wait polls this long before it first yields its core, when every worker has a core
 SHORT_SPIN_S = 20e-6  # ... when workers share cores
@@ -60,7 +60,7 @@ class TorchBackend(CpuBackend):
 
     def _launch_extras(self) -> dict:
         # the job's worker processes on this machine (its ranks', virtual or not): a core each, or sharing
-        processes, cores = self.workers * self.group.world_size, os.cpu_count() or 1
+        processes, cores = self.workers * self.group.world_size, usable_cores()
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return dict(specs=self.specs, threads=max(1, cores // processes),  # torch's own threads
                     spin_s=SPIN_S if processes <= cores else SHORT_SPIN_S,

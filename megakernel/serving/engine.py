@@ -411,6 +411,79 @@ class DecodeModel:
                                 + f" (the others' tokens are theirs: {new})", faulted)
         return new
 
+    # -- steps scheduled from outside (vLLM) -----------------------------------------------------------
+    @serialized
+    def run_scheduled(self, requests: list["Scheduled"]) -> torch.Tensor:
+        """Run a step that another scheduler planned (``serving.vllm``: vLLM's): each request's tokens at
+        their positions, its KV cache in the pool pages it names (that scheduler's block ids: it owns the
+        pool, this model's page allocator stays out of it). Returns float32 logits [len(requests), vocab] of
+        each request's last token; no token is sampled into the history.
+
+        A request's tokens but the last go through the prefill rows (several launches of one step, each
+        prefill-only but the last, where the chunk cannot hold them all), its last through batch row i,
+        in the last launch, after its prefill rows wrote their keys."""
+        c = self.config
+        self._require_no_sequences("run_scheduled")
+        if c.draft_tokens or not c.prefill_chunk:
+            raise GraphError("run_scheduled: the model must be built with prefill rows (prefill_chunk > 0) and "
+                             "without drafts (draft_tokens=0)")
+        if not 0 < len(requests) <= c.batch:
+            raise GraphError(f"run_scheduled: {len(requests)} requests; the model has {c.batch} batch rows (max_batch)")
+        table = torch.full_like(self.pool.table, self.pool.pages)  # unnamed pages: the spill page
+        history, pos = self.kernel.tensor(self.graph.inputs["history"]), torch.full((c.batch,), -1)
+        prefill: list[tuple[int, int, torch.Tensor]] = []  # (batch row, first position, tokens)
+        for row, r in enumerate(requests):
+            tokens = self._token_ids(r.tokens, "run_scheduled", f"requests[{row}].tokens").reshape(-1)
+            last = r.start + tokens.numel() - 1
+            pages = torch.as_tensor(r.pages, dtype=torch.int64).reshape(-1)
+            if tokens.numel() == 0 or r.start < 0 or last >= c.max_seq_len:
+                raise GraphError(f"run_scheduled: request {row}'s {tokens.numel()} tokens from position {r.start} "
+                                 f"are not inside [0, {c.max_seq_len}) (max_seq_len)")
+            if pages.numel() < self.pool.pages_for(last + 1) or pages.numel() > c.max_pages or (
+                    pages.numel() and not (0 <= int(pages.min()) and int(pages.max()) < self.pool.pages)):
+                raise GraphError(f"run_scheduled: request {row} reaches position {last}: it needs "
+                                 f"{self.pool.pages_for(last + 1)} to {c.max_pages} pages of [0, {self.pool.pages}),"
+                                 f" got {pages.tolist()}")
+            table[row, :pages.numel()] = pages
+            history[row, last] = tokens[-1]  # between launches
+            pos[row] = last
+            if tokens.numel() > 1:
+                prefill.append((row, r.start, tokens[:-1]))
+        self.kernel.bind({"prompt_len": torch.full((c.batch,), c.max_seq_len), "pos": torch.full((c.batch,), -1)})
+        launches = self._packed(prefill)
+        for index, chunk in enumerate(launches):
+            tokens, positions = torch.zeros(c.prefill_chunk, dtype=torch.int64), torch.full((c.prefill_chunk,), -1)
+            table[c.batch:] = self.pool.pages
+            for row, first, part, at in chunk:
+                tokens[at:at + part.numel()] = part
+                positions[at:at + part.numel()] = torch.arange(first, first + part.numel())
+                table[c.batch + at:c.batch + at + part.numel()] = table[row]
+            self.kernel.bind({"prefill_tokens": tokens, "prefill_pos": positions, "block_table": table})
+            if index < len(launches) - 1:  # the last chunk runs in the launch of the batch rows
+                self._launch({}, 1)
+        try:
+            self._launch({"pos": pos, "block_table": table}, 1)
+        finally:
+            self.kernel.bind({"pos": torch.full((c.batch,), -1)})  # every row free again
+        return self.logits[:len(requests)]
+
+    def _packed(self, prefill: list[tuple[int, int, torch.Tensor]]) -> list[list[tuple[int, int, torch.Tensor, int]]]:
+        """The prefill rows of ``run_scheduled``'s launches: (batch row, first position, tokens, first chunk
+        row) parts, each from a multiple of ``BLOCK_ROWS`` rows; a request that does not fit in a launch's
+        rows goes on in the next one's (at least one launch, maybe with no parts)."""
+        launches: list[list[tuple[int, int, torch.Tensor, int]]] = [[]]
+        at = 0
+        for row, first, tokens in prefill:
+            while tokens.numel():
+                if at >= self.config.prefill_chunk:
+                    launches.append([])
+                    at = 0
+                part = tokens[:self.config.prefill_chunk - at]
+                launches[-1].append((row, first, part, at))
+                at += -(-part.numel() // BLOCK_ROWS) * BLOCK_ROWS
+                first, tokens = first + part.numel(), tokens[part.numel():]
+        return launches
+
     def _faulted(self, error: FaultError, running: list[Sequence]) -> dict[int, str]:
         """The sequences of ``running`` that ``error``'s faults make invalid, with what each met."""
         by_slot = {s.slot: s for s in running}
@@ -674,6 +747,17 @@ class DecodeModel:
         with self.lock:
             self.closed = True
             self.kernel.close()
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """A request's share of a step another scheduler planned (``DecodeModel.run_scheduled``): its tokens
+    (int64 [q]) at positions ``start`` .. ``start + q - 1``, its KV cache in pool pages ``pages`` (in order:
+    page j holds positions j * page_size ..; every page up to its last position)."""
+
+    tokens: torch.Tensor
+    start: int
+    pages: torch.Tensor
 
 
 @dataclass

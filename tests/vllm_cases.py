@@ -1,0 +1,92 @@
+"""What ``tests/test_vllm.py`` runs in vLLM's environment (``.venv-vllm``: vLLM's CPU build), one case per
+process, each printing one JSON line ``RESULT {...}`` (vLLM's engine runs in a process it spawns, so
+``LLM`` is made under ``__main__``).
+
+    python tests/vllm_cases.py convert FOLDER              SmolLM2's GGUF file as a float32 checkpoint folder
+    python tests/vllm_cases.py transformers FOLDER N       transformers' greedy tokens of PROMPTS
+    python tests/vllm_cases.py vllm FOLDER N own|megakernel  vLLM's greedy and seeded tokens of PROMPTS
+    python tests/vllm_cases.py refuse FOLDER               an option the megakernel does not build, refused
+"""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+# bench/vllm.py by its path: on sys.path its name would hide vLLM's package
+_bench = importlib.util.spec_from_file_location("bench_vllm", Path(__file__).resolve().parent.parent / "bench" / "vllm.py")
+bench_vllm = importlib.util.module_from_spec(_bench)
+_bench.loader.exec_module(bench_vllm)
+
+# of different lengths (2 to 40 tokens), more than the batch holds at once (MAX_NUM_SEQS)
+PROMPTS = ["Name three colours of the rainbow.", "The capital of France is", "1, 2, 3, 4,",
+           "Write a haiku about the sea. It should mention the waves, the moon, the wind and the night sky above "
+           "them all.", "Hello", "What is the largest planet in the solar system? Answer in one sentence."]
+MAX_NUM_SEQS = 2            # requests queue behind the running ones
+MAX_NUM_BATCHED_TOKENS = 16  # a long prompt takes several steps, each mixing its chunk with the others' decodes
+SEEDS = (7, 8, 9)           # seeded sampling: one request per seed, the first prompt
+OVERRIDE = {"architectures": ["MegakernelForCausalLM"]}
+
+
+def result(value) -> None:
+    print("RESULT " + json.dumps(value), flush=True)
+
+
+def convert(folder: str) -> None:
+    """vLLM 0.32 has no GGUF loader: the file as a float32 checkpoint folder (``bench/vllm.py``)."""
+    result({"folder": bench_vllm.smollm2_folder(folder)})
+
+
+def transformers_tokens(folder: str, new: int) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokens = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+        tokens.append(out[0, ids.shape[1]:].tolist())
+    result({"greedy": tokens, "prompt_tokens": [len(tokenizer(p).input_ids) for p in PROMPTS]})
+
+
+def vllm_tokens(folder: str, new: int, which: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=folder, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=MAX_NUM_SEQS,
+              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, hf_overrides=OVERRIDE if which == "megakernel" else None)
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=new))
+    seeded = llm.generate([PROMPTS[0]] * len(SEEDS), [SamplingParams(temperature=1.0, top_p=0.9, seed=seed,
+                                                                     max_tokens=new) for seed in SEEDS])
+    architecture = llm.llm_engine.model_config.hf_config.architectures
+    result({"greedy": [list(o.outputs[0].token_ids) for o in greedy],
+            "seeded": [list(o.outputs[0].token_ids) for o in seeded], "architectures": architecture})
+
+
+def refuse(folder: str) -> None:
+    """The checkpoint stores float32; the megakernel runs weights as stored, so bfloat16 is refused at load
+    (vLLM reports the engine's failure; the reason is in this process's output)."""
+    from vllm import LLM
+
+    try:
+        LLM(model=folder, dtype="bfloat16", enforce_eager=True, max_model_len=512, hf_overrides=OVERRIDE)
+    except Exception as error:  # vLLM wraps the engine process's error
+        result({"refused": f"{type(error).__name__}: {error}"})
+        return
+    result({"refused": None})
+
+
+if __name__ == "__main__":
+    case, folder, *rest = sys.argv[1:]
+    if case == "convert":
+        convert(folder)
+    elif case == "transformers":
+        transformers_tokens(folder, int(rest[0]))
+    elif case == "vllm":
+        vllm_tokens(folder, int(rest[0]), rest[1])
+    elif case == "refuse":
+        refuse(folder)
+    else:
+        raise SystemExit(f"unknown case {case!r}")
