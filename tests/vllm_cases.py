@@ -4,11 +4,13 @@ process, each printing one JSON line ``RESULT {...}`` (vLLM's engine runs in a p
 
     python tests/vllm_cases.py convert FOLDER              SmolLM2's GGUF file as a float32 checkpoint folder
     python tests/vllm_cases.py transformers FOLDER N       transformers' greedy tokens of PROMPTS
-    python tests/vllm_cases.py vllm FOLDER N own|megakernel  vLLM's greedy and seeded tokens of PROMPTS
+    python tests/vllm_cases.py vllm FOLDER N own|megakernel TP  vLLM's greedy and seeded tokens of PROMPTS
     python tests/vllm_cases.py refuse FOLDER               an option the megakernel does not build, refused
 """
 import importlib.util
 import json
+import operator
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +29,7 @@ MAX_NUM_SEQS = 2            # requests queue behind the running ones
 MAX_NUM_BATCHED_TOKENS = 16  # a long prompt takes several steps, each mixing its chunk with the others' decodes
 SEEDS = (7, 8, 9)           # seeded sampling: one request per seed, the first prompt
 OVERRIDE = {"architectures": ["MegakernelForCausalLM"]}
+RANKS = operator.attrgetter("engine.kernel.group.world_size", "engine.kernel.group.rank")  # of a worker's megakernel
 
 
 def result(value) -> None:
@@ -52,17 +55,21 @@ def transformers_tokens(folder: str, new: int) -> None:
     result({"greedy": tokens, "prompt_tokens": [len(tokenizer(p).input_ids) for p in PROMPTS]})
 
 
-def vllm_tokens(folder: str, new: int, which: str) -> None:
+def vllm_tokens(folder: str, new: int, which: str, tensor_parallel: int) -> None:
+    """vLLM's tokens with its own model or the megakernel's, at ``tensor_parallel`` ranks."""
     from vllm import LLM, SamplingParams
 
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model sends a function (pickled) to the workers
     llm = LLM(model=folder, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=MAX_NUM_SEQS,
-              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, hf_overrides=OVERRIDE if which == "megakernel" else None)
+              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, tensor_parallel_size=tensor_parallel,
+              hf_overrides=OVERRIDE if which == "megakernel" else None)
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=new))
     seeded = llm.generate([PROMPTS[0]] * len(SEEDS), [SamplingParams(temperature=1.0, top_p=0.9, seed=seed,
                                                                      max_tokens=new) for seed in SEEDS])
     architecture = llm.llm_engine.model_config.hf_config.architectures
     result({"greedy": [list(o.outputs[0].token_ids) for o in greedy],
-            "seeded": [list(o.outputs[0].token_ids) for o in seeded], "architectures": architecture})
+            "seeded": [list(o.outputs[0].token_ids) for o in seeded], "architectures": architecture,
+            "ranks": llm.apply_model(RANKS) if which == "megakernel" else None})
 
 
 def refuse(folder: str) -> None:
@@ -85,7 +92,7 @@ if __name__ == "__main__":
     elif case == "transformers":
         transformers_tokens(folder, int(rest[0]))
     elif case == "vllm":
-        vllm_tokens(folder, int(rest[0]), rest[1])
+        vllm_tokens(folder, int(rest[0]), rest[1], int(rest[2]))
     elif case == "refuse":
         refuse(folder)
     else:

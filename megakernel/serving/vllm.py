@@ -11,8 +11,9 @@ at consecutive positions, its KV cache in the blocks of ``block_table[i]`` (the 
 builds for the attention layers this class declares). ``DecodeModel.run_scheduled`` runs it: each
 request's last token in a batch row (its logits), the tokens before it in the prefill rows, the KV cache
 in the megakernel's heap at vLLM's block ids, so that vLLM's block manager, preemption and prefix cache
-stay right. The declared ``Attention`` layers are never called: they make vLLM size its pool and build
-the metadata (their own KV tensors, which vLLM allocates, stay unused).
+stay right. With tensor parallelism vLLM's ranks are the megakernel's (the process group vLLM made).
+The declared ``Attention`` layers are never called: they make vLLM size its pool and build the metadata
+(their own KV tensors, which vLLM allocates, stay unused).
 
 forward returns per-token logits (``compute_logits`` passes them through): the rows vLLM samples, each
 request's last token, hold them; the others are NaN, and ``compute_logits`` refuses them by name (prompt
