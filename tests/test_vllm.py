@@ -4,7 +4,8 @@ virtual environment of its own (``.ci/run`` makes it): vLLM schedules, the megak
 SmolLM2-135M (its GGUF file as a float32 checkpoint folder: vLLM 0.32 reads no GGUF) through
 ``MegakernelForCausalLM`` at 3 tensor-parallel ranks (vLLM's, the megakernel's) against vLLM's own model
 and transformers: prompts of 1 to 27 tokens, more than the batch holds at once (they queue) and longer
-than a step's token budget (chunked prefill mixed with decodes), greedy and seeded; the OpenAI server
+than a step's token budget (chunked prefill mixed with decodes), greedy and seeded, and a prompt that
+finds an earlier one's KV block in vLLM's prefix cache; the OpenAI server
 started with the override, a streamed request cancelled; an option the megakernel does not build
 refused at load. The cases run in ``tests/vllm_cases.py``."""
 import json
@@ -74,7 +75,8 @@ def reference(environment, checkpoint) -> dict:
 
 
 def test_vllm_through_the_megakernel_at_tensor_parallel_3_gives_vllms_own_tokens_and_transformers(environment, checkpoint, reference):
-    assert max(reference["prompt_tokens"]) > 16 >= min(reference["prompt_tokens"])  # a prompt longer than a step's budget
+    assert max(reference["prompt_tokens"][:-2]) > 16 >= min(reference["prompt_tokens"])  # a prompt past a step's budget
+    assert min(reference["prompt_tokens"][-2:]) > 128  # the cached prompts share a whole block
     own = case(environment, "vllm", checkpoint, str(NEW_TOKENS), "own", "1")
     # vLLM binds each rank's threads to a NUMA node of its own unless told not to: this machine has one
     ours = case(environment | {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, "vllm", checkpoint, str(NEW_TOKENS),
@@ -82,6 +84,8 @@ def test_vllm_through_the_megakernel_at_tensor_parallel_3_gives_vllms_own_tokens
     assert ours["architectures"] == OVERRIDE["architectures"] and own["architectures"] == ["LlamaForCausalLM"]
     assert ours["ranks"] == [[TENSOR_PARALLEL, rank] for rank in range(TENSOR_PARALLEL)]  # vLLM's ranks, the megakernel's
     assert ours["greedy"] == own["greedy"] == reference["greedy"]
+    assert ours["cached"] == own["cached"] == reference["cached"]
+    assert ours["cached_tokens"][0] == 0 and ours["cached_tokens"][1] >= 128  # the prefix cache served a block
     assert ours["seeded"] == own["seeded"] and len(ours["seeded"]) == len(SEEDS)
     assert len({tuple(tokens) for tokens in ours["seeded"]}) == len(SEEDS)  # the seeds draw different tokens
     assert any(len(tokens) == NEW_TOKENS for tokens in ours["greedy"])

@@ -21,10 +21,14 @@ _bench = importlib.util.spec_from_file_location("bench_vllm", Path(__file__).res
 bench_vllm = importlib.util.module_from_spec(_bench)
 _bench.loader.exec_module(bench_vllm)
 
-# of different lengths (2 to 40 tokens), more than the batch holds at once (MAX_NUM_SEQS)
+# of different lengths (1 to 27 tokens), more than the batch holds at once (MAX_NUM_SEQS)
 PROMPTS = ["Name three colours of the rainbow.", "The capital of France is", "1, 2, 3, 4,",
            "Write a haiku about the sea. It should mention the waves, the moon, the wind and the night sky above "
            "them all.", "Hello", "What is the largest planet in the solar system? Answer in one sentence."]
+# two prompts that share more than a KV block (vLLM's block on CPU: 128 positions), run one after the other:
+# the second finds the first's block in vLLM's prefix cache, its keys and values as the megakernel wrote them
+SHARED = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun. " * 9
+CACHED_PROMPTS = [SHARED + "What does the fox do?", SHARED + "Where does the cat sleep?"]
 MAX_NUM_SEQS = 2            # requests queue behind the running ones
 MAX_NUM_BATCHED_TOKENS = 16  # a long prompt takes several steps, each mixing its chunk with the others' decodes
 SEEDS = (7, 8, 9)           # seeded sampling: one request per seed, the first prompt
@@ -47,12 +51,13 @@ def transformers_tokens(folder: str, new: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokens = []
-    for prompt in PROMPTS:
+    for prompt in PROMPTS + CACHED_PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=tokenizer.eos_token_id)
         tokens.append(out[0, ids.shape[1]:].tolist())
-    result({"greedy": tokens, "prompt_tokens": [len(tokenizer(p).input_ids) for p in PROMPTS]})
+    result({"greedy": tokens[:len(PROMPTS)], "cached": tokens[len(PROMPTS):],
+            "prompt_tokens": [len(tokenizer(p).input_ids) for p in PROMPTS + CACHED_PROMPTS]})
 
 
 def vllm_tokens(folder: str, new: int, which: str, tensor_parallel: int) -> None:
@@ -64,11 +69,14 @@ def vllm_tokens(folder: str, new: int, which: str, tensor_parallel: int) -> None
               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, tensor_parallel_size=tensor_parallel,
               hf_overrides=OVERRIDE if which == "megakernel" else None)
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=new))
+    cached = [llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new))[0] for prompt in CACHED_PROMPTS]
     seeded = llm.generate([PROMPTS[0]] * len(SEEDS), [SamplingParams(temperature=1.0, top_p=0.9, seed=seed,
                                                                      max_tokens=new) for seed in SEEDS])
     architecture = llm.llm_engine.model_config.hf_config.architectures
     result({"greedy": [list(o.outputs[0].token_ids) for o in greedy],
             "seeded": [list(o.outputs[0].token_ids) for o in seeded], "architectures": architecture,
+            "cached": [list(o.outputs[0].token_ids) for o in cached],
+            "cached_tokens": [o.num_cached_tokens for o in cached],
             "ranks": llm.apply_model(RANKS) if which == "megakernel" else None})
 
 

@@ -39,6 +39,7 @@ from ..backends.cpu import usable_cores
 from ..errors import GraphError
 from ..models.architectures import ARCHITECTURES
 from ..models.checkpoint import build_pretrained
+from ..models.hf import ModelBuild
 from ..models.serving_config import PREFILL_CHUNK, ServingConfig
 from .engine import DecodeModel, Scheduled
 
@@ -67,21 +68,21 @@ class MegakernelForCausalLM(nn.Module):
         self.path = Path(model.model)
         self.architecture = checkpoint_architecture(self.path)
         _refuse_unsupported(vllm_config, self.architecture)
-        text = model.hf_text_config
+        text, ranks = model.hf_text_config, vllm_config.parallel_config.tensor_parallel_size
         heads, layers = text.num_attention_heads, text.num_hidden_layers
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         self.vocab = model.get_vocab_size()
         self.backend = getattr(model.hf_config, BACKEND_FIELD, None) or gpu_flavour() or "torch"
         self.serving = ServingConfig(max_seq_len=model.max_model_len, max_batch=min(scheduler.max_num_seqs, MAX_BATCH),
                                      page_size=cache.block_size,
                                      prefill_chunk=min(PREFILL_CHUNK, -(-scheduler.max_num_batched_tokens // 16) * 16))
-        # declared for vLLM's KV sizing and metadata, never called
+        # declared for vLLM's KV sizing and metadata (a rank's heads, as vLLM's own models declare), never called
         self.attention = nn.ModuleList(
-            Attention(heads, head_dim, head_dim ** -0.5, getattr(text, "num_key_value_heads", heads) or heads,
-                      cache_config=cache, prefix=f"{prefix}model.layers.{i}.self_attn.attn" if not prefix
-                      else f"{prefix}.model.layers.{i}.self_attn.attn")
+            Attention(heads // ranks, head_dim, head_dim ** -0.5, max(1, kv_heads // ranks), cache_config=cache,
+                      prefix=f"{prefix}.model.layers.{i}.self_attn.attn".lstrip("."))
             for i in range(layers))
-        self.build = None
+        self.build: ModelBuild | None = None  # read by load_weights, compiled at the first forward
         self.engine: DecodeModel | None = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -163,8 +164,8 @@ def _refuse_unsupported(vllm_config: VllmConfig, architecture: str) -> None:
         (parallel.pipeline_parallel_size != 1, f"pipeline_parallel_size={parallel.pipeline_parallel_size} (1)"),
         (vllm_config.speculative_config is not None, "speculative decoding (speculative_config)"),
         (vllm_config.lora_config is not None, "LoRA adapters (enable_lora)"),
-        (model.quantization is not None, f"quantization={model.quantization!r} (FP8 checkpoints load as stored: "
-                                         "leave it unset)"),
+        (model.quantization is not None, f"quantization={model.quantization!r} (a quantized checkpoint through vLLM "
+                                         "is not built yet)"),
         (cache.cache_dtype not in ("auto", None), f"kv_cache_dtype={cache.cache_dtype!r} (the model's: 'auto')"),
         (model.runner_type != "generate", f"runner={model.runner_type!r} (generate)"),
     ]
