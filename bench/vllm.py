@@ -7,8 +7,8 @@ SmolLM2-135M-Instruct (its GGUF file as a float32 checkpoint folder, vLLM 0.32 r
 vLLM's ``LLM`` (``enforce_eager=True``), each model in a process of its own: one warm-up request (the
 megakernel compiles its step at its first forward), then greedy tokens/s with one request at a time
 and with ``--requests`` at once (``max_num_seqs`` of them). Generated tokens over wall time; the tokens
-of the two models are compared too. Runs unchanged on a GPU (vLLM's CUDA build: the megakernel's gpu
-backend).
+of the two models are compared too. Written to run on a GPU as well (vLLM's CUDA build: the
+megakernel's gpu backend); it has not run on one yet.
 """
 from __future__ import annotations
 

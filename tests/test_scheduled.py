@@ -113,3 +113,17 @@ def test_a_model_with_sequences_of_its_own_refuses_a_plan(engine):
             engine.run_scheduled([Scheduled(torch.tensor([1]), 0, torch.tensor([0]))])
     finally:
         engine.cancel(sequence)
+
+
+def test_a_page_written_in_the_step_that_another_request_reads_as_cached_is_written_first(engine, reference):
+    """Prefix caching: request 1 finds request 0's first pages cached while request 0 computes them in this
+    same step, listed first and with more prompt tokens than one launch's prefill rows hold."""
+    torch.manual_seed(3)
+    prompt = torch.randint(0, 128, (30,)).tolist()
+    reader = prompt[:2 * PAGE] + torch.randint(0, 128, (5,)).tolist()
+    writer_pages = list(range(10, 18))
+    requests = [Scheduled(torch.tensor(reader[2 * PAGE:]), 2 * PAGE, torch.tensor(writer_pages[:2] + [30, 31])),
+                Scheduled(torch.tensor(prompt), 0, torch.tensor(writer_pages))]
+    logits = engine.run_scheduled(requests)
+    assert (logits[0].double() - reference(reader)).abs().max() < 1e-4
+    assert (logits[1].double() - reference(prompt)).abs().max() < 1e-4

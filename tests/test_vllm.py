@@ -51,14 +51,28 @@ def environment(tmp_path_factory) -> dict[str, str]:
 
 def case(environment: dict[str, str], *args: str, timeout: int = 300) -> dict:
     """``tests/vllm_cases.py args`` in vLLM's environment: its RESULT, or a failure with the output's tail.
-    ``timeout`` stays under the test's own, so the child is the one killed."""
-    done = subprocess.run([str(PYTHON), "tests/vllm_cases.py", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=environment)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-6000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    The child and what it starts (vLLM's engine and workers, the megakernel's) are a process group of their
+    own, killed whole at ``timeout`` (each test's timeout holds its cases')."""
+    child = subprocess.Popen([str(PYTHON), "tests/vllm_cases.py", *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=environment, start_new_session=True)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    finally:
+        _kill_group(child)
+    output = stdout + stderr
+    assert child.returncode == 0, output[-6000:]
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, output[-6000:]
     return json.loads(lines[-1][len("RESULT "):]) | {"output": output}
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """Kill ``process``'s group (what is left of it: vLLM's engine may outlive its parent) and reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +88,7 @@ def reference(environment, checkpoint) -> dict:
     return case(environment, "transformers", checkpoint, str(NEW_TOKENS))
 
 
+@pytest.mark.timeout(1500)  # the checkpoint, transformers and two vLLM runs, each bounded by case()
 def test_vllm_through_the_megakernel_at_tensor_parallel_3_gives_vllms_own_tokens_and_transformers(environment, checkpoint, reference):
     assert max(reference["prompt_tokens"][:-2]) > 16 >= min(reference["prompt_tokens"])  # a prompt past a step's budget
     assert min(reference["prompt_tokens"][-2:]) > 128  # the cached prompts share a whole block
@@ -139,13 +154,12 @@ def test_the_openai_server_with_the_override_serves_and_cancels(environment, che
         reply = client.completions.create(model=checkpoint, prompt=PROMPTS[2], max_tokens=NEW_TOKENS, temperature=0)
         assert reply.choices[0].text == tokenizer.decode(reference["greedy"][2])
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
         try:
+            os.killpg(server.pid, signal.SIGTERM)  # the server shuts its engine down; the group, whatever is left
             server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        _kill_group(server)
         log.close()
     deadline = time.monotonic() + 30
     while marked_processes(mark) and time.monotonic() < deadline:

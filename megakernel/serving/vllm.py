@@ -15,14 +15,14 @@ stay right. With tensor parallelism vLLM's ranks are the megakernel's (the proce
 The declared ``Attention`` layers are never called: they make vLLM size its pool and build the metadata
 (their own KV tensors, which vLLM allocates, stay unused).
 
-forward returns per-token logits (``compute_logits`` passes them through): the rows vLLM samples, each
-request's last token, hold them; the others are NaN, and ``compute_logits`` refuses them by name (prompt
-logprobs need logits the step does not make).
+forward keeps the logits of each request's last token and returns each token's row number;
+``compute_logits`` turns the rows vLLM samples back into logits, and refuses by name a row the step made
+none for (prompt logprobs).
 """
 from __future__ import annotations
 
 import json
-import math
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterable
@@ -84,12 +84,18 @@ class MegakernelForCausalLM(nn.Module):
             for i in range(layers))
         self.build: ModelBuild | None = None  # read by load_weights, compiled at the first forward
         self.engine: DecodeModel | None = None
+        self.logits: torch.Tensor | None = None  # the last forward's, of its requests' last tokens
+        self.logits_row = torch.zeros(0, dtype=torch.int64)  # per token of it: its row of logits, or -1
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Read this rank's share of the checkpoint into host memory (the megakernel's own reader: packed
         and FP8 weights stay as stored); vLLM's iterator of tensors is left unread. The module has no
         parameters of vLLM's: none to report."""
-        self.build = build_pretrained(self.path, self.serving)
+        build = build_pretrained(self.path, self.serving)
+        if build.rope_at is not None:  # a step's rows would need frequencies of their own
+            raise GraphError(f"{ARCHITECTURE} ({self.architecture}): rope types whose frequencies follow the "
+                             "position (dynamic, longrope) are not supported")
+        self.build = build
         return set()
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -97,33 +103,50 @@ class MegakernelForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        """Per-token logits [tokens, vocab] of this step: each request's last token's (NaN elsewhere)."""
+        """Run this step; returns each token's row number [tokens, 1], which vLLM hands to ``compute_logits``
+        for the rows it samples (the logits themselves, of each request's last token, are kept here: a
+        [tokens, vocab] tensor would cost gigabytes for a long prefill)."""
         if inputs_embeds is not None or intermediate_tensors is not None:
             raise GraphError(f"{ARCHITECTURE}: inputs_embeds and pipeline stages are not supported")
+        rows = torch.arange(input_ids.shape[0], dtype=torch.float32, device=input_ids.device).unsqueeze(1)
         metadata = get_forward_context().attn_metadata
-        logits = torch.full((input_ids.shape[0], self.vocab), math.nan)
-        if metadata is None:  # a dummy run before the KV cache exists (profiling, warm-up): nothing to keep
-            return logits.zero_()
+        self.logits, self.logits_row = None, torch.full((input_ids.shape[0],), -1, device=input_ids.device)
+        if metadata is None:  # a dummy run before the KV cache exists (profiling): nothing to keep
+            return rows
         if not isinstance(metadata, dict):
             raise GraphError(f"{ARCHITECTURE}: micro-batches (dual batch overlap) are not supported")
         m = metadata[self.attention[0].layer_name]
-        starts, seq_lens = m.query_start_loc.tolist(), m.seq_lens.tolist()
-        page = self.serving.page_size
-        requests = [Scheduled(input_ids[a:b].long(), int(positions[a]), m.block_table[i, :-(-seq_lens[i] // page)].long())
-                    for i, (a, b) in enumerate(zip(starts, starts[1:]))]
-        last = torch.tensor(starts[1:]) - 1
         engine = self._engine()
-        for first in range(0, len(requests), engine.config.batch):
-            rows = last[first:first + engine.config.batch]
-            logits[rows] = engine.run_scheduled(requests[first:first + engine.config.batch])
-        return logits
+        starts, seq_lens = m.query_start_loc.tolist(), m.seq_lens.tolist()
+        firsts, page = positions[m.query_start_loc[:-1]].tolist(), self.serving.page_size
+        scheduled = {}  # by request index: those with tokens in this step (a padded batch has empty ones)
+        for i, (a, b) in enumerate(zip(starts, starts[1:])):
+            if b > a:
+                if firsts[i] + b - a != seq_lens[i]:
+                    raise GraphError(f"{ARCHITECTURE}: request {i} has {b - a} tokens from position {firsts[i]} "
+                                     f"but a sequence length of {seq_lens[i]}")
+                scheduled[i] = Scheduled(input_ids[a:b].long().cpu(), firsts[i],
+                                         m.block_table[i, :-(-seq_lens[i] // page)].long().cpu())
+        # a block that a request finds in vLLM's prefix cache may be written by another in this same step:
+        # the writer starts at an earlier position, so requests go in order of their first position (as
+        # run_scheduled orders its own launches)
+        order = sorted(scheduled, key=lambda i: scheduled[i].start)
+        logits = []
+        for group in range(0, len(order), engine.config.batch):
+            logits.append(engine.run_scheduled([scheduled[i] for i in order[group:group + engine.config.batch]]))
+        self.logits = torch.cat(logits).to(input_ids.device) if logits else None
+        last = torch.tensor([starts[i + 1] - 1 for i in order], dtype=torch.int64)
+        self.logits_row[last.to(input_ids.device)] = torch.arange(len(order), device=input_ids.device)
+        return rows
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """forward's logits of the rows vLLM samples (refused where the step made none)."""
-        if bool(hidden_states[:, :1].isnan().any()):
+        """The logits of the rows vLLM samples (``hidden_states``: forward's row numbers of them); refused
+        for a row the step made none for."""
+        rows = self.logits_row[hidden_states[:, 0].long()]
+        if self.logits is None or bool((rows < 0).any()):
             raise GraphError(f"{ARCHITECTURE} makes logits at each request's last scheduled token only: prompt "
                              "logprobs are not supported")
-        return hidden_states
+        return self.logits[rows]
 
     def _engine(self) -> DecodeModel:
         """The step, compiled at the first real forward: the KV pool holds vLLM's blocks (known only after
@@ -132,11 +155,20 @@ class MegakernelForCausalLM(nn.Module):
             if self.build is None:
                 raise GraphError(f"{ARCHITECTURE}: forward before load_weights")
             blocks = self.vllm_config.cache_config.num_gpu_blocks
+            if not blocks:
+                raise GraphError(f"{ARCHITECTURE}: a forward with attention metadata before vLLM sized its KV cache")
             build = replace(self.build, config=replace(self.build.config, kv_pages=blocks))
-            # on torch, a worker per core vLLM gives this process (it pins its workers: often one core)
-            workers = {"workers": usable_cores()} if self.backend == "torch" else {}
+            workers = {"workers": torch_workers(self.vllm_config.parallel_config.tensor_parallel_size)} \
+                if self.backend == "torch" else {}
             self.build, self.engine = None, DecodeModel(build, backend=self.backend, **workers)
         return self.engine
+
+
+def torch_workers(ranks: int) -> int:
+    """Workers for a rank on the torch backend: a core each of those vLLM pins the process to (often one),
+    or, where it pins nothing (``VLLM_CPU_OMP_THREADS_BIND=nobind``), the machine's cores shared by the ranks."""
+    cores = usable_cores()
+    return cores if cores < (os.cpu_count() or 1) else max(1, cores // ranks)
 
 
 def checkpoint_architecture(path: Path) -> str:
@@ -158,10 +190,16 @@ def _refuse_unsupported(vllm_config: VllmConfig, architecture: str) -> None:
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     refused = [
+        (parallel.pipeline_parallel_size != 1, f"pipeline_parallel_size={parallel.pipeline_parallel_size} (1)"),
+        (parallel.decode_context_parallel_size != 1,
+         f"decode_context_parallel_size={parallel.decode_context_parallel_size} (1)"),
         # vLLM's tensor-parallel ranks are the megakernel's: its default process group must be theirs alone
         (world != parallel.tensor_parallel_size, f"a process group of {world} ranks for tensor_parallel_size="
                                                  f"{parallel.tensor_parallel_size} (data parallelism)"),
-        (parallel.pipeline_parallel_size != 1, f"pipeline_parallel_size={parallel.pipeline_parallel_size} (1)"),
+        # a captured graph would freeze the step's host work (the plan of each launch) and its first compile
+        (not model.enforce_eager, "CUDA graphs and torch.compile (pass enforce_eager=True: the step is one "
+                                  "launch already)"),
+        (bool(getattr(model, "enable_prompt_embeds", False)), "prompt embeddings (enable_prompt_embeds)"),
         (vllm_config.speculative_config is not None, "speculative decoding (speculative_config)"),
         (vllm_config.lora_config is not None, "LoRA adapters (enable_lora)"),
         (model.quantization is not None, f"quantization={model.quantization!r} (a quantized checkpoint through vLLM "
