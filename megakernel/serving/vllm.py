@@ -72,7 +72,6 @@ class MegakernelForCausalLM(nn.Module):
         heads, layers = text.num_attention_heads, text.num_hidden_layers
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        self.vocab = model.get_vocab_size()
         self.backend = getattr(model.hf_config, BACKEND_FIELD, None) or gpu_flavour() or "torch"
         self.serving = ServingConfig(max_seq_len=model.max_model_len, max_batch=min(scheduler.max_num_seqs, MAX_BATCH),
                                      page_size=cache.block_size,
@@ -118,7 +117,9 @@ class MegakernelForCausalLM(nn.Module):
         m = metadata[self.attention[0].layer_name]
         engine = self._engine()
         starts, seq_lens = m.query_start_loc.tolist(), m.seq_lens.tolist()
-        firsts, page = positions[m.query_start_loc[:-1]].tolist(), self.serving.page_size
+        # (an empty request of a padded batch starts past the last token: clamped, and skipped below)
+        firsts = positions[m.query_start_loc[:-1].clamp(max=positions.numel() - 1)].tolist()
+        page = self.serving.page_size
         scheduled = {}  # by request index: those with tokens in this step (a padded batch has empty ones)
         for i, (a, b) in enumerate(zip(starts, starts[1:])):
             if b > a:
