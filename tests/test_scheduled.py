@@ -12,6 +12,7 @@ from megakernel.errors import GraphError
 from megakernel.serving import from_hf
 from megakernel.serving.engine import Scheduled
 
+from helpers import assert_close, tolerance
 from test_decode import hf_model
 
 PAGE, PAGES, CHUNK, BATCH = 4, 40, 16, 3
@@ -72,7 +73,7 @@ def test_a_planned_schedule_gives_transformers_logits_at_each_requests_last_toke
         for (i, count), row in zip(planned, logits):
             done[i] += count
             expected = reference(tokens[i][:done[i]])
-            assert (row.double() - expected).abs().max() < 1e-4, (step, i)
+            assert_close(row, expected, tolerance(torch.float32), f"step {step}, request {i}")
             checked += 1
             if done[i] >= len(prompts[i]):  # past its prompt: the greedy token is the next input
                 tokens[i].append(int(row.argmax()))
@@ -89,7 +90,7 @@ def test_a_step_with_more_prompt_tokens_than_the_prefill_rows_runs_in_several_la
     logits = engine.run_scheduled(requests)
     assert engine._steps_launched - launches >= 3  # 36 + 8 + 19 prompt rows in chunks of 16 rows
     for p, row in zip(prompts, logits):
-        assert (row.double() - reference(p)).abs().max() < 1e-4
+        assert_close(row, reference(p), tolerance(torch.float32))
 
 
 @pytest.mark.parametrize("requests, message", [
@@ -103,7 +104,7 @@ def test_a_bad_plan_is_refused_naming_what_is_wrong_and_the_next_one_runs(engine
     with pytest.raises(GraphError, match=message):
         engine.run_scheduled(requests())
     logits = engine.run_scheduled([Scheduled(torch.tensor([5, 6, 7]), 0, torch.tensor([3]))])
-    assert (logits[0].double() - reference([5, 6, 7])).abs().max() < 1e-4
+    assert_close(logits[0], reference([5, 6, 7]), tolerance(torch.float32))
 
 
 def test_a_model_with_sequences_of_its_own_refuses_a_plan(engine):
@@ -125,5 +126,5 @@ def test_a_page_written_in_the_step_that_another_request_reads_as_cached_is_writ
     requests = [Scheduled(torch.tensor(reader[2 * PAGE:]), 2 * PAGE, torch.tensor(writer_pages[:2] + [30, 31])),
                 Scheduled(torch.tensor(prompt), 0, torch.tensor(writer_pages))]
     logits = engine.run_scheduled(requests)
-    assert (logits[0].double() - reference(reader)).abs().max() < 1e-4
-    assert (logits[1].double() - reference(prompt)).abs().max() < 1e-4
+    assert_close(logits[0], reference(reader), tolerance(torch.float32), "the reader")
+    assert_close(logits[1], reference(prompt), tolerance(torch.float32), "the writer")
