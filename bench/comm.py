@@ -11,18 +11,30 @@ All-reduce: one launch per measurement, the median of several, for each size and
 On the cpu backend every tile runs in the Triton interpreter and every worker is a process: the
 absolute numbers describe the interpreter, not a GPU.
 
-    python bench/comm.py [--world 2] [--workers 1]
+Across nodes (``--nodes``): the same chain with each rank on a node of its own (``launch(...,
+ranks_per_node=1)``: the put and its signal go through the transport, gloo point-to-point and a progress
+agent per rank) beside one node, in one run; and SmolLM2-135M (its GGUF file) decoding at TP 4 over 2
+nodes x 2 ranks on the torch backend beside one node of 4: the bytes and messages each rank sends over
+the network per decode step (from the transport's channels, fixed when the kernel is built) and tokens/s.
+
+    python bench/comm.py [--world 2] [--workers 1] [--nodes]
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import megakernel as mk
+from megakernel.serving import from_pretrained
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from helpers import SMOLLM2_PROMPT, smollm2_path  # noqa: E402  (the tests' checkpoint)
 
 SHORT, LONG = 4, 36
 SIZES = (256, 4096, 65536, 262144)  # bytes of float32
@@ -75,11 +87,55 @@ def _job(workers: int) -> dict:
     return {"latency": latency(workers), "all_reduce": all_reduce(workers)}
 
 
+def _latency_job(workers: int) -> dict:
+    return latency(workers)
+
+
+def _smollm2_job(tokens: int, prefill_chunk: int | None) -> dict:
+    model = from_pretrained(smollm2_path(), max_seq_len=64, backend="torch", workers=1, prefill_chunk=prefill_chunk)
+    try:
+        model.generate(SMOLLM2_PROMPT, 2)  # compiles and warms the workers
+        start = time.perf_counter()
+        out = model.generate(SMOLLM2_PROMPT, tokens)
+        seconds = time.perf_counter() - start
+        transport = model.kernel.transport
+        return {"tokens": out[0].tolist(), "tokens_per_s": tokens / seconds,
+                "bytes": transport.step_bytes() if transport else 0, "messages": transport.step_messages() if transport else 0}
+    finally:
+        model.close()
+
+
+def nodes(workers: int, tokens: int = 16) -> None:
+    """The cross-node rows: a hop through memory and through the transport; SmolLM2 at TP 4 on 1 and 2 nodes."""
+    hops = {name: mk.launch(functools.partial(_latency_job, workers), world_size=2, ranks_per_node=per_node,
+                            timeout=1800)[0] for name, per_node in (("memory (one node)", None), ("gloo (two nodes)", 1))}
+    print("| put chain, 2 ranks | one hop (us) | round trip (us) |")
+    print("| --- | ---: | ---: |")
+    for name, lat in hops.items():
+        print(f"| {name} | {lat['hop_us']:.0f} | {lat['round_trip_us']:.0f} |")
+    print()
+    cases = [(per_node, chunk) for chunk in (None, 0) for per_node in (None, 2)]
+    runs = {case: mk.launch(functools.partial(_smollm2_job, tokens, case[1]), world_size=4, ranks_per_node=case[0],
+                            backend="torch", timeout=1800) for case in cases}
+    same = all(r["tokens"] == runs[cases[0]][0]["tokens"] for rs in runs.values() for r in rs)
+    print(f"SmolLM2-135M (GGUF as stored), TP 4, torch backend, 1 worker a rank, {tokens} greedy tokens; "
+          f"same tokens: {same}")
+    print("| ranks | prefill rows | network bytes / step / rank | messages / step / rank | tokens/s |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for (per_node, chunk), results in runs.items():
+        print(f"| {'2 nodes x 2' if per_node else '1 node x 4'} | {'default' if chunk is None else chunk} | "
+              f"{max(r['bytes'] for r in results):,} | {max(r['messages'] for r in results)} | "
+              f"{results[0]['tokens_per_s']:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--nodes", action="store_true", help="the cross-node rows instead")
     args = parser.parse_args()
+    if args.nodes:
+        return nodes(args.workers)
     result = mk.launch(functools.partial(_job, args.workers), world_size=args.world, timeout=1800)[0]
     lat = result["latency"]
     print(f"# cpu backend (Triton interpreter), world {args.world}, {args.workers} worker(s) per rank; rank 0's view")

@@ -25,6 +25,9 @@
    top-k, top-p and min-p, its tokens against the host twin, and the launch time of each;
 11. speculation: a random Llama (on a GPU 4 layers of hidden 2048, bf16) fed a prompt that repeats a
    piece, with ``draft_tokens`` 4 and without: the same tokens, device steps and time per token of each.
+12. nodes: a hierarchical all-reduce over 2 nodes x 2 ranks through the cpu transport (the host's gloo, on
+   the machine's own torch and triton), and the nvshmem transport's kernel compiled for the GPU with the
+   NVSHMEM device library installed there (not run: its host side is not built).
 
 A section named ``NAME:spin`` runs NAME with the old wait/signal protocol (``MEGAKERNEL_PROTOCOL=spin``:
 every thread spinning on scalar atomics, system-scope signals) instead of the default ``poll``, so one
@@ -75,14 +78,15 @@ import torch
 import torch.nn.functional as F
 
 import megakernel as mk
-from megakernel import device
+from megakernel import aot, device, shmem
+from megakernel.errors import BackendError
 from megakernel.models import schema
 from megakernel.models.decoder import DecoderConfig, Shard, decoder_layer
 from megakernel.reference import execute
 from megakernel.scheduler import deserialize, serialize
 from megakernel.tasks.quantized import Q4_0, Q4_K, dequantize
 from megakernel.heap import HeapView
-from megakernel.tools.examples import every_task_type, example_inputs
+from megakernel.tools.examples import across_nodes, every_task_type, example_inputs
 
 LLAMA3_8B = DecoderConfig(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, layers=1,
                           vocab=128256, eps=1e-5, qk_norm=False, max_seq_len=4096, dtype=torch.bfloat16)
@@ -747,18 +751,50 @@ def check_virtual_ranks(s: Setup) -> list[Row]:
     return rows
 
 
+# -- 12. ranks on two nodes -------------------------------------------------------------------------------
+def _nodes_job() -> tuple[torch.Tensor, dict[int, str]]:
+    g = mk.Graph()
+    g.output("y", g.all_reduce(g.input("x", (4, 1024), torch.float32)))
+    with mk.Megakernel(g, backend="torch", workers=1, timeout=60) as kernel:
+        return kernel.run({"x": torch.full((4, 1024), float(g.rank + 1))})["y"], kernel.links
+
+
+def check_nodes(s: Setup) -> list[Row]:
+    """Ranks on two nodes on this machine's stack: a hierarchical all-reduce at 2 nodes x 2 ranks through the
+    cpu transport (gloo and a progress agent per rank; the torch backend on the host, whatever the device),
+    and the nvshmem transport's kernel compiled for this GPU with the NVSHMEM device library installed here
+    (compiled, not run: its host side is not built)."""
+    results = mk.launch(_nodes_job, world_size=4, ranks_per_node=2, backend="torch", timeout=300)
+    right = all(torch.equal(y, torch.full((4, 1024), 10.0)) and list(links.values()).count("gloo") == 2
+                for y, links in results)
+    rows = [Row("nodes: all_reduce over 2 nodes x 2 ranks (cpu transport)", "yes" if right else "NO", "", right)]
+    arch = torch.cuda.get_device_capability() if torch.cuda.is_available() and not torch.version.hip else (9, 0)
+    target = f"sm_{arch[0]}{arch[1]}"
+    if target not in aot.TARGETS:
+        return rows + [Row("nodes: nvshmem transport kernel", f"no AOT target {target}", "", None)]
+    try:
+        library = shmem.device_library(arch[0] * 10 + arch[1])
+        compiled = aot.compile_kernel(across_nodes().specs, target, row_words=16, transport="nvshmem")
+    except BackendError as error:
+        return rows + [Row("nodes: nvshmem transport kernel", f"not compiled: {str(error)[:120]}", "", None)]
+    return rows + [Row(f"nodes: nvshmem transport kernel, {target} ({library.name})",
+                       f"{compiled.registers} registers, {compiled.spilled} bytes spilled", "0 spilled",
+                       compiled.spilled == 0)]
+
+
 SECTIONS = {"types": check_task_types, "decode": check_decode, "layer": check_layer, "dispatch": check_dispatch,
             "virtual": check_virtual_ranks, "moe": check_moe, "steps": check_steps, "serving": check_serving,
-            "quantized": check_quantized, "sampling": check_sampling, "speculation": check_speculation}
+            "quantized": check_quantized, "sampling": check_sampling, "speculation": check_speculation,
+            "nodes": check_nodes}
 SPIN = ":spin"  # a section with the old protocol
 DEFAULT = ["types", "decode", "layer", "quantized", "moe", "steps", "dispatch", "dispatch" + SPIN, "virtual",
-           "virtual" + SPIN, "serving", "sampling", "speculation"]
+           "virtual" + SPIN, "serving", "sampling", "speculation", "nodes"]
 if device.protocol() == "spin":  # the default already: the :spin sections would repeat the others
     DEFAULT = [name for name in DEFAULT if not name.endswith(SPIN)]
 # Seconds each section may take in its own process (a CUDA fault poisons the process that hit it, a
 # hang must not eat the GPU's time): all of them within BUDGET.
 LIMITS = {"types": 90, "decode": 90, "layer": 240, "quantized": 150, "moe": 150, "steps": 150, "dispatch": 60,
-          "virtual": 90, "serving": 150, "sampling": 60, "speculation": 150}
+          "virtual": 90, "serving": 150, "sampling": 60, "speculation": 150, "nodes": 120}
 BUDGET = 480
 
 

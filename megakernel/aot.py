@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import codegen
+from . import codegen, shmem
 from .errors import BackendError
 from .backends.gpu import launch_options
 from .occupancy import KernelResources, binary_resources, cubin_code
@@ -53,16 +53,19 @@ class Compiled:
 
 
 def compile_kernel(specs: list[Spec], target: str, row_words: int, trace: bool = False,
-                   num_warps: int | None = None, protocol: str | None = None) -> Compiled:
+                   num_warps: int | None = None, protocol: str | None = None, transport: str = "memory") -> Compiled:
     """Compile the megakernel for ``specs`` for ``target`` (a key of ``TARGETS``), with or without tracing,
-    with the wait/signal ``protocol`` (``device.PROTOCOLS``; the default one if None), with the options
-    a GPU launch uses (``backends.gpu.launch_options``; ``num_warps`` overrides)."""
+    with the wait/signal ``protocol`` (``device.PROTOCOLS``; the default one if None), reaching peers through
+    ``transport`` (``codegen.TRANSPORTS``; "nvshmem" links NVSHMEM's device library, ``shmem``), with the
+    options a GPU launch uses (``backends.gpu.launch_options``; ``num_warps`` overrides)."""
     gpu = TARGETS[target]
-    kernel = codegen.load_kernel(codegen.kernel_path(specs, gpu.backend, protocol))
+    kernel = codegen.load_kernel(codegen.kernel_path(specs, gpu.backend, protocol, transport))
     signature = {name: "i64" for name in codegen.KERNEL_ARGS}
     signature.update(ROW="constexpr", TRACE="constexpr")
     source = ASTSource(fn=kernel, signature=signature, constexprs={"ROW": row_words, "TRACE": trace})
-    options = launch_options(gpu.backend) | ({} if num_warps is None else {"num_warps": num_warps})
+    options = launch_options(gpu.backend, transport=transport) | ({} if num_warps is None else {"num_warps": num_warps})
+    if transport == "nvshmem":
+        options["extern_libs"] = {"libnvshmem_device": str(shmem.device_library(gpu.arch))}
     compiled = triton.compile(source, target=gpu, options=options)
     binary, text = ("cubin", "ptx") if gpu.backend == "cuda" else ("hsaco", "amdgcn")
     res = binary_resources(compiled.asm, compiled.metadata.name, compiled.metadata.shared,

@@ -6,10 +6,17 @@ cross-rank edges. After that the kernel itself needs no host communication.
 Virtual ranks (``launch(..., virtual=True)``) are threads of one process, one per rank, sharing a
 ``VirtualWorld``: exchanges pass Python objects by reference, so rank 0 can allocate one heap for all
 ranks and hand the others their slices.
+
+The ranks live on nodes (``Topology``): ranks of one node map each other's heaps, ranks of different
+nodes share no memory and reach each other through a transport (``transport``). The node of a process
+rank comes from torchrun's variables, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` (which ``launch`` sets too);
+virtual ranks are one node.
 """
 from __future__ import annotations
 
+import os
 import threading
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -62,6 +69,67 @@ def current_world() -> tuple[int, int]:
     return 1, 0
 
 
+@dataclass(frozen=True)
+class Topology:
+    """The node of each rank (``nodes[r]``), nodes numbered from 0 in rank order: torchrun's layout, a
+    node's ranks consecutive."""
+
+    nodes: tuple[int, ...]
+
+    @classmethod
+    def uniform(cls, world_size: int, ranks_per_node: int | None = None) -> "Topology":
+        """``world_size`` ranks, ``ranks_per_node`` to a node (None: one node); it must divide the world."""
+        per_node = world_size if ranks_per_node is None else ranks_per_node
+        if not (isinstance(per_node, int) and not isinstance(per_node, bool) and per_node > 0
+                and world_size % per_node == 0):
+            raise BackendError(f"ranks_per_node must be a positive integer that divides the world size "
+                               f"{world_size}, got {ranks_per_node!r}")
+        return cls(tuple(r // per_node for r in range(world_size)))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def node_count(self) -> int:
+        return self.nodes[-1] + 1
+
+    def same_node(self, a: int, b: int) -> bool:
+        return self.nodes[a] == self.nodes[b]
+
+    def node_ranks(self, node: int) -> list[int]:
+        """The ranks of ``node``, in rank order."""
+        return [r for r, n in enumerate(self.nodes) if n == node]
+
+    def local_index(self, rank: int) -> int:
+        """``rank``'s place among its node's ranks (torchrun's ``LOCAL_RANK``)."""
+        return self.node_ranks(self.nodes[rank]).index(rank)
+
+    @property
+    def uniform_nodes(self) -> bool:
+        """Every node holds as many ranks."""
+        return len({self.nodes.count(n) for n in range(self.node_count)}) == 1
+
+
+def current_topology() -> Topology:
+    """The nodes of the calling thread's world (``current_world``): one node for virtual ranks and a
+    single process; else torchrun's ``LOCAL_WORLD_SIZE`` ranks to a node (this process's node being
+    ``GROUP_RANK``, when set, which must agree)."""
+    world_size, rank = current_world()
+    if getattr(_thread, "world", None) is not None or world_size == 1 or "LOCAL_WORLD_SIZE" not in os.environ:
+        return Topology.uniform(world_size)
+    try:
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        node = int(os.environ.get("GROUP_RANK", rank // per_node)) if per_node > 0 else -1
+    except ValueError:
+        raise BackendError(f"LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']!r} / "
+                           f"GROUP_RANK={os.environ.get('GROUP_RANK')!r} are not integers") from None
+    if per_node <= 0 or world_size % per_node or node != rank // per_node:
+        raise BackendError(f"LOCAL_WORLD_SIZE={per_node} and GROUP_RANK={os.environ.get('GROUP_RANK')} do not describe "
+                           f"rank {rank} of {world_size} on nodes of equal size, ranks numbered node by node")
+    return Topology.uniform(world_size, per_node)
+
+
 def default_backend() -> str:
     """The backend ``"auto"`` means here: what ``launch`` asked for, else the best one available."""
     world = getattr(_thread, "world", None)
@@ -94,8 +162,9 @@ class Group:
 
     EXCHANGE_TIMEOUT = 600.0
 
-    def __init__(self, world_size: int, rank: int):
+    def __init__(self, world_size: int, rank: int, topology: Topology | None = None):
         self.world_size, self.rank = world_size, rank
+        self.topology = Topology.uniform(world_size) if topology is None else topology
         self.meetings = 0  # barriers and exchanges with the other ranks so far
         self.world: VirtualWorld | None = getattr(_thread, "world", None)
         self.virtual = self.world is not None
@@ -112,6 +181,18 @@ class Group:
             if (dist.get_world_size(), dist.get_rank()) != (world_size, rank):
                 raise BackendError(f"the graph was built for rank {rank} of {world_size}, but this process is "
                                    f"rank {dist.get_rank()} of {dist.get_world_size()}")
+        if self.topology.world_size != world_size:
+            raise BackendError(f"a topology of {self.topology.world_size} ranks for a world of {world_size}")
+        real = current_topology() if world_size > 1 and not self.virtual else self.topology
+        split = [(a, b) for a in range(world_size) for b in range(a) if self.topology.same_node(a, b)
+                 and not real.same_node(a, b)]
+        if split:  # a graph may see more nodes than there are (each a transport's test), never fewer
+            raise BackendError(f"the graph puts ranks {split[0][1]} and {split[0][0]} on one node, but they are on "
+                               f"nodes {real.nodes[split[0][1]]} and {real.nodes[split[0][0]]} "
+                               f"(LOCAL_WORLD_SIZE / GROUP_RANK): they share no memory")
+        if self.virtual and self.topology.node_count > 1:
+            raise BackendError("virtual ranks are threads of one process: they cannot be on several nodes "
+                               "(launch process ranks with ranks_per_node)")
 
     def all_gather(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in rank order (virtual ranks: the objects themselves, not copies)."""

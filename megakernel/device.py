@@ -230,10 +230,10 @@ def row_position(status, pos, bound):
 
 
 @triton.jit
-def signal_event(bases, rank, dst, events_off, event, increment, SCOPED: tl.constexpr, SEM: tl.constexpr):
-    """Add ``increment`` to ``event`` on rank ``dst`` (this rank or a peer) with semantics ``SEM``: with
-    ``SCOPED`` at gpu scope when ``dst`` is this rank (the data and the event stayed on this GPU), else
-    (and always without) at system scope."""
+def add_to_event(bases, rank, dst, events_off, event, increment, SCOPED: tl.constexpr, SEM: tl.constexpr):
+    """Add ``increment`` to ``event`` on rank ``dst`` (this rank or a peer whose heap is mapped) with semantics
+    ``SEM``: with ``SCOPED`` at gpu scope when ``dst`` is this rank (the data and the event stayed on this
+    GPU), else (and always without) at system scope."""
     counter = peer_ptr(bases, dst, events_off + event * 8, tl.int64)
     if SCOPED and dst == rank:
         tl.atomic_add(counter, increment, sem=SEM, scope="gpu")
@@ -242,8 +242,22 @@ def signal_event(bases, rank, dst, events_off, event, increment, SCOPED: tl.cons
 
 
 @triton.jit
+def signal_event(bases, rank, dst, events_off, event, increment, SCOPED: tl.constexpr, SEM: tl.constexpr,
+                 NETWORK_SIGNAL: tl.constexpr):
+    """``add_to_event``; with a network transport (``NETWORK_SIGNAL``: ``shmem.signal``), through it when
+    ``dst`` is a rank of another node (its base 0: its heap is not mapped here)."""
+    if NETWORK_SIGNAL is not None:
+        if tl.load(bases + dst) == 0:
+            NETWORK_SIGNAL(tl.load(bases + rank), events_off + event * 8, increment, dst)
+        else:
+            add_to_event(bases, rank, dst, events_off, event, increment, SCOPED, SEM)
+    else:
+        add_to_event(bases, rank, dst, events_off, event, increment, SCOPED, SEM)
+
+
+@triton.jit
 def signal_all(bases, rank, signals, first, count, events_off, FENCE: tl.constexpr, SCOPED: tl.constexpr,
-               RELAXED_ADDS: tl.constexpr):
+               RELAXED_ADDS: tl.constexpr, NETWORK_SIGNAL: tl.constexpr):
     """Send a task's ``count`` signals from signal ``first`` on, after its tile's stores (and a barrier).
     With ``RELAXED_ADDS``, one release fence covers them all (at system scope if one goes to a peer),
     then relaxed adds; without, every add releases."""
@@ -255,7 +269,8 @@ def signal_all(bases, rank, signals, first, count, events_off, FENCE: tl.constex
     for s in range(first, first + count):
         signal = signals + s * SIGNAL_WORDS
         signal_event(bases, rank, tl.load(signal + SIGNAL_RANK), events_off, tl.load(signal + SIGNAL_EVENT),
-                     tl.load(signal + SIGNAL_INCREMENT), SCOPED, "relaxed" if RELAXED_ADDS else "release")
+                     tl.load(signal + SIGNAL_INCREMENT), SCOPED, "relaxed" if RELAXED_ADDS else "release",
+                     NETWORK_SIGNAL)
 
 
 # The task row and signal layouts (``layout``), as constexprs for the kernel.
@@ -322,7 +337,8 @@ def wait_for(events, event, target, abort, status, task, timeout_ns, WAIT: tl.co
 def persistent_loop(bases_addr, rank, worker, steps, timeout_ns, tasks_off, signals_off, queue_off, index_off,
                     events_off, status_off, trace_off, ROW: tl.constexpr, RUN_TILE: tl.constexpr,
                     CLOCK: tl.constexpr, FENCE: tl.constexpr, WAIT: tl.constexpr, SCOPED_SIGNALS: tl.constexpr,
-                    RELAXED_ADDS: tl.constexpr, TRACE: tl.constexpr):
+                    RELAXED_ADDS: tl.constexpr, TRACE: tl.constexpr, NETWORK_PUT: tl.constexpr = None,
+                    NETWORK_SIGNAL: tl.constexpr = None):
     """One worker's whole launch: ``steps`` steps (epochs ``epoch``, ``epoch + 1``, ...), each running the
     worker's queue: for each task, wait, run the tile (unless its guard skips it this step, ``skipped``),
     signal.
@@ -336,7 +352,10 @@ def persistent_loop(bases_addr, rank, worker, steps, timeout_ns, tasks_off, sign
     no longer separates from this one). ``WAIT``, ``SCOPED_SIGNALS`` and ``RELAXED_ADDS`` are the
     protocol's (see the module docstring; the interpreter keeps releasing adds, ``interpreter_fence``).
 
-    ``RUN_TILE(opcode, base, bases, status, args)`` dispatches to the tile functions (generated per graph). A wait
+    ``NETWORK_PUT`` and ``NETWORK_SIGNAL`` are a network transport's device calls (``shmem``; None: every peer's
+    heap is mapped, or shadowed by the host's transport, ``transport``), handed to the tiles that take them.
+
+    ``RUN_TILE(opcode, base, bases, status, args, NETWORK_PUT)`` dispatches to the tile functions (generated per graph). A wait
     that times out writes this worker's status record and stops every worker of the rank; a launch
     that finds the rank stopped (a stall whose records the host has not read: replays) runs nothing, and
     every step starts by reading the abort word: a host that stops a launch of tasks that never wait (or
@@ -390,14 +409,14 @@ def persistent_loop(bases_addr, rank, worker, steps, timeout_ns, tasks_off, sign
                         if TRACE:
                             tl.store(stamp + 1, CLOCK())
                         if skipped(base, guard) == 0:
-                            RUN_TILE(opcode, base, bases, status, row + ROW_ARG0)
+                            RUN_TILE(opcode, base, bases, status, row + ROW_ARG0, NETWORK_PUT)
                         tl.debug_barrier()
                         if tl.load(status + FAULT) == now:  # a tile faulted: tell the host
                             tl.atomic_max(abort + FAULTED, now, sem="relaxed", scope="gpu")  # before the signals
                         if TRACE:  # before the signals: a consumer may start as soon as they are sent
                             tl.store(stamp + 2, CLOCK())
                         signal_all(bases, rank, signals, first_signal, signal_count, events_off, FENCE,
-                                   SCOPED_SIGNALS, RELAXED_ADDS)
+                                   SCOPED_SIGNALS, RELAXED_ADDS, NETWORK_SIGNAL)
                         tl.store(status + DONE, i - first + 1)
                 task, event, fan_in, carry, carry_fan_in, opcode, first_signal, signal_count, guard = next_header
         step += 1

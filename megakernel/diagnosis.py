@@ -9,7 +9,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -75,9 +75,12 @@ def faults(t: QueueTables, status: np.ndarray, since: int, rank: int | None = No
     return found
 
 
-def deadlock_report(t: QueueTables, status: np.ndarray, peer_status: Mapping[int, np.ndarray]) -> str:
+def deadlock_report(t: QueueTables, status: np.ndarray, peer_status: Mapping[int, np.ndarray],
+                    arrival: Callable[[int, int, int], str] | None = None) -> str:
     """The report of a stopped launch from this rank's records ``status`` and the records of the peers
-    (``peer_status[rank]``) whose tasks raise this rank's events: per worker, the step (epoch) it was in."""
+    (``peer_status[rank]``) whose tasks raise this rank's events: per worker, the step (epoch) it was in.
+    A producer on another node has no record here: ``arrival(rank, event, step)`` says whether its message
+    came (``transport.Transport.arrival``)."""
     owner, position = t.worker_of(), t.queue_position()
     done = status[:, DONE]
     lines = []
@@ -102,6 +105,10 @@ def deadlock_report(t: QueueTables, status: np.ndarray, peer_status: Mapping[int
             lines.append(f"    producer task {p} ({task_label(t, p)}) on rank {t.rank} worker {int(owner[p])} "
                          f"queue position {int(position[p])}: {'ran' if ran else 'did not run'}")
         for rank, task_id, worker, pos, op in t.remote_producers.get(event, []):
+            if rank not in peer_status:
+                lines.append(f"    producer task {task_id} ({t.op_names[op]} op {op}) on rank {rank} (another node) "
+                             f"worker {worker} queue position {pos}: {arrival(rank, event, wanted)}")
+                continue
             peer = peer_status[rank][worker]
             progress = f"rank {rank} worker {worker} finished {int(peer[DONE])} tasks of step {int(peer[EPOCH])}"
             lines.append(f"    producer task {task_id} ({t.op_names[op]} op {op}) on rank {rank} worker {worker} "

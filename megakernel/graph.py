@@ -30,8 +30,8 @@ from typing import Any, Callable
 import torch
 
 from .backends import largest_heap
-from .bootstrap import current_world
-from .errors import GraphError, is_count, is_int
+from .bootstrap import Topology, current_topology, current_world
+from .errors import BackendError, GraphError, is_count, is_int
 from .layout import COMM, align
 from .scheduler import NO_GUARD, Region, Spec, Tasks, task_cost
 from .tasks import DTYPES, OPS, TaskType
@@ -152,12 +152,14 @@ class Graph:
     """
 
     def __init__(self, world_size: int | None = None, rank: int | None = None, parallelism: int = 1,
-                 few_tiles: bool = False):
+                 few_tiles: bool = False, ranks_per_node: int | None = None):
         """``parallelism``: the number of workers the graph is meant for; ops whose natural tiling gives
         fewer tiles split finer (split-K linears, more attention splits) to keep that many busy.
         ``few_tiles``: cut each op into about ``parallelism`` tiles, each looping over the blocks it
         covers, rather than a tile per block: for a backend whose every tile costs a host call (torch's
-        ~10-30 us), not the few hundred cycles of a GPU's."""
+        ~10-30 us), not the few hundred cycles of a GPU's. ``ranks_per_node``: how the ranks sit on
+        nodes (``topology``; collectives send each byte between nodes once); None: as this process's
+        ranks do (``bootstrap.current_topology``) when the world is this process's, else one node."""
         if not is_count(parallelism):
             raise GraphError(f"parallelism must be a positive integer, got {parallelism!r}")
         if not isinstance(few_tiles, bool):
@@ -169,6 +171,13 @@ class Graph:
         self.rank = group_rank if rank is None else rank
         if not 0 <= self.rank < self.world_size:
             raise GraphError(f"rank {self.rank} is outside world size {self.world_size}")
+        if ranks_per_node is None and self.world_size == group_size:
+            self.topology = current_topology()
+        else:
+            try:
+                self.topology = Topology.uniform(self.world_size, ranks_per_node)
+            except BackendError as error:
+                raise GraphError(str(error)) from None
         self.buffers: list[Buffer] = []
         self.inputs: dict[str, Tensor] = {}
         self.outputs: dict[str, Tensor] = {}  # what run returns, by name; in a sealed copy, where it reads them

@@ -14,7 +14,7 @@ import mmap
 import os
 import secrets
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -54,13 +54,16 @@ class RankHeap:
 
 @dataclass
 class Heaps:
-    """This rank's heap and every peer's, as this process can read and write them, and ``delta``: this
+    """This rank's heap and its node's peers', as this process can read and write them, and ``delta``: this
     rank's comm area address minus its data area's, as its programs see them (``layout.device_words``);
-    what a backend's ``allocate`` returns."""
+    what a backend's ``allocate`` returns. ``shadows``: for each peer on another node, the stand-in for its
+    comm area in this rank's heap, which this rank's tiles write as they would the peer's and the
+    transport carries over (``transport``)."""
 
     local: RankHeap
     peers: dict[int, RankHeap]
     delta: int
+    shadows: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def kernel_bases(heaps: list[RankHeap], rank: int) -> tuple[list[int], int]:

@@ -63,9 +63,12 @@ def _init_group(rank: int, world_size: int, init_method: str, timeout: float, ba
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
 
 
-def _rank_main(fn, rank: int, world_size: int, init_method: str, timeout: float, backend: str, conn) -> None:
+def _rank_main(fn, rank: int, world_size: int, ranks_per_node: int, init_method: str, timeout: float, backend: str,
+               conn) -> None:
     cpu.die_with_parent()  # a launcher killed outright takes its ranks (and their workers) along
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # torchrun's variables, which ``bootstrap.current_topology`` reads: ranks numbered node by node
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % ranks_per_node),
+                      LOCAL_WORLD_SIZE=str(ranks_per_node), GROUP_RANK=str(rank // ranks_per_node))
     import torch.distributed as dist
     try:
         _init_group(rank, world_size, init_method, timeout, backend)
@@ -84,22 +87,32 @@ def _rank_main(fn, rank: int, world_size: int, init_method: str, timeout: float,
 
 
 def launch(fn: Callable[[], Any], world_size: int, backend: str = "auto", timeout: float = 600.0,
-           virtual: bool = False) -> list[Any]:
+           virtual: bool = False, ranks_per_node: int | None = None) -> list[Any]:
     """Run ``fn()`` on ``world_size`` ranks; return the per-rank results in rank order.
 
     ``backend`` ("auto": the GPU if there is one, else "cpu") is what kernels built with backend "auto"
     use. Process ranks: ``fn`` must be importable by name (a module-level function), as with
     ``torch.multiprocessing``; under ``torchrun`` the current process is one rank of the job: ``fn``
     runs here and the results of every rank are gathered. ``virtual=True``: the ranks are threads of
-    this process sharing its device (any callable will do).
+    this process sharing its device (any callable will do). ``ranks_per_node``: the ranks are on nodes
+    of that many (None: one node; under torchrun, its nodes), ranks numbered node by node: ranks of one
+    node map each other's heaps, the others share no memory and meet through the transport
+    (``Megakernel.links``), as they would on machines of their own.
     """
     backend = resolve(backend)
     if not is_count(world_size):
         raise BackendError(f"world_size must be a positive integer, got {world_size!r}")
     timeout = check_timeout(timeout)
+    per_node = bootstrap.Topology.uniform(world_size, ranks_per_node).nodes.count(0)  # checks it
     if virtual:
+        if per_node != world_size:
+            raise BackendError("virtual ranks are threads of one process, one node: ranks_per_node needs process "
+                               "ranks (virtual=False)")
         return _launch_virtual(fn, world_size, backend, timeout)
     if _under_torchrun():
+        if ranks_per_node is not None and str(ranks_per_node) != os.environ.get("LOCAL_WORLD_SIZE"):
+            raise BackendError(f"launch(ranks_per_node={ranks_per_node}) under torchrun, whose nodes have "
+                               f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')} ranks")
         return _launch_in_torchrun(fn, world_size, timeout, backend)
     context = mp.get_context("spawn")
     launch_id = secrets.token_hex(6)
@@ -111,7 +124,7 @@ def launch(fn: Callable[[], Any], world_size: int, backend: str = "auto", timeou
             for rank in range(world_size):
                 parent, child = context.Pipe(duplex=False)
                 process = context.Process(target=_rank_main,
-                                          args=(fn, rank, world_size, init_method, timeout, backend, child),
+                                          args=(fn, rank, world_size, per_node, init_method, timeout, backend, child),
                                           name=f"megakernel-rank-{rank}")
                 process.start()
                 child.close()

@@ -17,9 +17,10 @@ from .backends.cpu import WorkerPool
 from .errors import BackendError, DeadlockError, FaultError, GraphError, check_timeout, is_count
 from .graph import Graph, Tensor
 from .heap import HeapView, RankHeap
-from .layout import ABORT, FAULTED, INDEX, NOT_FINITE, STATUS_WORDS, TRACE_WORDS, HeapLayout, device_words
+from .layout import ABORT, COMM, FAULTED, INDEX, NOT_FINITE, STATUS_WORDS, TRACE_WORDS, HeapLayout, device_words
 from .scheduler import ARG0, CARRY_FAN_IN, FAN_IN, QueueTables, check_periodic, schedule, serialize
 from .trace import Trace, rank_trace
+from .transport import Transport, outgoing_channels
 
 
 MAX_STEPS = 2**32  # of one launch: ample for any run, and the epochs stay far from int64's end
@@ -44,7 +45,7 @@ class Megakernel:
         _check_buildable(graph, workers)
         self.timeout = check_timeout(timeout)
         self.tracing = bool(trace)
-        self.group = Group(graph.world_size, graph.rank)
+        self.group = Group(graph.world_size, graph.rank, graph.topology)
         name = resolve(backend)
         # The build, stage by stage. The backend comes before the schedule: the scheduler places tasks
         # on its workers (on a GPU, as many as the compiled kernel lets be resident at once).
@@ -72,6 +73,11 @@ class Megakernel:
         self._meet = graph.world_size > 1  # before the first launch, and after a collective poison
         self._lock = threading.Lock()      # one run at a time, whichever thread calls
         self.upload_tables()
+        self.transport: Transport | None = None  # what reaches the peers of other nodes (``transport``)
+        if self.group.topology.node_count > 1:
+            self.transport = _connect_nodes(self, heaps.shadows)
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _release, self.backend, self.transport, self.timeout)
 
     # -- heap access ------------------------------------------------------------------------------
     def words(self, offset: int, count: int, heap: RankHeap | None = None) -> torch.Tensor:
@@ -82,6 +88,9 @@ class Megakernel:
     def upload_tables(self) -> None:
         """Copy ``self.tables`` into the heap (again, if a test or tool edited them) and clear events. The
         task rows' comm-area offsets go as the kernel reads them (``layout.device_words``)."""
+        if getattr(self, "transport", None) is not None:
+            raise BackendError("a kernel whose ranks span nodes keeps the tables it was built with (its transport "
+                               "was planned from them): build a new kernel")
         t, lay = self.tables, self.layout
         rows = device_words(t.rows, self.delta)
         for offset, array in [(lay.tasks_off, rows), (lay.signals_off, t.signals), (lay.queue_off, t.queue),
@@ -142,6 +151,14 @@ class Megakernel:
         for name, value in inputs.items():
             self.tensor(self.graph.inputs[name]).copy_(value.detach())
             self._bound.add(name)
+
+    @property
+    def links(self) -> dict[int, str]:
+        """How this rank reaches each rank: "self", "memory" (a rank of its node, whose heap it maps) or the
+        transport's name (a rank of another node: "gloo" on the cpu and torch backends)."""
+        topology, me = self.group.topology, self.graph.rank
+        return {r: "self" if r == me else "memory" if topology.same_node(r, me) else self.transport.name
+                for r in range(self.graph.world_size)}
 
     @property
     def host_barriers(self) -> int:
@@ -225,6 +242,8 @@ class Megakernel:
         first, self._checked_launches = self._checked_launches + 1, self.launches
         what = (f"launch {first}" if first == self.launches else f"launches {first} to {self.launches}") + (
             f" (steps {since} to {self.epoch})")
+        if failure is None and self.transport is not None and self.transport.failures:
+            failure = BackendError(f"rank {self.graph.rank}: {what} stopped: " + "; ".join(self.transport.failures))
         header = self._header() if failure is None else None
         if failure is None and header[ABORT]:
             status = self._status()
@@ -347,7 +366,8 @@ class Megakernel:
     def deadlock_report(self) -> str:
         """What each worker was doing when the run stopped; for a stalled wait, who should have signalled."""
         peers = {rank: self._status(heap) for rank, heap in self.peers.items()}
-        return diagnosis.deadlock_report(self.tables, self._status(), peers)
+        return diagnosis.deadlock_report(self.tables, self._status(), peers,
+                                         self.transport.arrival if self.transport else None)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -379,6 +399,25 @@ class Megakernel:
         self.close()
 
 
+def _connect_nodes(kernel: Megakernel, shadows: dict[int, torch.Tensor]) -> Transport:
+    """The transport stage (ranks on several nodes): this rank's channels to the peers of other nodes from its
+    tables, the channels into it from theirs (an exchange), the progress agent started."""
+    group, rank = kernel.group, kernel.graph.rank
+    outgoing = [c for c in outgoing_channels(kernel.tables, kernel.graph, group.topology) if c.messages]
+    incoming = [c for channels in group.all_gather(outgoing) for c in channels if c.dst == rank]
+    return Transport(rank, outgoing, incoming, kernel.heap.comm, shadows, kernel.layout.events_off - COMM,
+                     kernel.words(kernel.layout.status_off, 1))
+
+
+def _release(backend: Backend, transport: Transport | None, timeout: float) -> None:
+    """What closing a kernel lets go: the transport (its peers told), then the heap."""
+    try:
+        if transport is not None:
+            transport.close(timeout)
+    finally:
+        backend.close()
+
+
 def _check_buildable(graph: Graph, workers: int | None) -> None:
     if not isinstance(graph, Graph):
         raise GraphError(f"Megakernel needs a Graph, got {type(graph).__name__}")
@@ -394,6 +433,7 @@ def _seal(graph: Graph, group: Group, timeout: float) -> Graph:
     """The seal stage: once the ranks agree on their ops, ``graph``'s sealed copy (``Graph.sealed``), its
     buffers agreed too."""
     group.barrier(timeout=timeout, why="build the kernel")  # names a rank that never comes
+    check_agreement(group, "topology", [f"ranks on nodes {list(graph.topology.nodes)}"])
     check_agreement(group, "op", graph.op_calls)
     sealed = graph.sealed(set().union(*group.all_gather(graph.remote_targets())))
     check_agreement(group, "buffer", sealed.buffer_layout())

@@ -75,6 +75,8 @@ class QueueTables:
     op_names: list[str] = field(default_factory=list)
     # event -> the tasks of other ranks that raise it: (rank, task, worker, queue position, op)
     remote_producers: dict[int, list[tuple[int, int, int, int, int]]] = field(default_factory=dict)
+    # row -> the graph's task id (rows are in the global order); what the kernel does not need, not serialized
+    task_ids: np.ndarray | None = None
 
     @property
     def row_words(self) -> int:
@@ -143,7 +145,7 @@ def build_tables(tasks: Tasks, placement: Placement, events: Events, *, specs: l
     index = np.zeros(workers + 1, dtype=np.int64)
     index[1:] = np.cumsum(np.bincount(worker_by_row, minlength=workers))
     return QueueTables(rank, world_size, workers, events.count, rows, signal_rows, queue, index, task_op,
-                       list(specs), list(op_names), dict(remote_producers or {}))
+                       list(specs), list(op_names), dict(remote_producers or {}), order)
 
 
 def serialize(t: QueueTables) -> bytes:

@@ -6,6 +6,14 @@ loop releases the peer's event. Collectives are
 graphs of put tiles and fixed-order sum tiles, so a consumer tile waits only for the tiles it reads
 and communication overlaps computation inside the one launch. Every reduction adds contributions
 in rank order 0, 1, ..., so every rank gets a bitwise identical result.
+
+Across nodes (``Graph.topology``) the collectives know where the network is: every byte crosses it once.
+An all-reduce sums inside each node first (a reduce-scatter), exchanges each rank's shard with the ranks of
+the same place on the other nodes, and gathers inside the node; its sum goes over the node's ranks in
+order, then over the nodes in order, the same order on every rank (so every rank holds the same bits, a
+rounding away from one node's rank-order sum). An all-gather sends a rank's block to its counterparts of
+the other nodes, which hand it on inside theirs; a reduce-scatter sums each owner's chunk inside every
+node, then sends the node's sum to its owner.
 """
 from __future__ import annotations
 
@@ -22,13 +30,28 @@ ONE_SHOT_MAX_BYTES = 64 * 1024  # above this, all_reduce is a reduce-scatter the
 
 
 @triton.jit
-def put_tile(base, bases,
+def put_tile(base, bases, NETWORK_PUT: tl.constexpr,
              dst, src,                # heap offsets: dst on rank peer, src here
              peer,                    # the rank that receives the block
              rows, cols,              # the block: rows x cols <= BLOCK_M x BLOCK_N
              dst_stride, src_stride,  # row strides, in elements
              DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Copy a local block to the same-shaped block at ``dst`` on rank ``peer``."""
+    """Copy a local block to the same-shaped block at ``dst`` on rank ``peer``: stores into its mapped heap,
+    or, with a network transport (``NETWORK_PUT``, ``shmem.put_rows``), its puts to a peer of another node
+    (whose base is 0: not mapped)."""
+    if NETWORK_PUT is not None:
+        if tl.load(bases + peer) == 0:
+            NETWORK_PUT(base, dst, src, peer, rows, cols, dst_stride, src_stride, DTYPE)
+        else:
+            copy_block(base, bases, dst, src, peer, rows, cols, dst_stride, src_stride, DTYPE, BLOCK_M, BLOCK_N)
+    else:
+        copy_block(base, bases, dst, src, peer, rows, cols, dst_stride, src_stride, DTYPE, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def copy_block(base, bases, dst, src, peer, rows, cols, dst_stride, src_stride, DTYPE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``put_tile`` through memory: a load of the block here, a store into the peer's mapped heap."""
     block = load_block(heap_ptr(base, src, DTYPE), src_stride, rows, cols, BLOCK_M, BLOCK_N)
     store_block(peer_ptr(bases, peer, dst, DTYPE), dst_stride, rows, cols, block, BLOCK_M, BLOCK_N)
 
@@ -77,12 +100,17 @@ def _column_chunks(cols: int, world: int) -> list[tuple[int, int]]:
 
 def all_reduce(g, x, algorithm: str | None = None):
     """Sum of ``x`` over ranks, on every rank. ``algorithm``: "one_shot" (every rank sends its whole
-    tensor to every rank), "two_shot" (reduce-scatter then all-gather), or None to choose by size."""
+    tensor to every rank), "two_shot" (reduce-scatter then all-gather), "hierarchical" (inside the node,
+    across nodes, inside the node), or None: hierarchical across nodes, else by size."""
     world, me = g.world_size, g.rank
     require_float(g, "all_reduce", x=x)
+    if algorithm is None and g.topology.node_count > 1:
+        algorithm = "hierarchical"
     if algorithm is None:
         algorithm = "one_shot" if x.rows * x.cols * x.element_size <= ONE_SHOT_MAX_BYTES else "two_shot"
-    g.require(algorithm in ("one_shot", "two_shot"), f"all_reduce: unknown algorithm {algorithm!r}")
+    g.require(algorithm in ("one_shot", "two_shot", "hierarchical"), f"all_reduce: unknown algorithm {algorithm!r}")
+    if algorithm == "hierarchical":
+        return _hierarchical_all_reduce(g, x)
     src = x.block()
     rows, cols = src.rows, src.cols
     stage = g.new_tensor((world * rows, cols), x.dtype, comm=True)  # slot s holds rank s's contribution
@@ -110,6 +138,51 @@ def all_reduce(g, x, algorithm: str | None = None):
     return out
 
 
+def _places(g) -> tuple[list[int], int, list[list[int]]]:
+    """This rank's node's ranks, its place among them, and every node's ranks (nodes of equal size)."""
+    topology = g.topology
+    nodes = [topology.node_ranks(n) for n in range(topology.node_count)]
+    mine = nodes[topology.nodes[g.rank]]
+    return mine, mine.index(g.rank), nodes
+
+
+def _hierarchical_all_reduce(g, x):
+    """``all_reduce`` across nodes: shard ``l`` of the columns summed on the node's rank ``l``, then over the
+    nodes by the ranks of place ``l`` (one shard each way per pair of nodes), then gathered in the node."""
+    local, place, nodes = _places(g)
+    node, count = g.topology.nodes[g.rank], len(nodes)
+    src = x.block()
+    rows, cols = src.rows, src.cols
+    chunks = _column_chunks(cols, len(local))
+    stage = g.new_tensor((len(local) * rows, cols), x.dtype, comm=True)  # slot l: the node's rank l's contribution
+    cross = g.new_tensor((count * rows, cols), x.dtype, comm=True)       # slot n: node n's sum
+    out = g.new_tensor(x.shape, x.dtype, comm=True)
+    for owner, (c0, c1) in zip(local, chunks):
+        if c1 > c0:
+            put_tiles(g, src.block(0, rows, c0, c1 - c0), owner, stage.block(place * rows, rows, c0, c1 - c0))
+    c0, c1 = chunks[place]
+    width = c1 - c0
+    g.phase("all_reduce.node_sum")
+    if width:
+        sum_slices(g, cross.block(node * rows, rows, c0, width), stage.block(0, len(local) * rows, c0, width),
+                   len(local), rows)
+    g.phase("all_reduce.nodes")
+    if width:
+        mine = cross.block(node * rows, rows, c0, width)
+        for other in range(count):
+            if other != node:
+                put_tiles(g, mine, nodes[other][place], mine)
+    g.phase("all_reduce.sum")
+    if width:
+        sum_slices(g, out.block(0, rows, c0, width), cross.block(0, count * rows, c0, width), count, rows)
+    g.phase("all_reduce.gather")
+    if width:
+        for peer in local:
+            if peer != g.rank:
+                put_tiles(g, out.block(0, rows, c0, width), peer, out.block(0, rows, c0, width))
+    return out
+
+
 def _along_rows(g, op: str, x, dim: int) -> bool:
     """Refuse a bad ``dim`` or ``x`` for a collective along ``dim``; whether ``dim`` is the rows of x's 2-D
     view (else it is its columns)."""
@@ -133,8 +206,19 @@ def all_gather(g, x, dim: int = 0):
     size = x.shape[dim]
     out = g.new_tensor(_resized(x.shape, dim, g.world_size * size), x.dtype, comm=True)
     slot = _chunk(out.block(), g.rank, size, along_rows)
-    for dst in range(g.world_size):
-        put_tiles(g, x.block(), dst, slot)
+    if g.topology.node_count == 1:
+        for dst in range(g.world_size):
+            put_tiles(g, x.block(), dst, slot)
+        return out
+    local, place, nodes = _places(g)  # to this place on every node, then on inside each node
+    for ranks in nodes:
+        put_tiles(g, x.block(), ranks[place], slot)
+    g.phase("all_gather.node")
+    for ranks in nodes:
+        held = _chunk(out.block(), ranks[place], size, along_rows)
+        for peer in local:
+            if peer != g.rank:
+                put_tiles(g, held, peer, held)
     return out
 
 
@@ -148,11 +232,33 @@ def reduce_scatter(g, x, dim: int = 0):
     chunks = [_chunk(x.block(), owner, size, along_rows) for owner in range(world)]
     chunk_rows, chunk_cols = chunks[0].rows, chunks[0].cols
     out = g.new_tensor(_resized(x.shape, dim, size), x.dtype)
-    stage = g.new_tensor((world * chunk_rows, chunk_cols), x.dtype, comm=True)  # slot s holds rank s's chunk
-    for owner, chunk in enumerate(chunks):
-        put_tiles(g, chunk, owner, stage.block(me * chunk_rows, chunk_rows))
+    if g.topology.node_count == 1:
+        stage = g.new_tensor((world * chunk_rows, chunk_cols), x.dtype, comm=True)  # slot s holds rank s's chunk
+        for owner, chunk in enumerate(chunks):
+            put_tiles(g, chunk, owner, stage.block(me * chunk_rows, chunk_rows))
+        g.phase("reduce_scatter.sum")
+        sum_slices(g, out.block(), stage, world, chunk_rows)
+        return out
+    local, place, nodes = _places(g)
+    node, count, width = g.topology.nodes[me], len(nodes), len(local)
+    # on the node's rank of place k: slot (n, l) holds the node's rank l's chunk for node n's rank of place k
+    stage = g.new_tensor((count * width * chunk_rows, chunk_cols), x.dtype, comm=True)
+    cross = g.new_tensor((count * chunk_rows, chunk_cols), x.dtype, comm=True)  # slot n: node n's sum of my chunk
+    for k, peer in enumerate(local):
+        for n, ranks in enumerate(nodes):
+            put_tiles(g, chunks[ranks[k]], peer, stage.block((n * width + place) * chunk_rows, chunk_rows))
+    g.phase("reduce_scatter.node_sum")
+    sums = g.new_tensor((count * chunk_rows, chunk_cols), x.dtype)  # this node's sum of node n's chunk of my place
+    for n in range(count):
+        into = cross if n == node else sums
+        sum_slices(g, into.block(n * chunk_rows, chunk_rows),
+                   stage.block(n * width * chunk_rows, width * chunk_rows), width, chunk_rows)
+    g.phase("reduce_scatter.nodes")
+    for n, ranks in enumerate(nodes):
+        if n != node:
+            put_tiles(g, sums.block(n * chunk_rows, chunk_rows), ranks[place], cross.block(node * chunk_rows, chunk_rows))
     g.phase("reduce_scatter.sum")
-    sum_slices(g, out.block(), stage, world, chunk_rows)
+    sum_slices(g, out.block(), cross, count, chunk_rows)
     return out
 
 

@@ -7,8 +7,9 @@ A task type is an opcode's meaning, declared once by its tile's signature::
     def rms_norm_tile(base, out, x, w, rows, cols, out_stride, x_stride, segments,
                       EPS: tl.constexpr, X_DTYPE: tl.constexpr, ...):
 
-``base`` is this rank's heap (int64 address). Two more context parameters may follow it: ``bases``
-(the table of every rank's heap base, for a remote store: the tile is a communication tile) and
+``base`` is this rank's heap (int64 address). More context parameters may follow it: ``bases``
+(the table of every rank's heap base, for a remote store: the tile is a communication tile),
+``NETWORK_PUT`` (a constexpr: the kernel's network transport's put, ``shmem.put_rows``, or None) and
 ``status`` (the worker's status record, for ``device.checked_index``: a tile that reads an index
 from the heap bounds it). The plain parameters after them are the argument words of the task's table row, in order: code generation loads them, builders pass them
 by name (``g.add_task(opcode, out=..., x=..., ...)``, or ``g.add_tasks`` for a run of tiles with a list per
@@ -36,7 +37,7 @@ from ..device import NO_SEQUENCE, heap_ptr
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int64: "int64",
           torch.uint8: "uint8"}  # uint8: the packed bytes of quantized weights (tasks.quantized)
-CONTEXT_PARAMS = ("base", "bases", "status")                    # what a tile may take before its words
+CONTEXT_PARAMS = ("base", "bases", "NETWORK_PUT", "status")     # what a tile may take before its words
 BUILDER_KEYWORDS = ("reads", "writes", "bytes", "flops", "remote")  # Graph.add_task's own keywords
 VECTOR_BYTES = 16  # the widest load of a thread: one ld.global.v4 (CUDA) / global_load_dwordx4 (AMD)
 
@@ -61,8 +62,8 @@ class TaskType:
         context = [p.name for p in params if p.name in CONTEXT_PARAMS]
         if [p.name for p in params[:len(context)]] != context or context != sorted(context, key=CONTEXT_PARAMS.index) \
                 or context[:1] != ["base"]:
-            raise TypeError(f"task type {self.name}: its tile must start with base, then bases and status if it "
-                            f"takes them, got ({', '.join(p.name for p in params[:3])})")
+            raise TypeError(f"task type {self.name}: its tile must start with base, then bases, NETWORK_PUT and "
+                            f"status if it takes them, got ({', '.join(p.name for p in params[:3])})")
         rest = params[len(context):]
         is_constexpr = [p for p in rest if "constexpr" in str(p.annotation)]  # as Triton reads it
         words = tuple(p.name for p in rest if p not in is_constexpr)

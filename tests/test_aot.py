@@ -6,6 +6,7 @@ skipped, with Triton's own reason. Compiles are slow (seconds each, a minute for
 task type), so each kernel is compiled once per target for the whole module.
 """
 import functools
+import os
 import multiprocessing
 import re
 import subprocess
@@ -484,7 +485,7 @@ def recording_fence(system):
 
 @triton.jit
 def send(bases, signals, count, FENCE: tl.constexpr):
-    signal_all(bases, 0, signals, 0, count, 0, FENCE, True, True)  # rank 0, events at heap offset 0
+    signal_all(bases, 0, signals, 0, count, 0, FENCE, True, True, None)  # rank 0, events at heap offset 0; no network
 
 heap = torch.zeros(8, dtype=torch.int64)
 bases = torch.tensor([heap.data_ptr()] * 2)  # rank 1's heap mapped at the same place: one counter array
@@ -524,3 +525,36 @@ def test_aot_writes_the_assembly(tmp_path, capsys):
     assert "assembly (PTX)" in capsys.readouterr().out
     text = (tmp_path / "kernel.ptx").read_text()
     assert ".visible .entry megakernel" in text and wait_loops(text, "cuda")
+
+
+def nvshmem_library() -> None:
+    """Skip (or, where CI must have it, fail) without NVSHMEM's device bitcode (``shmem.device_library``)."""
+    from megakernel import shmem
+    try:
+        shmem.device_library(90)
+    except BackendError as error:
+        if os.environ.get("MEGAKERNEL_REQUIRE_NVSHMEM"):
+            pytest.fail(str(error))
+        pytest.skip(str(error))
+
+
+def test_the_nvshmem_transport_puts_and_signals_through_nvshmems_device_library(tmp_path, capsys):
+    """``megakernel aot --transport nvshmem``: the collectives across nodes, their put tiles and signals
+    calling NVSHMEM's block-scoped put and put-with-signal for peers of other nodes, the library linked in
+    whole (its device state, which ``nvshmemx_cumodule_init`` fills, and nothing left to resolve), no spills;
+    the same graph's kernel of the memory transport has none of it."""
+    need("sm_90")
+    nvshmem_library()
+    from megakernel.tools.cli import main as cli
+    from megakernel.tools.examples import across_nodes
+    assert cli(["aot", "--target", "sm_90", "--transport", "nvshmem", "--asm", str(tmp_path / "nvshmem.ptx")]) == 0
+    assert "(0 bytes spilled)" in capsys.readouterr().out
+    text = (tmp_path / "nvshmem.ptx").read_text()
+    assert re.search(r"^\.visible \.const .*nvshmemi_device_state_d\[", text, re.M)
+    assert not re.search(r"^\.extern \.func.*nvshmem", text, re.M), "an NVSHMEM call left unresolved"
+    calls = re.findall(r"^\s*call(?:\.uni)?\s.*?(\w*(?:put_rows|signal|nvshmemi_transfer)\w*)", text, re.M)
+    assert {"put_rows", "signal"} <= {c for c in ("put_rows", "signal") if any(c in name for name in calls)}, calls
+    assert any("nvshmemi_transfer" in name for name in calls), "NVSHMEM's transfer functions are not called"
+    assert ".visible .entry megakernel" in text and wait_loops(text, "cuda")  # the waits stay polls of local memory
+    memory = compile_kernel(across_nodes().specs, "sm_90", row_words=16)
+    assert "nvshmem" not in memory.assembly and memory.spilled == 0

@@ -250,6 +250,18 @@ def _megakernel_processes() -> set[int]:
     return found
 
 
+def assert_nothing_left(segments_before: set[str]) -> None:
+    """No shared-memory segment beyond ``segments_before`` and, within 10 s, no rank or worker process of
+    this test process's making but its own pools' (tests set ``_TAG`` in their environment)."""
+    assert _shm_segments() <= segments_before
+    ours = cpu_backend.default_pool_pids()  # this test process's own pools
+    deadline = time.monotonic() + 10
+    while _megakernel_processes() - ours and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _megakernel_processes() - ours
+    assert not left, f"outlived the launch: {[open(f'/proc/{p}/cmdline', 'rb').read() for p in left]}"
+
+
 def test_killed_rank_gives_clear_error_and_leaves_nothing_behind(backend, monkeypatch):
     monkeypatch.setenv(*_TAG.decode().split("=", 1))  # other test runs on the machine are not ours
     before = _shm_segments()
@@ -257,13 +269,7 @@ def test_killed_rank_gives_clear_error_and_leaves_nothing_behind(backend, monkey
     with pytest.raises(mk.BackendError, match="rank 1 died"):
         mk.launch(killed_rank, world_size=2, timeout=120)
     assert time.monotonic() - start < 60
-    assert _shm_segments() <= before
-    ours = cpu_backend.default_pool_pids()  # this test process's own pools
-    deadline = time.monotonic() + 10
-    while _megakernel_processes() - ours and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = _megakernel_processes() - ours
-    assert not left, f"outlived the launch: {[open(f'/proc/{p}/cmdline', 'rb').read() for p in left]}"
+    assert_nothing_left(before)
 
 
 def test_rank_exception_is_reraised_naming_the_rank():
@@ -310,7 +316,7 @@ def _virtual_heaps():
     with mk.Megakernel(g, workers=1) as kernel:
         segment = kernel.backend.segments
         heap_at = kernel.heap.data.data_ptr() - segment[0].address
-        return [s.name for s in segment], heap_at, threading.current_thread().name
+        return [s.name for s in segment.values()], heap_at, threading.current_thread().name
 
 
 def test_virtual_ranks_are_threads_carving_one_heap():

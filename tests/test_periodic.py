@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -266,7 +265,7 @@ def stalled_in_a_long_launch(steps: int):
 
 @pytest.mark.slow
 def test_a_rank_stalled_in_a_multi_step_launch_is_named_with_its_step(backend, monkeypatch):
-    from test_multirank import _TAG, _megakernel_processes, _shm_segments
+    from test_multirank import _TAG, _shm_segments, assert_nothing_left
     monkeypatch.setenv(*_TAG.decode().split("=", 1))
     before = _shm_segments()
     steps = {"cpu": 1000, "torch": 10**6}[backend]  # more than half a second's worth
@@ -276,9 +275,4 @@ def test_a_rank_stalled_in_a_multi_step_launch_is_named_with_its_step(backend, m
     peer = re.search(r"producer task \d+ \([^)]*\) on rank 1 worker 0 queue position \d+: did not run "
                      r"\(rank 1 worker 0 (finished \d+ tasks of|is at) step (\d+)\)", report)
     assert peer and int(peer.group(2)) <= int(waiting.group(1)), report
-    assert _shm_segments() <= before
-    ours = cpu_backend.default_pool_pids()
-    deadline = time.monotonic() + 10
-    while _megakernel_processes() - ours and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _megakernel_processes() - ours
+    assert_nothing_left(before)

@@ -32,7 +32,8 @@ def python36() -> Path:
 def run(python: Path, *args: str, timeout: int) -> str:
     """``python args`` in the checkout; its output, and a failure with the output's tail if it fails.
     ``timeout`` stays under the test's own (pytest-timeout's 600 s), so the child is the one killed."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "TRITON_", "MEGAKERNEL_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_", "TRITON_", "MEGAKERNEL_")) or k == "MEGAKERNEL_REQUIRE_NVSHMEM"}
     done = subprocess.run([str(python), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]

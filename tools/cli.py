@@ -17,7 +17,7 @@ from ..scheduler import disassemble
 from ..trace import Trace
 from .demo import main as demo
 from .dot import RenderError, TooManyNodes, render, select, task_dag, to_dot
-from .examples import every_task_type
+from .examples import across_nodes, every_task_type
 from .plot import plot_timeline
 
 
@@ -43,14 +43,18 @@ def _disasm(args) -> int:
 
 
 def _aot(args) -> int:
-    graph = every_task_type()
-    targets = args.target or list(TARGETS)
+    network = args.transport != "memory"  # built for NVIDIA only (codegen.TRANSPORTS)
+    # a transport changes the comm tiles and signals alone: its kernel is the collectives across nodes
+    graph = across_nodes() if network else every_task_type()
+    targets = args.target or [t for t in TARGETS if not network or TARGETS[t].backend == "cuda"]
     for target in targets:
         reason = unsupported_reason(target)
+        if reason is None and network and TARGETS[target].backend != "cuda":
+            reason = f"the {args.transport} transport is built for NVIDIA targets; rocSHMEM's bitcode is not on PyPI"
         if reason is not None:
-            print(f"{target}: not supported by this Triton ({reason})")
+            print(f"{target}: not supported ({reason})")
             continue
-        compiled = compile_kernel(graph.specs, target, row_words=32, protocol=args.protocol)
+        compiled = compile_kernel(graph.specs, target, row_words=32, protocol=args.protocol, transport=args.transport)
         limits = LIMITS[target]
         per_unit = programs_per_unit(limits, compiled.resources)
         print(f"{target}: {compiled.binary} {compiled.size} bytes, {compiled.registers} registers "
@@ -116,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
                                                  "one file each (kernel.s -> kernel.sm_90.s)")
     p.add_argument("--protocol", choices=["poll", "spin"], help="the wait/signal protocol (default: poll where "
                                                                 "this Triton has tl.atomic_poll)")
+    p.add_argument("--transport", choices=["memory", "nvshmem"], default="memory",
+                   help="how puts and signals reach ranks of other nodes; nvshmem: the kernel of the collectives across "
+                        "nodes (tools.examples.across_nodes) linked with NVSHMEM's device library (pip install "
+                        "nvidia-nvshmem-cu12; NVIDIA targets)")
     p.set_defaults(run=_aot)
     p = sub.add_parser("demo", help="the main job: tensor-parallel greedy decoding of a random Llama on the cpu "
                                     "backend, checked against transformers")

@@ -56,3 +56,17 @@ def mlp_block(hidden: int = 128, intermediate: int = 320, batch: int = 1, dtype=
     act = g.silu_mul(g.linear(h, gate), g.linear(h, up))
     g.output("y", g.add(x, g.linear(act, down)))
     return g
+
+
+def across_nodes(world_size: int = 4, ranks_per_node: int = 2, dtype=torch.bfloat16) -> Graph:
+    """Rank 0's view of a tensor-parallel block over nodes: a linear, then every collective across the
+    nodes (hierarchical all-reduce, all-gather, reduce-scatter): the kernel whose put tiles and signals
+    reach ranks of other nodes, for ``megakernel aot --transport nvshmem``."""
+    g = Graph(world_size=world_size, rank=0, ranks_per_node=ranks_per_node)
+    x = g.input("x", (1, 256), dtype)
+    w = g.input("w", (512, 256), dtype)
+    y = g.linear(x, w)
+    g.output("all_reduce", g.all_reduce(y))
+    g.output("all_gather", g.all_gather(y, dim=1))
+    g.output("reduce_scatter", g.reduce_scatter(y, dim=1))
+    return g

@@ -286,7 +286,7 @@ class CpuBackend:
                           stacklevel=4)  # the caller of Megakernel
         self.pool = pool or default_pool(group.slot)
         self.processes: list[_Worker] = []
-        self.segments: list[SharedHeap] = []  # mapped here: this rank's and the peers' (or the one shared)
+        self.segments: dict[int, SharedHeap] = {}  # mapped here, by rank: this rank's and its node's (or the one shared)
         self.key = ""
         self.lost_workers = False  # an interrupted run had to kill some: the heap is mapped in no others
 
@@ -298,19 +298,30 @@ class CpuBackend:
         return shm.f_bavail * shm.f_frsize
 
     def allocate(self, data_size: int, comm_size: int) -> Heaps:
-        group, rank, size = self.group, self.group.rank, data_size + comm_size  # one segment: data, then comm
-        if group.virtual:  # rank 0 makes one segment; each rank's heap is a slice of it
+        group, rank = self.group, self.group.rank
+        topology = group.topology
+        far = [r for r in range(group.world_size) if not topology.same_node(r, rank)]
+        # one segment: the data area, the comm area, then a shadow comm area per peer on another node
+        size = data_size + comm_size * (1 + len(far))
+        if group.virtual:  # rank 0 makes one segment; each rank's heap is a slice of it (one node)
             created = SharedHeap.create(group.world_size * size) if rank == 0 else None
             segment = group.all_gather(created)[0]
-            self.segments = [segment]
+            self.segments = {0: segment}  # made by rank 0
             parts = [Part(segment.name, segment.size, r * size, size) for r in range(group.world_size)]
             tensors = {r: segment.tensor[r * size:(r + 1) * size] for r in range(group.world_size)}
         else:
             created = SharedHeap.create(size)
             names = group.all_gather(created.name)
-            self.segments = [created if r == rank else SharedHeap(name, size) for r, name in enumerate(names)]
+            self.segments = {r: created if r == rank else SharedHeap(name, size)
+                             for r, name in enumerate(names) if r not in far}
             parts = [Part(name, size, 0, size) for name in names]
-            tensors = {r: heap.tensor for r, heap in enumerate(self.segments)}
+            tensors = {r: heap.tensor for r, heap in self.segments.items()}
+        shadows = {}
+        for k, peer in enumerate(far):
+            # the worker's bases: peer's comm area less delta (= data_size) lands on the shadow's start
+            at = comm_size * (1 + k)
+            parts[peer] = Part(created.name, size, at, data_size + comm_size)
+            shadows[peer] = created.tensor[data_size + at:data_size + at + comm_size]
         self.key = parts[rank].key
         try:
             with self.pool.lock:
@@ -321,8 +332,8 @@ class CpuBackend:
         finally:
             if created is not None:
                 created.unlink()  # mapped by every process that needs it: the name can go now
-        heaps = {r: RankHeap.split(tensor, data_size) for r, tensor in tensors.items()}
-        return Heaps(heaps.pop(rank), heaps, delta=data_size)
+        heaps = {r: RankHeap.split(tensor[:data_size + comm_size], data_size) for r, tensor in tensors.items()}
+        return Heaps(heaps.pop(rank), heaps, delta=data_size, shadows=shadows)
 
     def settle(self) -> None:
         pass  # host writes to shared memory are visible at once
@@ -382,9 +393,9 @@ class CpuBackend:
                     pass  # a dead worker holds no mapping
         if not self.group.virtual:  # a virtual segment is shared: it goes with its last user
             self.segments[self.group.rank].unlink()
-            for segment in self.segments:
+            for segment in self.segments.values():
                 segment.close()
-        self.segments, self.processes = [], []
+        self.segments, self.processes = {}, []
 
 
 atexit.register(shutdown)

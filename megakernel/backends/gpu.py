@@ -41,6 +41,7 @@ NUM_WARPS = 4              # threads per program: 128 (NVIDIA) / 256 (AMD, wave6
 # so that 4 programs fit per SM (65536 registers / (4 x 128 threads)): the GEMV tiles need about 4
 # programs' loads in flight per SM to stream weights at full bandwidth (tasks/linear.py).
 MAX_REGISTERS = 128
+MAX_NETWORK_REGISTERS = 168  # 3 programs per SM: what NVSHMEM's device calls need (``launch_options``)
 
 
 # Hardware queues streams map to, and their defaults: two kernels on streams that share a queue run
@@ -48,10 +49,14 @@ MAX_REGISTERS = 128
 QUEUES_ENV = {"cuda": ("CUDA_DEVICE_MAX_CONNECTIONS", 8), "hip": ("GPU_MAX_HW_QUEUES", 4)}
 
 
-def launch_options(vendor: str, cooperative: bool = True) -> dict[str, int]:
+def launch_options(vendor: str, cooperative: bool = True, transport: str = "memory") -> dict[str, int]:
     """Compile options of every megakernel launch on ``vendor`` ("cuda" or "hip"); AOT checks use them too.
-    ``cooperative``: launched as a cooperative grid, where this Triton supports it."""
-    options = dict(num_warps=NUM_WARPS, **({"maxnreg": MAX_REGISTERS} if vendor == "cuda" else {}))
+    ``cooperative``: launched as a cooperative grid, where this Triton supports it. A kernel of the nvshmem
+    transport (``shmem``) takes more registers: with NVSHMEM 3.4's device library the collectives across
+    nodes spill 16 bytes a thread at 128 and none at 168 (157 used: 3 programs per SM); 3.8's spills ~1 kB
+    at 128, 376 bytes at 168 and none at 255 (bench/RESULTS.md)."""
+    registers = MAX_REGISTERS if transport == "memory" else MAX_NETWORK_REGISTERS
+    options = dict(num_warps=NUM_WARPS, **({"maxnreg": registers} if vendor == "cuda" else {}))
     if cooperative and "launch_cooperative_grid" in _backend_options(vendor):
         options["launch_cooperative_grid"] = True
     return options
@@ -168,6 +173,10 @@ class GpuBackend:
         the data); on hip the comm area fine-grained (``finegrained``), a peer's data area not mapped
         (nothing reads it). Virtual ranks' areas are slices of allocations rank 0 makes."""
         group, rank, world = self.group, self.group.rank, self.group.world_size
+        if group.topology.node_count > 1:
+            raise BackendError(f"ranks on {group.topology.node_count} nodes: the {self.name} backend maps its peers' "
+                               f"memory by IPC within a node; across nodes its puts are NVSHMEM's "
+                               f"(compiled only: megakernel aot --transport nvshmem), not run yet")
         split = self.name == "hip"
         size = data_size if split else data_size + comm_size  # of the data allocation
 

@@ -283,6 +283,8 @@ class MappedArray:
     def _check_scales(self, rows: np.ndarray) -> None:
         """The float16 fields of the blocks read (their columns start at a block: ``Packed.narrow``) finite:
         a NaN or infinite scale makes every weight of its block so."""
+        if rows.size == 0:  # a rank whose share of the rows is empty (heads padded at this TP degree)
+            return
         blocks = rows.reshape(len(rows), -1, self.format.block_bytes)
         for at in BLOCK_SCALES[self.format.name]:
             scales = np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)

@@ -1,0 +1,278 @@
+"""Peers on other nodes: nothing of their heaps is mapped here; a progress agent carries what this rank's
+tiles put and signal there, over torch.distributed's gloo point-to-point.
+
+A tile writes a peer of another node as it writes one of its node: stores at ``bases[peer] + o``, an add on
+the peer's event. For such a peer ``bases[peer]`` is a *shadow* of its comm area in this rank's own heap
+(``heap.Heaps.shadows``), so the stores and adds land here, as NVSHMEM's proxy transport has a GPU post
+into a local channel that a host thread drains. The graph is static, so everything that crosses from rank
+``r`` to an off-node peer ``p`` is known when the kernel is built: a ``Channel`` of messages per step, one
+per event of ``p`` that ``r``'s tasks raise, each with the count they add to it in a step and the regions of
+``p``'s comm area they wrote first (each remote write goes with the first of its task's events in the
+channel's order). The agent sends message ``i`` of step ``e`` once the shadow's count of its event reaches
+``e x count`` (read with acquire: the writers' adds released their stores), with its regions' bytes as the
+shadow holds them; the receiving agent stores them at the same offsets of its comm area, then adds the count
+to its event (a release): the consumers see the bytes when they see the count, as from a peer of the node.
+
+Why nothing is lost, stale or out of order:
+- A channel's messages go in the order of their last producer's row in the sender's tables, the global
+  order (``scheduler``), and step ``e``'s before step ``e + 1``'s: a message waits only for tasks that come
+  before its producers, never for a later message of the channel, so the progress guarantee holds.
+- A region's bytes stay as written until they are sent: a later write into it by the sender (next step's
+  put, another op's) waits for the receiver to have read it (a credit, ``scheduler.remote``), which the
+  receiver does only after the message.
+- A shadow count only grows; signals of the next step that need no credit may run ahead of the agent,
+  which only makes their message ready sooner.
+
+A gloo receive cannot be cancelled: each receiving thread always has the next message's receive posted,
+and closing sends every peer a message of that size marked ``CLOSING``. A peer that dies breaks its
+connection at once: the failure is recorded, the rank's abort word is set (its workers stop at their next
+wait) and the host raises ``BackendError`` naming the peer.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import atomics
+from .bootstrap import Topology
+from .errors import BackendError, GraphError
+from .layout import COMM, SIGNAL_COUNT, SIGNAL_START, SIGNAL_WORDS
+
+NAME = "gloo"            # what ``Megakernel.links`` calls a peer reached through this transport
+HEADER_WORDS = 2         # a message's step (its epoch) and index in the channel
+CLOSING = -1             # a header step: the sender is closing, nothing follows
+RECEIVE_TIMEOUT = timedelta(days=365)  # a receive waits for the next step however long the host idles
+PENDING_SENDS = 64       # sends in flight before the agent waits for the oldest
+POLL_SECONDS = (20e-6, 1e-3)  # the agent's pause when nothing was ready: first, and at most (doubling)
+
+
+@dataclass(frozen=True)
+class Message:
+    """What one step's tasks of the sender raise on one event of the receiver, and what they wrote first."""
+
+    event: int                             # of the receiver
+    count: int                             # what the sender's tasks add to it in a step
+    regions: tuple[tuple[int, int], ...]   # (comm-area byte offset, bytes) written before, in sending order
+
+    @property
+    def nbytes(self) -> int:
+        return 8 * HEADER_WORDS + sum(size for _, size in self.regions)
+
+
+@dataclass(frozen=True)
+class Channel:
+    """Everything rank ``src`` sends rank ``dst`` (of another node) in a step, in order."""
+
+    src: int
+    dst: int
+    messages: tuple[Message, ...]
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes on the network per step, headers included."""
+        return sum(m.nbytes for m in self.messages)
+
+
+def region_bytes(buffer, region) -> list[tuple[int, int]]:
+    """The comm-area byte ranges (offset, size) of ``region`` = (buffer, row0, row1, col0, col1) of
+    ``buffer`` (a graph's ``Buffer``), merged where rows are adjacent."""
+    _, row0, row1, col0, col1 = region
+    size = buffer.dtype.itemsize
+    first = buffer.offset - COMM + (row0 * buffer.cols + col0) * size
+    if col0 == 0 and col1 == buffer.cols:
+        return [(first, (row1 - row0) * buffer.cols * size)]
+    return [(first + r * buffer.cols * size, (col1 - col0) * size) for r in range(row1 - row0)]
+
+
+def _merged(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``ranges`` with each one that starts where the previous ends joined to it (order kept)."""
+    out: list[list[int]] = []
+    for offset, size in ranges:
+        if out and out[-1][0] + out[-1][1] == offset:
+            out[-1][1] += size
+        else:
+            out.append([offset, size])
+    return tuple((offset, size) for offset, size in out)
+
+
+def outgoing_channels(tables, graph, topology: Topology) -> list[Channel]:
+    """The channels from ``tables.rank`` to each peer on another node: from its tables' signals (rows in
+    the global order) and the remote writes of the graph's tasks (``graph.tasks.remote``)."""
+    me = tables.rank
+    channels = []
+    for peer in range(tables.world_size):
+        if topology.same_node(me, peer):
+            continue
+        counts: dict[int, int] = {}
+        last: dict[int, int] = {}
+        raised: dict[int, list[int]] = {}  # row -> events of peer it raises
+        for row, (start, count) in enumerate(tables.rows[:, [SIGNAL_START, SIGNAL_COUNT]].tolist()):
+            for rank, event, increment in tables.signals[start:start + count, :SIGNAL_WORDS].tolist():
+                if rank == peer:
+                    counts[event] = counts.get(event, 0) + increment
+                    last[event] = row
+                    raised.setdefault(row, []).append(event)
+        order = sorted(counts, key=lambda e: (last[e], e))
+        index = {event: i for i, event in enumerate(order)}
+        regions: list[list[tuple[int, int]]] = [[] for _ in order]
+        for row, tid in enumerate(tables.task_ids.tolist()):
+            writes = [region for rank, region in graph.tasks.remote[tid] if rank == peer]
+            if not writes:
+                continue
+            if row not in raised:
+                raise GraphError(f"{graph.describe_task(tid)} writes rank {peer} (another node) but raises none of its "
+                                 f"events: nothing would carry its bytes")
+            first = min(index[e] for e in raised[row])
+            for region in writes:
+                regions[first] += region_bytes(graph.buffers[region[0]], region)
+        channels.append(Channel(me, peer, tuple(Message(e, counts[e], _merged(r)) for e, r in zip(order, regions))))
+    return channels
+
+
+class Transport:
+    """This rank's progress agent: a thread sending its channels' messages as their counts are reached, and
+    a thread per incoming channel receiving them into the comm area, over a gloo group of their own.
+
+    ``comm``: this rank's comm area (uint8, as this process maps it); ``shadows[peer]``: the shadow of an
+    off-node peer's; ``events``: the comm-area offset of the event counters; ``abort``: the rank's abort word.
+    Made by every rank at once (the group is collective)."""
+
+    name = NAME
+
+    def __init__(self, rank: int, outgoing: list[Channel], incoming: list[Channel], comm: torch.Tensor,
+                 shadows: dict[int, torch.Tensor], events: int, abort: torch.Tensor):
+        self.rank, self.outgoing, self.incoming = rank, outgoing, incoming
+        self.comm, self.shadows, self.events, self.abort = comm, shadows, events, abort
+        self.failures: list[str] = []
+        self.received: dict[int, tuple[int, int]] = {c.src: (0, -1) for c in incoming}  # src -> last (step, index)
+        self.sent: dict[int, tuple[int, int]] = {c.dst: (1, 0) for c in outgoing}       # dst -> next (step, index)
+        self._dead: set[int] = set()
+        self._closing = threading.Event()
+        self._group = dist.new_group(backend="gloo", timeout=RECEIVE_TIMEOUT)
+        self._threads = [threading.Thread(target=self._send_loop, name=f"megakernel-transport-{rank}-send", daemon=True)]
+        self._threads += [threading.Thread(target=self._receive_loop, args=(c,), daemon=True,
+                                           name=f"megakernel-transport-{rank}-from-{c.src}") for c in incoming]
+        for thread in self._threads:
+            thread.start()
+
+    # -- sending ------------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        pending: deque = deque()
+        counters = {c.dst: self.shadows[c.dst][self.events:].view(torch.int64).numpy() for c in self.outgoing}
+        addresses = {c.dst: self.shadows[c.dst].data_ptr() + self.events for c in self.outgoing}
+        pause = POLL_SECONDS[0]
+        try:
+            while not self._closing.is_set():
+                sent = False
+                for channel in self.outgoing:
+                    while channel.dst not in self._dead:
+                        step, i = self.sent[channel.dst]
+                        message = channel.messages[i]
+                        target = step * message.count
+                        if counters[channel.dst][message.event] < target:
+                            break
+                        atomics.load_acquire(atomics.addresses(addresses[channel.dst] + 8 * message.event))
+                        self._send(channel, step, i, pending)
+                        self.sent[channel.dst] = (step + 1, 0) if i + 1 == len(channel.messages) else (step, i + 1)
+                        sent = True
+                while len(pending) > PENDING_SENDS:
+                    pending.popleft()[0].wait()
+                # a spinning agent takes the cores the workers need (measured: a hop 1.6x slower when it never backs off)
+                pause = POLL_SECONDS[0] if sent else min(2 * pause, POLL_SECONDS[1])
+                if not sent:
+                    time.sleep(pause)
+            for channel in self.outgoing:  # the receiver has the next message's receive posted: its size
+                if channel.dst not in self._dead:
+                    step, i = self.sent[channel.dst]
+                    self._send(channel, CLOSING, i, pending)
+            while pending:
+                pending.popleft()[0].wait()
+        except Exception as error:  # a peer gone mid-send
+            self._fail(f"sending: {error}")
+
+    def _send(self, channel: Channel, step: int, index: int, pending: deque) -> None:
+        message = channel.messages[index]
+        buffer = torch.empty(message.nbytes, dtype=torch.uint8)
+        buffer[:8 * HEADER_WORDS].view(torch.int64).copy_(torch.tensor([step, index]))
+        at = 8 * HEADER_WORDS
+        if step != CLOSING:
+            shadow = self.shadows[channel.dst]
+            for offset, size in message.regions:
+                buffer[at:at + size].copy_(shadow[offset:offset + size])
+                at += size
+        pending.append((dist.isend(buffer, channel.dst, group=self._group), buffer))
+
+    # -- receiving ----------------------------------------------------------------------------------
+    def _receive_loop(self, channel: Channel) -> None:
+        step, i = 1, 0
+        counters = self.comm.data_ptr() + self.events
+        try:
+            while True:
+                message = channel.messages[i]
+                buffer = torch.empty(message.nbytes, dtype=torch.uint8)
+                dist.recv(buffer, channel.src, group=self._group)
+                got_step, got_index = buffer[:8 * HEADER_WORDS].view(torch.int64).tolist()
+                if got_step == CLOSING:
+                    return
+                if (got_step, got_index) != (step, i):
+                    raise BackendError(f"rank {channel.src} sent message {got_index} of step {got_step} where "
+                                       f"message {i} of step {step} was due")
+                at = 8 * HEADER_WORDS
+                for offset, size in message.regions:
+                    self.comm[offset:offset + size].copy_(buffer[at:at + size])
+                    at += size
+                atomics.add(atomics.addresses(counters + 8 * message.event), np.array([message.count], dtype=np.int64))
+                self.received[channel.src] = (step, i)
+                step, i = (step + 1, 0) if i + 1 == len(channel.messages) else (step, i + 1)
+        except Exception as error:
+            if not self._closing.is_set():
+                self._dead.add(channel.src)
+                self._fail(f"rank {channel.src} (another node) is unreachable: {error}")
+
+    def _fail(self, why: str) -> None:
+        self.failures.append(f"rank {self.rank}'s transport: {why}")
+        self.abort.fill_(1)  # this rank's workers stop at their next wait
+
+    # -- what the host asks -------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise ``BackendError`` if a peer was lost."""
+        if self.failures:
+            raise BackendError("; ".join(self.failures))
+
+    def arrival(self, src: int, event: int, step: int) -> str:
+        """Whether the message of rank ``src`` that raises ``event`` in ``step`` has arrived (for hang reports)."""
+        channel = next((c for c in self.incoming if c.src == src), None)
+        if channel is None:
+            return "it sends nothing here"
+        index = next((i for i, m in enumerate(channel.messages) if m.event == event), None)
+        got = self.received[src]
+        if index is None:
+            return "it raises this event through no message"
+        arrived = (step, index) <= got
+        return (f"its message {index} of step {step} {'arrived' if arrived else 'has not arrived'} "
+                f"(the last from rank {src}: message {got[1]} of step {got[0]})")
+
+    def step_bytes(self) -> int:
+        """Bytes this rank sends over the network per step, headers included."""
+        return sum(c.step_bytes for c in self.outgoing)
+
+    def step_messages(self) -> int:
+        return sum(len(c.messages) for c in self.outgoing)
+
+    def close(self, timeout: float) -> None:
+        """Stop: tell every peer, and wait up to ``timeout`` for their word and the threads (collective:
+        every rank closes its kernel)."""
+        self._closing.set()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        if not any(thread.is_alive() for thread in self._threads):
+            dist.destroy_process_group(self._group)
+        # else a peer that never closed: its receive stays posted in a daemon thread, the group with it
