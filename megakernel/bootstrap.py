@@ -101,14 +101,6 @@ class Topology:
         """The ranks of ``node``, in rank order."""
         return [r for r, n in enumerate(self.nodes) if n == node]
 
-    def local_index(self, rank: int) -> int:
-        """``rank``'s place among its node's ranks (torchrun's ``LOCAL_RANK``)."""
-        return self.node_ranks(self.nodes[rank]).index(rank)
-
-    @property
-    def uniform_nodes(self) -> bool:
-        """Every node holds as many ranks."""
-        return len({self.nodes.count(n) for n in range(self.node_count)}) == 1
 
 
 def current_topology() -> Topology:

@@ -72,8 +72,8 @@ class Megakernel:
         self._bound: set[str] = set()
         self._meet = graph.world_size > 1  # before the first launch, and after a collective poison
         self._lock = threading.Lock()      # one run at a time, whichever thread calls
-        self.upload_tables()
         self.transport: Transport | None = None  # what reaches the peers of other nodes (``transport``)
+        self.upload_tables()
         if self.group.topology.node_count > 1:
             self.transport = _connect_nodes(self, heaps.shadows)
             self._finalizer.detach()
@@ -88,7 +88,7 @@ class Megakernel:
     def upload_tables(self) -> None:
         """Copy ``self.tables`` into the heap (again, if a test or tool edited them) and clear events. The
         task rows' comm-area offsets go as the kernel reads them (``layout.device_words``)."""
-        if getattr(self, "transport", None) is not None:
+        if self.transport is not None:
             raise BackendError("a kernel whose ranks span nodes keeps the tables it was built with (its transport "
                                "was planned from them): build a new kernel")
         t, lay = self.tables, self.layout
@@ -256,7 +256,8 @@ class Megakernel:
         if failure is not None:
             self._after_failure(f"{what} failed")
             raise failure
-        # A fault anywhere counts: a peer's clamped data may be in this rank's outputs. Every task whose
+        # A fault anywhere counts: a peer's clamped data may be in this rank's outputs (a peer of this node;
+        # one of another node, whose records are not mapped here, raises it on its own rank). Every task whose
         # results reach them finished before this launch did, its record written (a peer's record may
         # also tell of a fault in its next launch, which will raise there too).
         faults = diagnosis.faults(self.tables, self._status(), since) if header[FAULTED] >= since else []
@@ -403,8 +404,14 @@ def _connect_nodes(kernel: Megakernel, shadows: dict[int, torch.Tensor]) -> Tran
     """The transport stage (ranks on several nodes): this rank's channels to the peers of other nodes from its
     tables, the channels into it from theirs (an exchange), the progress agent started."""
     group, rank = kernel.group, kernel.graph.rank
-    outgoing = [c for c in outgoing_channels(kernel.tables, kernel.graph, group.topology) if c.messages]
-    incoming = [c for channels in group.all_gather(outgoing) for c in channels if c.dst == rank]
+    try:
+        outgoing, refused = [c for c in outgoing_channels(kernel.tables, kernel.graph, group.topology) if c.messages], None
+    except GraphError as error:
+        outgoing, refused = [], f"rank {rank}: {error}"
+    every = group.all_gather((outgoing, refused))  # a rank that cannot plan tells the others, which wait for it
+    if any(why for _, why in every):
+        raise GraphError(next(why for _, why in every if why))
+    incoming = [c for channels, _ in every for c in channels if c.dst == rank]
     return Transport(rank, outgoing, incoming, kernel.heap.comm, shadows, kernel.layout.events_off - COMM,
                      kernel.words(kernel.layout.status_off, 1))
 

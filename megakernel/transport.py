@@ -24,9 +24,10 @@ Why nothing is lost, stale or out of order:
   which only makes their message ready sooner.
 
 A gloo receive cannot be cancelled: each receiving thread always has the next message's receive posted,
-and closing sends every peer a message of that size marked ``CLOSING``. A peer that dies breaks its
-connection at once: the failure is recorded, the rank's abort word is set (its workers stop at their next
-wait) and the host raises ``BackendError`` naming the peer.
+and closing sends every peer what is ready, then a message of that size marked ``CLOSING``. A peer that
+dies breaks its connections: a rank that receives from it (or sends to it) records the failure, sets its
+abort word (its workers stop at their next wait) and raises ``BackendError`` naming the peer; the others
+meet it as a stall, which their watchdog names.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ from .errors import BackendError, GraphError
 from .layout import COMM, SIGNAL_COUNT, SIGNAL_START, SIGNAL_WORDS
 
 NAME = "gloo"            # what ``Megakernel.links`` calls a peer reached through this transport
-HEADER_WORDS = 2         # a message's step (its epoch) and index in the channel
+MESSAGE_HEADER_WORDS = 2  # a message's step (its epoch) and index in the channel
 CLOSING = -1             # a header step: the sender is closing, nothing follows
 RECEIVE_TIMEOUT = timedelta(days=365)  # a receive waits for the next step however long the host idles
 PENDING_SENDS = 64       # sends in flight before the agent waits for the oldest
@@ -63,7 +64,7 @@ class Message:
 
     @property
     def nbytes(self) -> int:
-        return 8 * HEADER_WORDS + sum(size for _, size in self.regions)
+        return 8 * MESSAGE_HEADER_WORDS + sum(size for _, size in self.regions)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ def region_bytes(buffer, region) -> list[tuple[int, int]]:
     _, row0, row1, col0, col1 = region
     size = buffer.dtype.itemsize
     first = buffer.offset - COMM + (row0 * buffer.cols + col0) * size
+    if row1 <= row0 or col1 <= col0:
+        return []
     if col0 == 0 and col1 == buffer.cols:
         return [(first, (row1 - row0) * buffer.cols * size)]
     return [(first + r * buffer.cols * size, (col1 - col0) * size) for r in range(row1 - row0)]
@@ -153,7 +156,8 @@ class Transport:
         self.failures: list[str] = []
         self.received: dict[int, tuple[int, int]] = {c.src: (0, -1) for c in incoming}  # src -> last (step, index)
         self.sent: dict[int, tuple[int, int]] = {c.dst: (1, 0) for c in outgoing}       # dst -> next (step, index)
-        self._dead: set[int] = set()
+        self._dead: set[int] = set()  # peers lost: nothing more is sent to them
+        self.closed: set[int] = set()  # peers that closed their kernel: they send nothing more
         self._closing = threading.Event()
         self._group = dist.new_group(backend="gloo", timeout=RECEIVE_TIMEOUT)
         self._threads = [threading.Thread(target=self._send_loop, name=f"megakernel-transport-{rank}-send", daemon=True)]
@@ -164,50 +168,67 @@ class Transport:
 
     # -- sending ------------------------------------------------------------------------------------
     def _send_loop(self) -> None:
-        pending: deque = deque()
-        counters = {c.dst: self.shadows[c.dst][self.events:].view(torch.int64).numpy() for c in self.outgoing}
-        addresses = {c.dst: self.shadows[c.dst].data_ptr() + self.events for c in self.outgoing}
-        pause = POLL_SECONDS[0]
         try:
-            while not self._closing.is_set():
-                sent = False
-                for channel in self.outgoing:
-                    while channel.dst not in self._dead:
-                        step, i = self.sent[channel.dst]
-                        message = channel.messages[i]
-                        target = step * message.count
-                        if counters[channel.dst][message.event] < target:
-                            break
-                        atomics.load_acquire(atomics.addresses(addresses[channel.dst] + 8 * message.event))
-                        self._send(channel, step, i, pending)
-                        self.sent[channel.dst] = (step + 1, 0) if i + 1 == len(channel.messages) else (step, i + 1)
-                        sent = True
-                while len(pending) > PENDING_SENDS:
-                    pending.popleft()[0].wait()
-                # a spinning agent takes the cores the workers need (measured: a hop 1.6x slower when it never backs off)
-                pause = POLL_SECONDS[0] if sent else min(2 * pause, POLL_SECONDS[1])
-                if not sent:
-                    time.sleep(pause)
-            for channel in self.outgoing:  # the receiver has the next message's receive posted: its size
-                if channel.dst not in self._dead:
-                    step, i = self.sent[channel.dst]
-                    self._send(channel, CLOSING, i, pending)
-            while pending:
-                pending.popleft()[0].wait()
-        except Exception as error:  # a peer gone mid-send
-            self._fail(f"sending: {error}")
+            self._send_all()
+        except Exception as error:  # not a peer's loss (``_lose``): this agent's own failure
+            self.failures.append(f"rank {self.rank}'s transport stopped sending: {error!r}")
+            self.abort.fill_(1)
+
+    def _send_all(self) -> None:
+        pending: deque = deque()  # (peer, work, buffer) of the sends in flight, oldest first
+        pause = POLL_SECONDS[0]
+        while not self._closing.is_set():
+            sent = self._send_ready(pending)
+            while len(pending) > PENDING_SENDS:
+                self._finish(pending.popleft())
+            # a spinning agent takes the cores the workers need (measured: a hop 1.6x slower when it never backs off)
+            pause = POLL_SECONDS[0] if sent else min(2 * pause, POLL_SECONDS[1])
+            if not sent:
+                time.sleep(pause)
+        self._send_ready(pending)  # what the last launch released (a kernel closed without meeting its peers)
+        for channel in self.outgoing:  # the receiver has the next message's receive posted: its size
+            if channel.dst not in self._dead:
+                self._send(channel, CLOSING, self.sent[channel.dst][1], pending)
+        while pending:
+            self._finish(pending.popleft())
+
+    def _send_ready(self, pending: deque) -> bool:
+        """Send every message whose count is reached, channel by channel; whether one went."""
+        sent = False
+        for channel in self.outgoing:
+            address = self.shadows[channel.dst].data_ptr() + self.events
+            while channel.dst not in self._dead:
+                step, i = self.sent[channel.dst]
+                message = channel.messages[i]
+                # acquire: the bytes the writers released with their adds are read after it
+                if atomics.load_acquire(atomics.addresses(address + 8 * message.event)) < step * message.count:
+                    break
+                self._send(channel, step, i, pending)
+                self.sent[channel.dst] = (step + 1, 0) if i + 1 == len(channel.messages) else (step, i + 1)
+                sent = True
+        return sent
 
     def _send(self, channel: Channel, step: int, index: int, pending: deque) -> None:
         message = channel.messages[index]
         buffer = torch.empty(message.nbytes, dtype=torch.uint8)
-        buffer[:8 * HEADER_WORDS].view(torch.int64).copy_(torch.tensor([step, index]))
-        at = 8 * HEADER_WORDS
+        buffer[:8 * MESSAGE_HEADER_WORDS].view(torch.int64).copy_(torch.tensor([step, index]))
+        at = 8 * MESSAGE_HEADER_WORDS
         if step != CLOSING:
             shadow = self.shadows[channel.dst]
             for offset, size in message.regions:
                 buffer[at:at + size].copy_(shadow[offset:offset + size])
                 at += size
-        pending.append((dist.isend(buffer, channel.dst, group=self._group), buffer))
+        try:
+            pending.append((channel.dst, dist.isend(buffer, channel.dst, group=self._group), buffer))
+        except Exception as error:
+            self._lose(channel.dst, f"sending to it: {error}")
+
+    def _finish(self, entry: tuple) -> None:
+        peer, work, _ = entry
+        try:
+            work.wait()
+        except Exception as error:
+            self._lose(peer, f"sending to it: {error}")
 
     # -- receiving ----------------------------------------------------------------------------------
     def _receive_loop(self, channel: Channel) -> None:
@@ -218,13 +239,14 @@ class Transport:
                 message = channel.messages[i]
                 buffer = torch.empty(message.nbytes, dtype=torch.uint8)
                 dist.recv(buffer, channel.src, group=self._group)
-                got_step, got_index = buffer[:8 * HEADER_WORDS].view(torch.int64).tolist()
+                got_step, got_index = buffer[:8 * MESSAGE_HEADER_WORDS].view(torch.int64).tolist()
                 if got_step == CLOSING:
+                    self.closed.add(channel.src)
                     return
                 if (got_step, got_index) != (step, i):
                     raise BackendError(f"rank {channel.src} sent message {got_index} of step {got_step} where "
                                        f"message {i} of step {step} was due")
-                at = 8 * HEADER_WORDS
+                at = 8 * MESSAGE_HEADER_WORDS
                 for offset, size in message.regions:
                     self.comm[offset:offset + size].copy_(buffer[at:at + size])
                     at += size
@@ -233,19 +255,16 @@ class Transport:
                 step, i = (step + 1, 0) if i + 1 == len(channel.messages) else (step, i + 1)
         except Exception as error:
             if not self._closing.is_set():
-                self._dead.add(channel.src)
-                self._fail(f"rank {channel.src} (another node) is unreachable: {error}")
+                self._lose(channel.src, f"receiving from it: {error}")
 
-    def _fail(self, why: str) -> None:
-        self.failures.append(f"rank {self.rank}'s transport: {why}")
-        self.abort.fill_(1)  # this rank's workers stop at their next wait
+    def _lose(self, peer: int, why: str) -> None:
+        """Peer ``peer`` is gone: nothing more goes to it, and this rank's workers stop at their next wait."""
+        if peer not in self._dead:
+            self._dead.add(peer)
+            self.failures.append(f"rank {self.rank}'s transport: rank {peer} (another node) is unreachable, {why}")
+        self.abort.fill_(1)
 
     # -- what the host asks -------------------------------------------------------------------------
-    def check(self) -> None:
-        """Raise ``BackendError`` if a peer was lost."""
-        if self.failures:
-            raise BackendError("; ".join(self.failures))
-
     def arrival(self, src: int, event: int, step: int) -> str:
         """Whether the message of rank ``src`` that raises ``event`` in ``step`` has arrived (for hang reports)."""
         channel = next((c for c in self.incoming if c.src == src), None)
@@ -256,8 +275,10 @@ class Transport:
         if index is None:
             return "it raises this event through no message"
         arrived = (step, index) <= got
+        gone = " and it has closed its kernel" if src in self.closed else (
+            " and it is unreachable" if src in self._dead else "")
         return (f"its message {index} of step {step} {'arrived' if arrived else 'has not arrived'} "
-                f"(the last from rank {src}: message {got[1]} of step {got[0]})")
+                f"(the last from rank {src}: message {got[1]} of step {got[0]}{gone})")
 
     def step_bytes(self) -> int:
         """Bytes this rank sends over the network per step, headers included."""
@@ -270,6 +291,8 @@ class Transport:
         """Stop: tell every peer, and wait up to ``timeout`` for their word and the threads (collective:
         every rank closes its kernel)."""
         self._closing.set()
+        if not dist.is_initialized():  # at exit after the process group went: nothing can be sent
+            return
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(deadline - time.monotonic(), 0.0))

@@ -5,7 +5,7 @@ heap (the heap is symmetric; what peers write is in its comm area, ``layout``), 
 loop releases the peer's event. Collectives are
 graphs of put tiles and fixed-order sum tiles, so a consumer tile waits only for the tiles it reads
 and communication overlaps computation inside the one launch. Every reduction adds contributions
-in rank order 0, 1, ..., so every rank gets a bitwise identical result.
+in a fixed order (on one node rank order 0, 1, ...), so every rank gets a bitwise identical result.
 
 Across nodes (``Graph.topology``) the collectives know where the network is: every byte crosses it once.
 An all-reduce sums inside each node first (a reduce-scatter), exchanges each rank's shard with the ranks of
@@ -150,36 +150,36 @@ def _hierarchical_all_reduce(g, x):
     """``all_reduce`` across nodes: shard ``l`` of the columns summed on the node's rank ``l``, then over the
     nodes by the ranks of place ``l`` (one shard each way per pair of nodes), then gathered in the node."""
     local, place, nodes = _places(g)
-    node, count = g.topology.nodes[g.rank], len(nodes)
+    node = g.topology.nodes[g.rank]
     src = x.block()
     rows, cols = src.rows, src.cols
     chunks = _column_chunks(cols, len(local))
     stage = g.new_tensor((len(local) * rows, cols), x.dtype, comm=True)  # slot l: the node's rank l's contribution
-    cross = g.new_tensor((count * rows, cols), x.dtype, comm=True)       # slot n: node n's sum
+    cross = g.new_tensor((len(nodes) * rows, cols), x.dtype, comm=True)  # slot n: node n's sum
     out = g.new_tensor(x.shape, x.dtype, comm=True)
     for owner, (c0, c1) in zip(local, chunks):
         if c1 > c0:
             put_tiles(g, src.block(0, rows, c0, c1 - c0), owner, stage.block(place * rows, rows, c0, c1 - c0))
     c0, c1 = chunks[place]
-    width = c1 - c0
+    shard = c1 - c0  # this rank's columns
     g.phase("all_reduce.node_sum")
-    if width:
-        sum_slices(g, cross.block(node * rows, rows, c0, width), stage.block(0, len(local) * rows, c0, width),
+    if shard:
+        sum_slices(g, cross.block(node * rows, rows, c0, shard), stage.block(0, len(local) * rows, c0, shard),
                    len(local), rows)
     g.phase("all_reduce.nodes")
-    if width:
-        mine = cross.block(node * rows, rows, c0, width)
-        for other in range(count):
+    if shard:
+        mine = cross.block(node * rows, rows, c0, shard)
+        for other, ranks in enumerate(nodes):
             if other != node:
-                put_tiles(g, mine, nodes[other][place], mine)
+                put_tiles(g, mine, ranks[place], mine)
     g.phase("all_reduce.sum")
-    if width:
-        sum_slices(g, out.block(0, rows, c0, width), cross.block(0, count * rows, c0, width), count, rows)
+    if shard:
+        sum_slices(g, out.block(0, rows, c0, shard), cross.block(0, len(nodes) * rows, c0, shard), len(nodes), rows)
     g.phase("all_reduce.gather")
-    if width:
+    if shard:
         for peer in local:
             if peer != g.rank:
-                put_tiles(g, out.block(0, rows, c0, width), peer, out.block(0, rows, c0, width))
+                put_tiles(g, out.block(0, rows, c0, shard), peer, out.block(0, rows, c0, shard))
     return out
 
 
@@ -240,25 +240,27 @@ def reduce_scatter(g, x, dim: int = 0):
         sum_slices(g, out.block(), stage, world, chunk_rows)
         return out
     local, place, nodes = _places(g)
-    node, count, width = g.topology.nodes[me], len(nodes), len(local)
+    node, per_node = g.topology.nodes[me], len(local)
     # on the node's rank of place k: slot (n, l) holds the node's rank l's chunk for node n's rank of place k
-    stage = g.new_tensor((count * width * chunk_rows, chunk_cols), x.dtype, comm=True)
-    cross = g.new_tensor((count * chunk_rows, chunk_cols), x.dtype, comm=True)  # slot n: node n's sum of my chunk
+    stage = g.new_tensor((len(nodes) * per_node * chunk_rows, chunk_cols), x.dtype, comm=True)
+    cross = g.new_tensor((len(nodes) * chunk_rows, chunk_cols), x.dtype, comm=True)  # slot n: node n's sum of my chunk
     for k, peer in enumerate(local):
         for n, ranks in enumerate(nodes):
-            put_tiles(g, chunks[ranks[k]], peer, stage.block((n * width + place) * chunk_rows, chunk_rows))
+            put_tiles(g, chunks[ranks[k]], peer, stage.block((n * per_node + place) * chunk_rows, chunk_rows))
     g.phase("reduce_scatter.node_sum")
-    sums = g.new_tensor((count * chunk_rows, chunk_cols), x.dtype)  # this node's sum of node n's chunk of my place
-    for n in range(count):
+    # this node's sum of the chunk of node n's rank of my place: into my own slot of cross for my node,
+    # else into slot n of a buffer of sums to send (its slot of my node stays unused)
+    sums = g.new_tensor((len(nodes) * chunk_rows, chunk_cols), x.dtype)
+    for n in range(len(nodes)):
         into = cross if n == node else sums
         sum_slices(g, into.block(n * chunk_rows, chunk_rows),
-                   stage.block(n * width * chunk_rows, width * chunk_rows), width, chunk_rows)
+                   stage.block(n * per_node * chunk_rows, per_node * chunk_rows), per_node, chunk_rows)
     g.phase("reduce_scatter.nodes")
     for n, ranks in enumerate(nodes):
         if n != node:
             put_tiles(g, sums.block(n * chunk_rows, chunk_rows), ranks[place], cross.block(node * chunk_rows, chunk_rows))
     g.phase("reduce_scatter.sum")
-    sum_slices(g, out.block(), cross, count, chunk_rows)
+    sum_slices(g, out.block(), cross, len(nodes), chunk_rows)
     return out
 
 

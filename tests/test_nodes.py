@@ -177,16 +177,23 @@ def test_graphs_and_launches_check_the_nodes():
     with pytest.raises(mk.GraphError, match="divides the world size 4"):
         mk.Graph(world_size=4, rank=0, ranks_per_node=0)
     assert mk.Graph(world_size=4, rank=3, ranks_per_node=2).topology == Topology((0, 0, 1, 1))
-    assert Topology.uniform(6, 3).node_ranks(1) == [3, 4, 5] and Topology.uniform(6, 3).local_index(4) == 1
+    assert Topology.uniform(6, 3).node_ranks(1) == [3, 4, 5]
+
+
+def _small_integers(rank: int) -> torch.Tensor:
+    return (rank + 1) * torch.arange(90.0).reshape(3, 30)  # sums of them are exact in float32
 
 
 def more_nodes_than_there_are():
-    """A graph that puts each rank on a node of its own, on one real node: the transport, tested anywhere."""
+    """A graph that puts each rank on a node of its own, on one real node: the transport, tested anywhere
+    (here 3 nodes of one rank, the collectives' other shape)."""
     g = mk.Graph(ranks_per_node=1)
-    x = g.input("x", (2, 32), torch.float32)
-    g.output("y", g.all_reduce(x))
+    x = g.input("x", (3, 30), torch.float32)
+    g.output("all_reduce", g.all_reduce(x))
+    g.output("all_gather", g.all_gather(x, dim=1))
+    g.output("reduce_scatter", g.reduce_scatter(x, dim=0))
     with mk.Megakernel(g, workers=1, timeout=60) as kernel:
-        return kernel.links, kernel.run({"x": torch.full((2, 32), float(g.rank))})["y"]
+        return kernel.links, kernel.run({"x": _small_integers(g.rank)})
 
 
 def fewer_nodes_than_there_are():
@@ -201,8 +208,13 @@ def fewer_nodes_than_there_are():
 
 def test_a_graph_may_see_more_nodes_than_there_are_never_fewer(monkeypatch):
     monkeypatch.setattr(bootstrap, "_process_backend", "torch")
-    links, y = mk.launch(more_nodes_than_there_are, world_size=2, timeout=300)[1]
-    assert links == {0: "gloo", 1: "self"} and torch.equal(y, torch.ones(2, 32))
+    results = mk.launch(more_nodes_than_there_are, world_size=3, timeout=300)
+    total = sum(_small_integers(r) for r in range(3))
+    for rank, (links, out) in enumerate(results):
+        assert links == {r: "self" if r == rank else "gloo" for r in range(3)}
+        assert torch.equal(out["all_reduce"], total)
+        assert torch.equal(out["all_gather"], torch.cat([_small_integers(r) for r in range(3)], 1))
+        assert torch.equal(out["reduce_scatter"], total[rank:rank + 1])
     for message in mk.launch(fewer_nodes_than_there_are, world_size=2, ranks_per_node=1, timeout=300):
         assert "on one node, but they are on nodes 0 and 1" in message
 

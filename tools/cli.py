@@ -8,6 +8,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from ..aot import TARGETS, compile_kernel, unsupported_reason
+from ..codegen import TRANSPORTS
 from ..image import load
 from ..launcher import RankError
 from ..models.serving_config import POSITIVE, SERVER, ServingConfig
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  "one file each (kernel.s -> kernel.sm_90.s)")
     p.add_argument("--protocol", choices=["poll", "spin"], help="the wait/signal protocol (default: poll where "
                                                                 "this Triton has tl.atomic_poll)")
-    p.add_argument("--transport", choices=["memory", "nvshmem"], default="memory",
+    p.add_argument("--transport", choices=list(TRANSPORTS), default="memory",
                    help="how puts and signals reach ranks of other nodes; nvshmem: the kernel of the collectives across "
                         "nodes (tools.examples.across_nodes) linked with NVSHMEM's device library (pip install "
                         "nvidia-nvshmem-cu12; NVIDIA targets)")
