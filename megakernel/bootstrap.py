@@ -156,7 +156,7 @@ class Group:
 
     def __init__(self, world_size: int, rank: int, topology: Topology | None = None):
         self.world_size, self.rank = world_size, rank
-        self.topology = Topology.uniform(world_size) if topology is None else topology
+        self.topology = topology  # None: the process's (``current_topology``), once the world is checked
         self.meetings = 0  # barriers and exchanges with the other ranks so far
         self.world: VirtualWorld | None = getattr(_thread, "world", None)
         self.virtual = self.world is not None
@@ -173,9 +173,10 @@ class Group:
             if (dist.get_world_size(), dist.get_rank()) != (world_size, rank):
                 raise BackendError(f"the graph was built for rank {rank} of {world_size}, but this process is "
                                    f"rank {dist.get_rank()} of {dist.get_world_size()}")
+        real = current_topology() if world_size > 1 and not self.virtual else Topology.uniform(world_size)
+        self.topology = real if self.topology is None else self.topology
         if self.topology.world_size != world_size:
             raise BackendError(f"a topology of {self.topology.world_size} ranks for a world of {world_size}")
-        real = current_topology() if world_size > 1 and not self.virtual else self.topology
         split = [(a, b) for a in range(world_size) for b in range(a) if self.topology.same_node(a, b)
                  and not real.same_node(a, b)]
         if split:  # a graph may see more nodes than there are (each a transport's test), never fewer

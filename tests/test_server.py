@@ -381,11 +381,13 @@ def _alive(pids: list[int], within: float) -> list[int]:
     return [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
 
 
-def test_tensor_parallel_server_stops_cleanly_on_sigterm(small_llama, tokenizer, tmp_path):
-    """Two process ranks, 2 tokens drafted a step: transformers' greedy text; SIGTERM mid-stream ends the
-    stream with an error, and leaves no process or shared memory behind."""
+@pytest.mark.parametrize("nodes", [(), ("--ranks-per-node", "1")], ids=["one node", "two nodes"])
+def test_tensor_parallel_server_stops_cleanly_on_sigterm(small_llama, tokenizer, tmp_path, nodes):
+    """Two process ranks (on one node, or each on a node of its own: the transport between them), 2 tokens
+    drafted a step: transformers' greedy text; SIGTERM mid-stream ends the stream with an error, and leaves
+    no process or shared memory behind."""
     model, path = small_llama
-    server = start(path, tmp_path, "--tp", "2", "--draft-tokens", "2")
+    server = start(path, tmp_path, "--tp", "2", "--draft-tokens", "2", *nodes)
     try:
         ranks = _children(server.process.pid)
         client = server.client()

@@ -181,6 +181,8 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API (completions, chat, streaming)")
     p.add_argument("model", help="a checkpoint directory (save_pretrained's layout) or a GGUF file")
     p.add_argument("--tp", type=_count, default=1, help="tensor-parallel ranks (processes)")
+    p.add_argument("--ranks-per-node", type=_count, help="the --tp ranks on nodes of this many, reaching the other "
+                                                         "nodes through the transport (default: one node)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--backend", choices=["auto", "cpu", "torch", "cuda", "hip"], default="auto",

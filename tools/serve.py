@@ -68,6 +68,7 @@ class Options:
 
     model: str
     tp: int = 1
+    ranks_per_node: int | None = None  # the tp ranks on nodes of this many (None: one node)
     host: str = "127.0.0.1"
     port: int = 8000
     backend: str = "auto"
@@ -535,7 +536,8 @@ def serve(options: Options) -> None:
 
     previous = signal.signal(signal.SIGTERM, forward)
     try:
-        launch(partial(serve_rank, options), world_size=options.tp, backend=options.backend, timeout=MAX_TIMEOUT)
+        launch(partial(serve_rank, options), world_size=options.tp, backend=options.backend, timeout=MAX_TIMEOUT,
+               ranks_per_node=options.ranks_per_node)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
