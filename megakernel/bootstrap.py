@@ -102,7 +102,6 @@ class Topology:
         return [r for r, n in enumerate(self.nodes) if n == node]
 
 
-
 def current_topology() -> Topology:
     """The nodes of the calling thread's world (``current_world``): one node for virtual ranks and a
     single process; else torchrun's ``LOCAL_WORLD_SIZE`` ranks to a node (this process's node being

@@ -82,8 +82,7 @@ def kernel_source(specs: list[Spec], target: str, protocol: str | None = None, t
         words = [f"{name}=tl.load(args + {i})" for i, name in enumerate(spec.arg_names)]
         consts = [f"{k}={_constexpr_source(k, v)}" for k, v in spec.constexprs]
         keyword = "if" if opcode == 0 else "elif"
-        context = ["NETWORK" if name == "NETWORK_PUT" else name for name in task_type.context]
-        call = f"{task_type.tile.fn.__name__}({', '.join([*context, *words, *consts])})"
+        call = f"{task_type.tile.fn.__name__}({', '.join([*task_type.context, *words, *consts])})"
         branches.append(f"    {keyword} opcode == {opcode}:\n        {call}")
     dispatch = "\n".join(branches) or "    pass"
     opcodes = "\n".join(f"    {opcode}: {spec.label}" for opcode, spec in enumerate(specs))
@@ -104,7 +103,7 @@ from megakernel.device import persistent_loop, {CLOCKS[target]}, {FENCES[target]
 
 
 @triton.jit
-def run_tile(opcode, base, bases, status, args, NETWORK: tl.constexpr):
+def run_tile(opcode, base, bases, status, args, NETWORK_PUT: tl.constexpr):
 {dispatch}
 
 

@@ -103,7 +103,8 @@ def launch(fn: Callable[[], Any], world_size: int, backend: str = "auto", timeou
     if not is_count(world_size):
         raise BackendError(f"world_size must be a positive integer, got {world_size!r}")
     timeout = check_timeout(timeout)
-    per_node = bootstrap.Topology.uniform(world_size, ranks_per_node).nodes.count(0)  # checks it
+    bootstrap.Topology.uniform(world_size, ranks_per_node)  # refuses a count that does not divide the world
+    per_node = ranks_per_node or world_size
     if virtual:
         if per_node != world_size:
             raise BackendError("virtual ranks are threads of one process, one node: ranks_per_node needs process "

@@ -109,34 +109,30 @@ def outgoing_channels(tables, graph, topology: Topology) -> list[Channel]:
     """The channels from ``tables.rank`` to each peer on another node: from its tables' signals (rows in
     the global order) and the remote writes of the graph's tasks (``graph.tasks.remote``)."""
     me = tables.rank
-    channels = []
-    for peer in range(tables.world_size):
-        if topology.same_node(me, peer):
-            continue
-        counts: dict[int, int] = {}
-        last: dict[int, int] = {}
-        raised: dict[int, list[int]] = {}  # row -> events of peer it raises
-        for row, (start, count) in enumerate(tables.rows[:, [SIGNAL_START, SIGNAL_COUNT]].tolist()):
-            for rank, event, increment in tables.signals[start:start + count, :SIGNAL_WORDS].tolist():
-                if rank == peer:
-                    counts[event] = counts.get(event, 0) + increment
-                    last[event] = row
-                    raised.setdefault(row, []).append(event)
-        order = sorted(counts, key=lambda e: (last[e], e))
-        index = {event: i for i, event in enumerate(order)}
-        regions: list[list[tuple[int, int]]] = [[] for _ in order]
-        for row, tid in enumerate(tables.task_ids.tolist()):
-            writes = [region for rank, region in graph.tasks.remote[tid] if rank == peer]
-            if not writes:
+    far = [peer for peer in range(tables.world_size) if not topology.same_node(me, peer)]
+    counts: dict[int, dict[int, int]] = {peer: {} for peer in far}     # peer -> event -> count a step
+    last: dict[int, dict[int, int]] = {peer: {} for peer in far}       # peer -> event -> its last row
+    raised: dict[int, dict[int, list[int]]] = {peer: {} for peer in far}  # peer -> row -> its events
+    for row, (start, count) in enumerate(tables.rows[:, [SIGNAL_START, SIGNAL_COUNT]].tolist()):
+        for rank, event, increment in tables.signals[start:start + count, :SIGNAL_WORDS].tolist():
+            if rank in counts:
+                counts[rank][event] = counts[rank].get(event, 0) + increment
+                last[rank][event] = row
+                raised[rank].setdefault(row, []).append(event)
+    order = {peer: sorted(counts[peer], key=lambda e, peer=peer: (last[peer][e], e)) for peer in far}
+    index = {peer: {event: i for i, event in enumerate(order[peer])} for peer in far}
+    regions: dict[int, list[list[tuple[int, int]]]] = {peer: [[] for _ in order[peer]] for peer in far}
+    for row, tid in enumerate(tables.task_ids.tolist()):
+        for rank, region in graph.tasks.remote[tid]:
+            if rank not in counts:
                 continue
-            if row not in raised:
-                raise GraphError(f"{graph.describe_task(tid)} writes rank {peer} (another node) but raises none of its "
+            if row not in raised[rank]:
+                raise GraphError(f"{graph.describe_task(tid)} writes rank {rank} (another node) but raises none of its "
                                  f"events: nothing would carry its bytes")
-            first = min(index[e] for e in raised[row])
-            for region in writes:
-                regions[first] += region_bytes(graph.buffers[region[0]], region)
-        channels.append(Channel(me, peer, tuple(Message(e, counts[e], _merged(r)) for e, r in zip(order, regions))))
-    return channels
+            first = min(index[rank][e] for e in raised[rank][row])
+            regions[rank][first] += region_bytes(graph.buffers[region[0]], region)
+    return [Channel(me, peer, tuple(Message(e, counts[peer][e], _merged(r)) for e, r in zip(order[peer], regions[peer])))
+            for peer in far]
 
 
 class Transport:

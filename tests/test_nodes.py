@@ -2,6 +2,7 @@
 through the transport (gloo point-to-point, a progress agent per rank). Nodes are emulated on this machine
 by ``launch(..., ranks_per_node=...)``: the ranks of different nodes are processes that map nothing of each
 other, as they would on machines of their own."""
+import ast
 import functools
 import os
 import signal
@@ -164,7 +165,7 @@ def test_a_lost_peer_of_another_node_stops_the_run_naming_it(tmp_path, monkeypat
         for process in ranks:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    elapsed, message = eval(out.strip().splitlines()[-1])
+    elapsed, message = ast.literal_eval(out.strip().splitlines()[-1])
     assert "rank 1 (another node) is unreachable" in message, message
     assert elapsed < 30 / 2  # well within the watchdog's timeout: the broken connection, not the wait, tells
 
