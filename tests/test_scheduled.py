@@ -96,7 +96,7 @@ def test_a_step_with_more_prompt_tokens_than_the_prefill_rows_runs_in_several_la
 @pytest.mark.parametrize("requests, message", [
     (lambda: [Scheduled(torch.tensor([1, 2]), 0, torch.tensor([PAGES]))], "pages of \\[0, 40\\)"),
     (lambda: [Scheduled(torch.tensor([1] * 5), 0, torch.tensor([0]))], "needs 2 to"),
-    (lambda: [Scheduled(torch.tensor([1]), 0, torch.tensor([0]))] * (BATCH + 1), "batch rows"),
+    (lambda: [], "no requests"),
     (lambda: [Scheduled(torch.tensor([128]), 0, torch.tensor([0]))], "outside the vocabulary"),
     (lambda: [Scheduled(torch.tensor([1]), 48, torch.tensor([0] * 12))], "max_seq_len"),
 ])
@@ -105,6 +105,14 @@ def test_a_bad_plan_is_refused_naming_what_is_wrong_and_the_next_one_runs(engine
         engine.run_scheduled(requests())
     logits = engine.run_scheduled([Scheduled(torch.tensor([5, 6, 7]), 0, torch.tensor([3]))])
     assert_close(logits[0], reference([5, 6, 7]), tolerance(torch.float32))
+
+
+def test_more_requests_than_batch_rows_run_in_steps_of_a_batch(engine, reference):
+    torch.manual_seed(5)
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (3, 6, 1, 5, 2, 7, 4)]
+    requests = [Scheduled(torch.tensor(p), 0, torch.tensor([2 * i, 2 * i + 1])) for i, p in enumerate(prompts)]
+    for p, row in zip(prompts, engine.run_scheduled(requests)):
+        assert_close(row, reference(p), tolerance(torch.float32))
 
 
 def test_a_model_with_sequences_of_its_own_refuses_a_plan(engine):
@@ -128,3 +136,43 @@ def test_a_page_written_in_the_step_that_another_request_reads_as_cached_is_writ
     logits = engine.run_scheduled(requests)
     assert_close(logits[0], reference(reader), tolerance(torch.float32), "the reader")
     assert_close(logits[1], reference(prompt), tolerance(torch.float32), "the writer")
+
+
+def shared_page_step(engine, a: list[int], b: list[int], page: int, b_pages: list[int]) -> torch.Tensor:
+    """One step of two requests: A fills ``page`` (its last token, a batch row, writes its last position),
+    and B, A's tokens then its own, finds that page cached while A computes it."""
+    return engine.run_scheduled([Scheduled(torch.tensor(a), 0, torch.tensor([page])),
+                                 Scheduled(torch.tensor(b), PAGE, torch.tensor([page] + b_pages))])
+
+
+@pytest.mark.parametrize("b_tokens", [3, 2 * CHUNK + 3], ids=["one launch", "B's prefill in launches before A's last"])
+def test_a_request_that_reads_a_page_another_fills_in_the_same_step_waits_for_it(engine, reference, b_tokens):
+    """The issue-56 race: A's last position is written by its batch row, after every layer's prefill rows
+    (B's) have read the page. Each repeat first fills the page with other tokens, whose stale keys B would
+    read; B together with A must be bitwise what B gives in the step after A's (the torch backend runs the
+    same tiles on the same rows), and transformers' within float32's rounding."""
+    torch.manual_seed(4)
+    for repeat in range(6):
+        a = torch.randint(0, 128, (PAGE,)).tolist()
+        b = torch.randint(0, 128, (b_tokens,)).tolist()
+        page, b_pages = 20 + repeat % 3, list(range(30, 30 + -(-b_tokens // PAGE)))
+        engine.run_scheduled([Scheduled(torch.randint(0, 128, (PAGE,)), 0, torch.tensor([page]))])  # stale keys
+        together = shared_page_step(engine, a, b, page, b_pages)
+        engine.run_scheduled([Scheduled(torch.randint(0, 128, (PAGE,)), 0, torch.tensor([page]))])
+        first = engine.run_scheduled([Scheduled(torch.tensor(a), 0, torch.tensor([page]))])
+        after = engine.run_scheduled([Scheduled(torch.tensor(b), PAGE, torch.tensor([page] + b_pages))])
+        assert torch.equal(together[0], first[0]), f"repeat {repeat}: A"
+        assert torch.equal(together[1], after[0]), f"repeat {repeat}: B together with A vs B in the next step"
+        assert_close(together[1], reference(a + b), tolerance(torch.float32), f"repeat {repeat}: B")
+
+
+@pytest.mark.parametrize("second, message", [
+    (Scheduled(torch.tensor([1, 2]), 3, torch.tensor([5, 6])), "requests 0 and 1 both write position 0 of page 6"),
+    (Scheduled(torch.tensor([1]), 4, torch.tensor([6, 5])), "each read a position another of them writes"),
+])
+def test_a_plan_whose_requests_write_one_position_or_read_each_others_is_refused(engine, reference, second, message):
+    first = Scheduled(torch.tensor([1]), 4, torch.tensor([5, 6]))  # writes position 0 of page 6, reads page 5
+    with pytest.raises(GraphError, match=message):
+        engine.run_scheduled([first, second])
+    logits = engine.run_scheduled([Scheduled(torch.tensor([5, 6, 7]), 0, torch.tensor([3]))])
+    assert_close(logits[0], reference([5, 6, 7]), tolerance(torch.float32))

@@ -25,7 +25,7 @@ from ..tasks.sampling import PARAMS
 from ..tasks.speculation import STATS
 from ..models.decoder import decode_step
 from ..models.hf import ModelBuild
-from .pages import KVCacheFull, PagePool
+from .pages import KVCacheFull, PagePool, waves
 
 
 Method = TypeVar("Method", bound=Callable)
@@ -420,42 +420,60 @@ class DecodeModel:
         each request's last token; no token is sampled into the history.
 
         A request's tokens but the last go through the prefill rows (several launches of one step, each
-        prefill-only but the last, where the chunk cannot hold them all; in order of their first position,
-        so that a page one request writes is written before another reads it), its last through batch
-        row i, in the last launch, after its prefill rows wrote their keys."""
+        prefill-only but the last, where the chunk cannot hold them all), its last through a batch row, in
+        the last launch, after its prefill rows wrote their keys. A request that reads a position another
+        request of the step writes (a page a prefix cache hands out in the step that computes it) runs
+        after it, in a step of its own (``pages.waves``); more requests than the batch has rows run in
+        steps of ``batch`` requests."""
         c = self.config
         self._require_no_sequences("run_scheduled")
         if c.draft_tokens or not c.prefill_chunk or self.rope_at is not None:
             raise GraphError("run_scheduled: the model must be built with prefill rows (prefill_chunk > 0), "
                              "without drafts (draft_tokens=0) and with RoPE frequencies that stay fixed")
-        if not 0 < len(requests) <= c.batch:
-            raise GraphError(f"run_scheduled: {len(requests)} requests; the model has {c.batch} batch rows (max_batch)")
+        if not requests:
+            raise GraphError("run_scheduled: no requests")
+        checked = [self._checked_request(row, r) for row, r in enumerate(requests)]
+        logits = torch.empty(len(requests), c.vocab)
+        for wave in waves([(r.start, r.start + ids.numel() - 1, pages) for ids, r, pages in checked], c.page_size):
+            for group in range(0, len(wave), c.batch):
+                rows = wave[group:group + c.batch]
+                logits[rows] = self._run_wave([checked[i] for i in rows])
+        return logits
+
+    def _checked_request(self, row: int, r: "Scheduled") -> tuple[torch.Tensor, "Scheduled", torch.Tensor]:
+        """Request ``row`` of ``run_scheduled``'s as (token ids, the request, its pages), or a ``GraphError``
+        naming what is wrong with it."""
+        c = self.config
+        ids = self._token_ids(r.tokens, "run_scheduled", f"requests[{row}].tokens").reshape(-1)
+        last = r.start + ids.numel() - 1
+        pages = torch.as_tensor(r.pages, dtype=torch.int64).reshape(-1)
+        if ids.numel() == 0:
+            raise GraphError(f"run_scheduled: request {row} has no tokens")
+        if r.start < 0 or last >= c.max_seq_len:
+            raise GraphError(f"run_scheduled: request {row}'s {ids.numel()} tokens from position {r.start} "
+                             f"are not inside [0, {c.max_seq_len}) (max_seq_len)")
+        if pages.numel() < self.pool.pages_for(last + 1) or pages.numel() > c.max_pages or (
+                pages.numel() and not (0 <= int(pages.min()) and int(pages.max()) < self.pool.pages)):
+            raise GraphError(f"run_scheduled: request {row} reaches position {last}: it needs "
+                             f"{self.pool.pages_for(last + 1)} to {c.max_pages} pages of [0, {self.pool.pages}),"
+                             f" got {pages.tolist()}")
+        return ids, r, pages
+
+    def _run_wave(self, requests: list[tuple[torch.Tensor, "Scheduled", torch.Tensor]]) -> torch.Tensor:
+        """``run_scheduled``'s step for at most ``batch`` requests none of which reads what another writes:
+        request i in batch row i; their logits."""
+        c = self.config
         table = torch.full_like(self.pool.table, self.pool.pages)  # unnamed pages: the spill page
         history, pos = self.kernel.tensor(self.graph.inputs["history"]), torch.full((c.batch,), -1)
         prefill: list[tuple[int, int, torch.Tensor]] = []  # (batch row, first position, tokens)
-        for row, r in enumerate(requests):
-            ids = self._token_ids(r.tokens, "run_scheduled", f"requests[{row}].tokens").reshape(-1)
-            last = r.start + ids.numel() - 1
-            pages = torch.as_tensor(r.pages, dtype=torch.int64).reshape(-1)
-            if ids.numel() == 0:
-                raise GraphError(f"run_scheduled: request {row} has no tokens")
-            if r.start < 0 or last >= c.max_seq_len:
-                raise GraphError(f"run_scheduled: request {row}'s {ids.numel()} tokens from position {r.start} "
-                                 f"are not inside [0, {c.max_seq_len}) (max_seq_len)")
-            if pages.numel() < self.pool.pages_for(last + 1) or pages.numel() > c.max_pages or (
-                    pages.numel() and not (0 <= int(pages.min()) and int(pages.max()) < self.pool.pages)):
-                raise GraphError(f"run_scheduled: request {row} reaches position {last}: it needs "
-                                 f"{self.pool.pages_for(last + 1)} to {c.max_pages} pages of [0, {self.pool.pages}),"
-                                 f" got {pages.tolist()}")
+        for row, (ids, r, pages) in enumerate(requests):
             table[row, :pages.numel()] = pages
-            history[row, last] = ids[-1]  # between launches
-            pos[row] = last
+            history[row, r.start + ids.numel() - 1] = ids[-1]  # between launches
+            pos[row] = r.start + ids.numel() - 1
             if ids.numel() > 1:
                 prefill.append((row, r.start, ids[:-1]))
         self.kernel.bind({"prompt_len": torch.full((c.batch,), c.max_seq_len), "pos": torch.full((c.batch,), -1)})
-        # a page one request reads as cached may be written by another in this step (a prefix cache): the
-        # writer's tokens start at an earlier position, so packed in order of position they come first
-        launches = self._packed(sorted(prefill, key=lambda part: part[1]))
+        launches = self._packed(prefill)
         for index, chunk in enumerate(launches):
             tokens, positions = torch.zeros(c.prefill_chunk, dtype=torch.int64), torch.full((c.prefill_chunk,), -1)
             table[c.batch:] = self.pool.pages

@@ -4,10 +4,12 @@ The pool holds ``pages`` pages of ``page_size`` positions (``tasks.attention``: 
 more, the spill page, is every unallocated entry of the block table, so that a row that runs past the
 pages it was given (a sequence that ended inside a launch) writes only there, never into another
 sequence's pages. Pages are taken as a row grows and given back when it is released; a launch's
-growth is all or nothing (``transaction``): out of pages, nothing it took stays taken.
+growth is all or nothing (``transaction``): out of pages, nothing it took stays taken. Where another
+scheduler owns the pages (vLLM), ``waves`` orders the requests of its step that share them.
 """
 from __future__ import annotations
 
+import graphlib
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -72,3 +74,41 @@ class PagePool:
             raise
         finally:
             self._taken = None
+
+
+def waves(requests: list[tuple[int, int, torch.Tensor]], page_size: int) -> list[list[int]]:
+    """The requests of one step that another scheduler planned (``DecodeModel.run_scheduled``), each
+    ``(first, last, pages)`` (it writes positions ``first ..= last`` and reads ``0 ..= last`` through its
+    ``pages``), in waves: a request that reads a pool position another request of the step writes (a
+    prefix cache handing out a page in the step that computes it) comes in a later wave than that writer.
+
+    A step's graph orders a request's KV appends before the attention that reads them only within the
+    request's own rows (its prefill rows, then its batch row), so two requests joined this way run as
+    two steps, the writer's first. Two requests that write one position, or that read each other's, are
+    refused (``GraphError``): no order makes such a plan what it means."""
+    def pool_rows(first: int, last: int, pages: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(first, last + 1)
+        return pages[positions // page_size] * page_size + positions % page_size
+
+    written = [pool_rows(first, last, pages) for first, last, pages in requests]
+    rows, owners = torch.cat(written), torch.cat([torch.full_like(w, i) for i, w in enumerate(written)])
+    unique, counts = rows.unique(return_counts=True)
+    if bool((counts > 1).any()):
+        row = int(unique[counts > 1][0])
+        both = owners[rows == row].tolist()
+        raise GraphError(f"run_scheduled: requests {both[0]} and {both[1]} both write position {row % page_size} of "
+                         f"page {row // page_size}")
+    sorter = graphlib.TopologicalSorter()
+    for i, (first, last, pages) in enumerate(requests):
+        read = torch.isin(rows, pool_rows(0, last, pages)) & (owners != i)
+        sorter.add(i, *owners[read].unique().tolist())
+    try:
+        sorter.prepare()
+    except graphlib.CycleError as error:
+        raise GraphError(f"run_scheduled: requests {sorted(set(error.args[1]))} each read a position another of them "
+                         f"writes in the step") from None
+    order: list[list[int]] = []
+    while sorter.is_active():
+        order.append(sorted(sorter.get_ready()))
+        sorter.done(*order[-1])
+    return order
