@@ -113,6 +113,34 @@ def test_an_option_the_megakernel_does_not_build_is_refused_at_load_by_name(envi
             "the checkpoint's float32) is not supported") in out["output"]
 
 
+@pytest.fixture(scope="module")
+def shared_own(environment, checkpoint) -> dict:
+    return case(environment, "shared", checkpoint, "own", "0")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_block_read_in_the_step_that_computes_it_gives_what_the_prompt_gives_alone(environment, checkpoint,
+                                                                                    shared_own, workers):
+    """Issue 56: B finds A's block (A's last position a batch row) in vLLM's prefix cache in the step that
+    computes it. Before the fix B's log-probabilities were off by up to 2.35, its tokens different; now
+    they are B's alone, as vLLM's own model's are, repeatedly; and prompt logprobs are refused for that request
+    alone."""
+    ours = case(environment | {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, "shared", checkpoint, "megakernel",
+                str(workers))
+    for run in (ours, shared_own):
+        for repeat in run["repeats"]:
+            together, alone = repeat["together"], repeat["alone"]
+            assert together["cached"] >= run["block"] and alone["cached"] == 0  # the block came from the cache
+            assert together["tokens"] == alone["tokens"]
+            for step_together, step_alone in zip(together["logprobs"], alone["logprobs"]):
+                assert step_together.keys() == step_alone.keys()
+                assert max(abs(step_together[t] - step_alone[t]) for t in step_alone) < 1e-3
+    assert [r["alone"]["tokens"] for r in ours["repeats"]] == [r["alone"]["tokens"] for r in shared_own["repeats"]]
+    assert "prompt_logprobs is not supported" in ours["refused"] and shared_own["refused"] is None
+    assert ours["after"] == shared_own["after"] and len(ours["after"]) == 4  # the engine still serves
+
+
 def test_the_openai_server_with_the_override_serves_and_cancels(environment, checkpoint, reference, tmp_path):
     openai = pytest.importorskip("openai")
     with socket.socket() as probe:

@@ -6,6 +6,7 @@ process, each printing one JSON line ``RESULT {...}`` (vLLM's engine runs in a p
     python tests/vllm_cases.py transformers FOLDER N       transformers' greedy tokens of PROMPTS
     python tests/vllm_cases.py vllm FOLDER N own|megakernel TP  vLLM's greedy and seeded tokens of PROMPTS
     python tests/vllm_cases.py refuse FOLDER               an option the megakernel does not build, refused
+    python tests/vllm_cases.py shared FOLDER own|megakernel WORKERS   a block read in the step that writes it
 """
 import importlib.util
 import json
@@ -29,6 +30,7 @@ PROMPTS = ["Name three colours of the rainbow.", "The capital of France is", "1,
 # the second finds the first's block in vLLM's prefix cache, its keys and values as the megakernel wrote them
 SHARED = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun. " * 9
 CACHED_PROMPTS = [SHARED + "What does the fox do?", SHARED + "Where does the cat sleep?"]
+SHARED_REPEATS = 3          # the shared-block race (issue 56), prompt pairs per run
 MAX_NUM_SEQS = 2            # requests queue behind the running ones
 MAX_NUM_BATCHED_TOKENS = 16  # a long prompt takes several steps, each mixing its chunk with the others' decodes
 SEEDS = (7, 8, 9)           # seeded sampling: one request per seed, the first prompt
@@ -93,6 +95,42 @@ def refuse(folder: str) -> None:
     result({"refused": None})
 
 
+def shared(folder: str, which: str, workers: int) -> None:
+    """Issue 56's race, ``SHARED_REPEATS`` times: prompt A fills one KV block exactly, prompt B is A and 40
+    tokens more; submitted together, B finds A's block in the prefix cache in the step that computes it (its
+    last position in A's batch row). B's greedy tokens and top log-probabilities together and alone (the
+    prefix cache emptied before each). Then a request for prompt logprobs, refused, and one more request."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    overrides = OVERRIDE | {"megakernel_workers": workers} if which == "megakernel" else None
+    llm = LLM(model=folder, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
+              max_num_batched_tokens=512, enable_prefix_caching=True, hf_overrides=overrides)
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5)
+    generator = torch.Generator().manual_seed(56)
+
+    def run(prompts):
+        llm.reset_prefix_cache()
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        out = outputs[-1]
+        return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
+                "logprobs": [{str(t): l.logprob for t, l in step.items()} for step in out.outputs[0].logprobs]}
+
+    repeats = []
+    for _ in range(SHARED_REPEATS):
+        a = torch.randint(100, 20000, (block,), generator=generator).tolist()
+        b = a + torch.randint(100, 20000, (40,), generator=generator).tolist()
+        repeats.append({"together": run([a, b]), "alone": run([b])})
+    try:
+        llm.generate(["Hello"], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+        refused = None
+    except Exception as error:  # vLLM's validation error, raised for this request alone
+        refused = f"{type(error).__name__}: {error}"
+    after = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    result({"block": block, "repeats": repeats, "refused": refused, "after": list(after[0].outputs[0].token_ids)})
+
+
 if __name__ == "__main__":
     case, folder, *rest = sys.argv[1:]
     if case == "convert":
@@ -103,5 +141,7 @@ if __name__ == "__main__":
         vllm_tokens(folder, int(rest[0]), rest[1], int(rest[2]))
     elif case == "refuse":
         refuse(folder)
+    elif case == "shared":
+        shared(folder, rest[0], int(rest[1]))
     else:
         raise SystemExit(f"unknown case {case!r}")

@@ -16,23 +16,26 @@ The declared ``Attention`` layers are never called: they make vLLM size its pool
 (their own KV tensors, which vLLM allocates, stay unused).
 
 forward keeps the logits of each request's last token and returns each token's row number;
-``compute_logits`` turns the rows vLLM samples back into logits, and refuses by name a row the step made
-none for (prompt logprobs).
+``compute_logits`` turns the rows vLLM samples back into logits. Prompt logprobs, which would need the
+logits of every prompt token, are refused per request where vLLM checks a request (``register``).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 from vllm import ModelRegistry
 from vllm.config import VllmConfig
+from vllm.exceptions import VLLMValidationError
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
+from vllm.sampling_params import SamplingParams
 
 from ..backends import gpu_flavour
 from ..backends.cpu import usable_cores
@@ -45,15 +48,35 @@ from .engine import DecodeModel, Scheduled
 
 ARCHITECTURE = "MegakernelForCausalLM"
 # batch rows of the megakernel's step: vLLM may schedule more requests (max_num_seqs, 256 by default), which
-# then run in launches of this many; a step's tiles grow with its rows
+# run_scheduled then runs in launches of this many; a step's tiles grow with its rows
 MAX_BATCH = 16
 BACKEND_FIELD = "megakernel_backend"  # hf_overrides={..., BACKEND_FIELD: "torch"}: the backend (default: the GPU, else torch)
+WORKERS_FIELD = "megakernel_workers"  # hf_overrides={..., WORKERS_FIELD: 3}: a rank's workers (default: torch_workers)
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: vLLM calls it in each of its processes (once or more)."""
+    """The ``vllm.general_plugins`` entry point: vLLM calls it in each of its processes (once or more),
+    its front end's included, where requests are checked."""
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:{ARCHITECTURE}")
+    if not getattr(SamplingParams.verify, "refuses_prompt_logprobs", False):
+        SamplingParams.verify = _refusing_prompt_logprobs(SamplingParams.verify)
+
+
+def _refusing_prompt_logprobs(verify: Callable) -> Callable:
+    """vLLM's check of a request's sampling parameters, which also refuses prompt logprobs when the model is
+    this class (the step makes logits at each request's last scheduled token only): the request gets vLLM's
+    own validation error (the server's 400), where the engine would otherwise die at ``compute_logits``."""
+    @functools.wraps(verify)
+    def checked(params: SamplingParams, model_config, *args, **kwargs):
+        if ARCHITECTURE in (getattr(model_config.hf_config, "architectures", None) or ()) and (
+                params.prompt_logprobs is not None or getattr(params, "prompt_logprob_token_ids", None) is not None):
+            raise VLLMValidationError(f"{ARCHITECTURE} makes logits at each request's last scheduled token only: "
+                                      "prompt_logprobs is not supported", parameter="prompt_logprobs",
+                                      value=params.prompt_logprobs)
+        return verify(params, model_config, *args, **kwargs)
+    checked.refuses_prompt_logprobs = True
+    return checked
 
 
 class MegakernelForCausalLM(nn.Module):
@@ -128,16 +151,10 @@ class MegakernelForCausalLM(nn.Module):
                                      f"but a sequence length of {seq_lens[i]}")
                 scheduled[i] = Scheduled(input_ids[a:b].long().cpu(), firsts[i],
                                          m.block_table[i, :-(-seq_lens[i] // page)].long().cpu())
-        # a block that a request finds in vLLM's prefix cache may be written by another in this same step:
-        # the writer starts at an earlier position, so requests go in order of their first position (as
-        # run_scheduled orders its own launches)
-        order = sorted(scheduled, key=lambda i: scheduled[i].start)
-        logits = []
-        for group in range(0, len(order), engine.config.batch):
-            logits.append(engine.run_scheduled([scheduled[i] for i in order[group:group + engine.config.batch]]))
-        self.logits = torch.cat(logits).to(input_ids.device) if logits else None
-        last = torch.tensor([starts[i + 1] - 1 for i in order], dtype=torch.int64)
-        self.logits_row[last.to(input_ids.device)] = torch.arange(len(order), device=input_ids.device)
+        if scheduled:  # (run_scheduled orders the requests that share KV blocks, and runs them in rows of its batch)
+            self.logits = engine.run_scheduled(list(scheduled.values())).to(input_ids.device)
+        last = torch.tensor([starts[i + 1] - 1 for i in scheduled], dtype=torch.int64)
+        self.logits_row[last.to(input_ids.device)] = torch.arange(len(scheduled), device=input_ids.device)
         return rows
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -159,8 +176,10 @@ class MegakernelForCausalLM(nn.Module):
             if not blocks:
                 raise GraphError(f"{ARCHITECTURE}: a forward with attention metadata before vLLM sized its KV cache")
             build = replace(self.build, config=replace(self.build.config, kv_pages=blocks))
-            workers = {"workers": torch_workers(self.vllm_config.parallel_config.tensor_parallel_size)} \
-                if self.backend == "torch" else {}
+            workers = getattr(self.vllm_config.model_config.hf_config, WORKERS_FIELD, None)
+            if workers is None and self.backend == "torch":
+                workers = torch_workers(self.vllm_config.parallel_config.tensor_parallel_size)
+            workers = {} if workers is None else {"workers": workers}  # (a bad value is Megakernel's to refuse)
             self.build, self.engine = None, DecodeModel(build, backend=self.backend, **workers)
         return self.engine
 
