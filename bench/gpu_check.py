@@ -50,7 +50,11 @@ the machine's start of a minute or two included) is one call, ``python bench/gpu
 timeout of 540 s. The sections run one after the other, each in its own process under its limit and
 all within BUDGET (480 s); a section that fails, faults or hangs is a FAILED row and the next one
 starts, and one the budget left no time for is a row too. The output's first line names the date, GPU,
-driver, torch, triton and protocol; the table comes last, whatever happened. That leaves about four
+driver, torch, triton and protocol; the table comes last, whatever happened. It runs from the root of
+the copied tree with nothing installed (the image has no registry): the script puts the tree on
+``sys.path``, and ``megakernel`` finds its ``tasks/``, ``scheduler/`` and ``tools/`` in the checkout
+(``megakernel/checkout.py``); ``tests/test_triton36.py`` runs this command with ``--smoke`` so, in an
+environment made like the image. That leaves about four
 minutes for one rerun, at once while the machine is still warm, of the sections that failed, fixed
 (``--only NAME,...``, a timeout of 200 s). The table goes into bench/RESULTS.md as printed.
 
@@ -74,10 +78,13 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, replace
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
-import megakernel as mk
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tree's megakernel, installed or not
+import megakernel as mk  # noqa: E402
 from megakernel import aot, device, shmem
 from megakernel.errors import BackendError
 from megakernel.models import schema

@@ -64,9 +64,17 @@ def compile_kernel(specs: list[Spec], target: str, row_words: int, trace: bool =
     signature.update(ROW="constexpr", TRACE="constexpr")
     source = ASTSource(fn=kernel, signature=signature, constexprs={"ROW": row_words, "TRACE": trace})
     options = launch_options(gpu.backend, transport=transport) | ({} if num_warps is None else {"num_warps": num_warps})
-    if transport == "nvshmem":
-        options["extern_libs"] = {"libnvshmem_device": str(shmem.device_library(gpu.arch))}
-    compiled = triton.compile(source, target=gpu, options=options)
+    library = shmem.device_library(gpu.arch) if transport == "nvshmem" else None
+    if library is not None:
+        options["extern_libs"] = {"libnvshmem_device": str(library)}
+    try:
+        compiled = triton.compile(source, target=gpu, options=options)
+    except ValueError as error:  # LLVM bitcode newer than this Triton's LLVM (3.6 and NVSHMEM 3.8's files)
+        if library is None or "Failed to parse library" not in str(error):
+            raise
+        raise BackendError(f"triton {triton.__version__} cannot read NVSHMEM's device library {library} (bitcode of a "
+                           "newer LLVM than its own); nvidia-nvshmem-cu12==3.4.5's (LLVM 18) it reads, or set "
+                           f"{shmem.LIBRARY_ENV} to such a file") from None
     binary, text = ("cubin", "ptx") if gpu.backend == "cuda" else ("hsaco", "amdgcn")
     res = binary_resources(compiled.asm, compiled.metadata.name, compiled.metadata.shared,
                            compiled.metadata.num_warps)

@@ -29,6 +29,9 @@ import triton.language as tl
 
 from . import layout
 from .errors import BackendError
+from .interpreter import use_squeezed_index
+
+use_squeezed_index()  # triton 3.6's interpreter with numpy >= 2.4
 
 # The status record and trace stamps (``layout``), as constexprs for the kernel.
 STATUS_WORDS, TRACE_WORDS = tl.constexpr(layout.STATUS_WORDS), tl.constexpr(layout.TRACE_WORDS)

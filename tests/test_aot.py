@@ -34,7 +34,7 @@ from megakernel.occupancy import (LIMITS, binary_resources, check_grid, cubin_co
                                   programs_per_unit)
 from megakernel.tasks import TASK_TYPES
 from megakernel.tasks.common import rounded
-from megakernel.tools.examples import every_task_type
+from megakernel.tools.examples import across_nodes, every_task_type
 
 pytestmark = pytest.mark.aot  # compiled for the GPU targets: the interpreter accepts code the compiler rejects
 
@@ -546,7 +546,6 @@ def test_the_nvshmem_transport_puts_and_signals_through_nvshmems_device_library(
     need("sm_90")
     nvshmem_library()
     from megakernel.tools.cli import main as cli
-    from megakernel.tools.examples import across_nodes
     assert cli(["aot", "--target", "sm_90", "--transport", "nvshmem", "--asm", str(tmp_path / "nvshmem.ptx")]) == 0
     assert "(0 bytes spilled)" in capsys.readouterr().out
     text = (tmp_path / "nvshmem.ptx").read_text()
@@ -558,3 +557,14 @@ def test_the_nvshmem_transport_puts_and_signals_through_nvshmems_device_library(
     assert ".visible .entry megakernel" in text and wait_loops(text, "cuda")  # the waits stay polls of local memory
     memory = compile_kernel(across_nodes().specs, "sm_90", row_words=16)
     assert "nvshmem" not in memory.assembly and memory.spilled == 0
+
+
+@pytest.mark.aot
+def test_a_device_library_this_triton_cannot_read_is_a_backend_error_naming_it(tmp_path, monkeypatch):
+    """The GPU image's NVSHMEM (3.8, LLVM 22 bitcode) under its triton 3.6: the GPU check's nodes section
+    reports it as not compiled, with the reason, and goes on (a file that is no bitcode stands in here)."""
+    library = tmp_path / "libnvshmem_device_sm_90.bc"
+    library.write_bytes(b"BC\xc0\xde" + bytes(60))
+    monkeypatch.setenv("MEGAKERNEL_NVSHMEM_LIB", str(library))
+    with pytest.raises(BackendError, match=f"cannot read NVSHMEM's device library {library}"):
+        compile_kernel(across_nodes().specs, "sm_90", row_words=16, transport="nvshmem")

@@ -1,5 +1,5 @@
 """The library's imports point one way: no cycle among its modules (imports inside functions counted), and
-the ground floor (``errors``, ``layout``, ``device``) is all that ``tasks/`` and ``scheduler/`` import of
+the ground floor (``errors``, ``layout``, ``device`` and its ``interpreter``) is all that ``tasks/`` and ``scheduler/`` import of
 ``megakernel/``'s own modules, while it imports none of theirs; no project module is imported inside a
 function but the server by the command line (FastAPI is an optional extra)."""
 import ast
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-GROUND_FLOOR = {"megakernel.errors", "megakernel.layout", "megakernel.device"}
+GROUND_FLOOR = {"megakernel.errors", "megakernel.layout", "megakernel.device", "megakernel.interpreter"}
 LOWER_PACKAGES = ("megakernel.tasks", "megakernel.scheduler")
 
 

@@ -41,6 +41,7 @@ from ..codegen import load_kernel
 from ..errors import BackendError, GraphError
 from ..heap import SHM_DIR, Heaps, RankHeap, SharedHeap
 
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds this megakernel package
 PR_SET_PDEATHSIG = 1
 _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megakernel-spawner")
 
@@ -145,7 +146,10 @@ class _Worker:
 
     def __init__(self):
         parent, child = socket.socketpair()
-        env = dict(os.environ, TRITON_INTERPRET="1")  # read by triton at import
+        # TRITON_INTERPRET is read by triton at import; the package's own folder first, so that the worker
+        # imports the megakernel its parent did (a checkout that is not installed, run from anywhere)
+        env = dict(os.environ, TRITON_INTERPRET="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")))))
         command = [sys.executable, "-c", f"from megakernel.backends.cpu import _worker_main; _worker_main({child.fileno()})"]
         # Linux sends the parent-death signal when the *thread* that started the child ends: a virtual
         # rank's thread ends with its launch, but its pool lives on. Start workers from one thread that
