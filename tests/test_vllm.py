@@ -164,6 +164,9 @@ def test_the_openai_server_with_the_override_serves_and_cancels(environment, che
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120)
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        with pytest.raises(openai.BadRequestError, match="prompt_logprobs is not supported"):  # a 400, and it lives
+            client.completions.create(model=checkpoint, prompt=PROMPTS[0], max_tokens=2,
+                                      extra_body={"prompt_logprobs": 1})
         for index in (0, 2):
             reply = client.completions.create(model=checkpoint, prompt=PROMPTS[index], max_tokens=NEW_TOKENS,
                                               temperature=0)
