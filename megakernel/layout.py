@@ -16,7 +16,9 @@ imports nothing of ``scheduler`` or ``tasks``, which import it.
 Status region: a header record of the rank, then one record of STATUS_WORDS per worker. The
 header's ABORT word is set by a worker that stops the rank's run (a stall, or the host stopping
 it); its FAULTED word is the last step in which a tile of the rank faulted (below). The
-host reads these two words after a run and the workers' records only when one of them says so.
+host reads these words after a run and the workers' records only when one of them says so. LOST (a
+rank + 1; 0: none) names a peer found gone, by the transport of rank LOST_BY (``transport``), which
+writes it here and in the headers of this rank's node, with ABORT.
 A worker writes DONE (tasks finished in this step) and EPOCH (the step it is in: run ``e`` of a
 kernel that ran one step per launch; a launch starts after it, so the host passes no epoch) as it
 goes, and on a stall the rest: STATE, the TASK it waited for, that task's EVENT, the count it
@@ -42,7 +44,7 @@ STATUS_WORDS = 13
  FAULT, FAULT_AT, FAULT_KIND, FAULT_VALUE, FAULT_BOUND) = range(STATUS_WORDS)
 INDEX, NOT_FINITE = range(2)  # values of FAULT_KIND
 RUNNING, TIMED_OUT, STOPPED = range(3)  # values of STATE
-ABORT, FAULTED = 0, 1  # words of the header record
+ABORT, FAULTED, LOST, LOST_BY = range(4)  # words of the header record
 
 TRACE_WORDS = 3  # per task: wait start, run start, end (ns on the backend's clock)
 

@@ -17,13 +17,15 @@ from .backends.cpu import WorkerPool
 from .errors import BackendError, DeadlockError, FaultError, GraphError, check_timeout, is_count
 from .graph import Graph, Tensor
 from .heap import HeapView, RankHeap
-from .layout import ABORT, COMM, FAULTED, INDEX, NOT_FINITE, STATUS_WORDS, TRACE_WORDS, HeapLayout, device_words
+from .layout import (ABORT, COMM, FAULTED, INDEX, LOST, LOST_BY, NOT_FINITE, STATUS_WORDS, TRACE_WORDS, HeapLayout,
+                     device_words)
 from .scheduler import ARG0, CARRY_FAN_IN, FAN_IN, QueueTables, check_periodic, schedule, serialize
 from .trace import Trace, rank_trace
 from .transport import Transport, outgoing_channels
 
 
 MAX_STEPS = 2**32  # of one launch: ample for any run, and the epochs stay far from int64's end
+TELL_SECONDS = 5.0  # at most, for the news of a lost rank to leave before this rank reports it
 
 
 class Megakernel:
@@ -245,6 +247,9 @@ class Megakernel:
         if failure is None and self.transport is not None and self.transport.failures:
             failure = BackendError(f"rank {self.graph.rank}: {what} stopped: " + "; ".join(self.transport.failures))
         header = self._header() if failure is None else None
+        if failure is None and header[LOST]:  # found by another rank's transport, and told here
+            failure = BackendError(f"rank {self.graph.rank}: {what} stopped: rank {header[LOST] - 1} is gone (rank "
+                                   f"{header[LOST_BY]}'s transport found it unreachable)")
         if failure is None and header[ABORT]:
             status = self._status()
             if diagnosis.stalled(status):
@@ -254,6 +259,8 @@ class Megakernel:
                 failure = DeadlockError(f"rank {self.graph.rank}: the watchdog stopped {what}: a wait exceeded "
                                         f"{self.timeout} s ({saved})", report)
         if failure is not None:
+            if self.transport is not None and self._header()[LOST]:  # a loss: every rank's news, sent first
+                self.transport.wait_told(min(self.timeout, TELL_SECONDS))
             self._after_failure(f"{what} failed")
             raise failure
         # A fault anywhere counts: a peer's clamped data may be in this rank's outputs (a peer of this node;
@@ -356,8 +363,8 @@ class Megakernel:
 
     # -- diagnosis --------------------------------------------------------------------------------
     def _header(self, heap: RankHeap | None = None) -> np.ndarray:
-        """The rank's header record of this rank's heap, or of a peer's: ABORT and FAULTED (a copy)."""
-        return self.words(self.layout.status_off, FAULTED + 1, heap).cpu().numpy()
+        """The rank's header record of this rank's heap, or of a peer's: ABORT .. LOST_BY (a copy)."""
+        return self.words(self.layout.status_off, LOST_BY + 1, heap).cpu().numpy()
 
     def _status(self, heap: RankHeap | None = None) -> np.ndarray:
         """Per-worker status records [workers, STATUS_WORDS] of this rank's heap, or of a peer's (a copy)."""
@@ -412,8 +419,9 @@ def _connect_nodes(kernel: Megakernel, shadows: dict[int, torch.Tensor]) -> Tran
     if any(why for _, why in every):
         raise GraphError(next(why for _, why in every if why))
     incoming = [c for channels, _ in every for c in channels if c.dst == rank]
-    return Transport(rank, outgoing, incoming, kernel.heap.comm, shadows, kernel.layout.events_off - COMM,
-                     kernel.words(kernel.layout.status_off, 1))
+    headers = {r: kernel.words(kernel.layout.status_off, LOST_BY + 1, heap)
+               for r, heap in [(rank, None), *kernel.peers.items()]}
+    return Transport(rank, outgoing, incoming, kernel.heap.comm, shadows, kernel.layout.events_off - COMM, headers)
 
 
 def _release(backend: Backend, transport: Transport | None, timeout: float) -> None:

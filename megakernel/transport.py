@@ -25,9 +25,12 @@ Why nothing is lost, stale or out of order:
 
 A gloo receive cannot be cancelled: each receiving thread always has the next message's receive posted,
 and closing sends every peer what is ready, then a message of that size marked ``CLOSING``. A peer that
-dies breaks its connections: a rank that receives from it (or sends to it) records the failure, sets its
-abort word (its workers stop at their next wait) and raises ``BackendError`` naming the peer; the others
-meet it as a stall, which their watchdog names.
+dies breaks its connections: a rank that receives from it (or sends to it) records the failure and raises
+``BackendError`` naming the peer. The loss is news for every rank: the finder writes it (``layout.LOST``,
+``LOST_BY``) into its own header and those of its node's ranks, with their abort words (their workers stop
+at their next wait), and every agent that finds it in its header tells its peers of other nodes with a
+message of the size they wait for marked ``LOST`` (ending the channel, as ``CLOSING`` does), whose agents
+do the same; each rank then raises ``BackendError`` naming the lost rank and the rank that found it.
 """
 from __future__ import annotations
 
@@ -44,11 +47,13 @@ import torch.distributed as dist
 from . import atomics
 from .bootstrap import Topology
 from .errors import BackendError, GraphError
-from .layout import COMM, SIGNAL_COUNT, SIGNAL_START, SIGNAL_WORDS
+from .layout import ABORT, COMM, LOST_BY, SIGNAL_COUNT, SIGNAL_START, SIGNAL_WORDS
+from .layout import LOST as LOST_WORD
 
 NAME = "gloo"            # what ``Megakernel.links`` calls a peer reached through this transport
 MESSAGE_HEADER_WORDS = 2  # a message's step (its epoch) and index in the channel
 CLOSING = -1             # a header step: the sender is closing, nothing follows
+LOST = -2                # a header step: a rank is gone (the index: finder << 32 | lost rank), nothing follows
 RECEIVE_TIMEOUT = timedelta(days=365)  # a receive waits for the next step however long the host idles
 PENDING_SENDS = 64       # sends in flight before the agent waits for the oldest
 POLL_SECONDS = (20e-6, 1e-3)  # the agent's pause when nothing was ready: first, and at most (doubling)
@@ -140,21 +145,24 @@ class Transport:
     a thread per incoming channel receiving them into the comm area, over a gloo group of their own.
 
     ``comm``: this rank's comm area (uint8, as this process maps it); ``shadows[peer]``: the shadow of an
-    off-node peer's; ``events``: the comm-area offset of the event counters; ``abort``: the rank's abort word.
+    off-node peer's; ``events``: the comm-area offset of the event counters; ``headers``: the header record
+    (``layout``: ABORT .. LOST_BY) of this rank and of each rank of its node, as this process maps them.
     Made by every rank at once (the group is collective)."""
 
     name = NAME
 
     def __init__(self, rank: int, outgoing: list[Channel], incoming: list[Channel], comm: torch.Tensor,
-                 shadows: dict[int, torch.Tensor], events: int, abort: torch.Tensor):
+                 shadows: dict[int, torch.Tensor], events: int, headers: dict[int, torch.Tensor]):
         self.rank, self.outgoing, self.incoming = rank, outgoing, incoming
-        self.comm, self.shadows, self.events, self.abort = comm, shadows, events, abort
+        self.comm, self.shadows, self.events, self.headers = comm, shadows, events, headers
         self.failures: list[str] = []
         self.received: dict[int, tuple[int, int]] = {c.src: (0, -1) for c in incoming}  # src -> last (step, index)
         self.sent: dict[int, tuple[int, int]] = {c.dst: (1, 0) for c in outgoing}       # dst -> next (step, index)
-        self._dead: set[int] = set()  # peers lost: nothing more is sent to them
+        self._dead: set[int] = set()  # peers lost: unreachable
+        self._quiet: set[int] = set()  # peers sent nothing more: lost, or told of a loss (their receive ended)
         self.closed: set[int] = set()  # peers that closed their kernel: they send nothing more
         self._closing = threading.Event()
+        self._told = threading.Event()  # news of a loss this rank knows has gone to every peer still listening
         self._group = dist.new_group(backend="gloo", timeout=RECEIVE_TIMEOUT)
         self._threads = [threading.Thread(target=self._send_loop, name=f"megakernel-transport-{rank}-send", daemon=True)]
         self._threads += [threading.Thread(target=self._receive_loop, args=(c,), daemon=True,
@@ -168,13 +176,13 @@ class Transport:
             self._send_all()
         except Exception as error:  # not a peer's loss (``_lose``): this agent's own failure
             self.failures.append(f"rank {self.rank}'s transport stopped sending: {error!r}")
-            self.abort.fill_(1)
+            self.headers[self.rank][ABORT] = 1
 
     def _send_all(self) -> None:
         pending: deque = deque()  # (peer, work, buffer) of the sends in flight, oldest first
         pause = POLL_SECONDS[0]
         while not self._closing.is_set():
-            sent = self._send_ready(pending)
+            sent = self._send_ready(pending) | self._tell_loss(pending)
             while len(pending) > PENDING_SENDS:
                 self._finish(pending.popleft())
             # a spinning agent takes the cores the workers need (measured: a hop 1.6x slower when it never backs off)
@@ -182,18 +190,36 @@ class Transport:
             if not sent:
                 time.sleep(pause)
         self._send_ready(pending)  # what the last launch released (a kernel closed without meeting its peers)
-        for channel in self.outgoing:  # the receiver has the next message's receive posted: its size
-            if channel.dst not in self._dead:
-                self._send(channel, CLOSING, self.sent[channel.dst][1], pending)
+        for channel in self.outgoing:
+            if channel.dst not in self._quiet:
+                self._notice(channel, CLOSING, 0, pending)
         while pending:
             self._finish(pending.popleft())
+
+    def _tell_loss(self, pending: deque) -> bool:
+        """Once this rank's header names a lost rank (found here, by a rank of this node, or told by a peer),
+        tell every peer of another node still listening; whether one was told."""
+        header = self.headers[self.rank]
+        lost = int(header[LOST_WORD])
+        if not lost:
+            return False
+        told = False
+        for channel in self.outgoing:
+            if channel.dst not in self._quiet:
+                self._notice(channel, LOST, int(header[LOST_BY]) << 32 | lost - 1, pending)
+                self._quiet.add(channel.dst)
+                told = True
+        while told and pending:  # delivered before the host may report it and end the process
+            self._finish(pending.popleft())
+        self._told.set()
+        return told
 
     def _send_ready(self, pending: deque) -> bool:
         """Send every message whose count is reached, channel by channel; whether one went."""
         sent = False
         for channel in self.outgoing:
             address = self.shadows[channel.dst].data_ptr() + self.events
-            while channel.dst not in self._dead:
+            while channel.dst not in self._quiet:
                 step, i = self.sent[channel.dst]
                 message = channel.messages[i]
                 # acquire: the bytes the writers released with their adds are read after it
@@ -209,15 +235,24 @@ class Transport:
         buffer = torch.empty(message.nbytes, dtype=torch.uint8)
         buffer[:8 * MESSAGE_HEADER_WORDS].view(torch.int64).copy_(torch.tensor([step, index]))
         at = 8 * MESSAGE_HEADER_WORDS
-        if step != CLOSING:
-            shadow = self.shadows[channel.dst]
-            for offset, size in message.regions:
-                buffer[at:at + size].copy_(shadow[offset:offset + size])
-                at += size
+        shadow = self.shadows[channel.dst]
+        for offset, size in message.regions:
+            buffer[at:at + size].copy_(shadow[offset:offset + size])
+            at += size
+        self._post(channel.dst, buffer, pending)
+
+    def _notice(self, channel: Channel, kind: int, value: int, pending: deque) -> None:
+        """A message marked ``kind`` (CLOSING, LOST) with ``value``, of the size of the message the receiver
+        has its receive posted for (the channel's next)."""
+        buffer = torch.zeros(channel.messages[self.sent[channel.dst][1]].nbytes, dtype=torch.uint8)
+        buffer[:8 * MESSAGE_HEADER_WORDS].view(torch.int64).copy_(torch.tensor([kind, value]))
+        self._post(channel.dst, buffer, pending)
+
+    def _post(self, peer: int, buffer: torch.Tensor, pending: deque) -> None:
         try:
-            pending.append((channel.dst, dist.isend(buffer, channel.dst, group=self._group), buffer))
+            pending.append((peer, dist.isend(buffer, peer, group=self._group), buffer))
         except Exception as error:
-            self._lose(channel.dst, f"sending to it: {error}")
+            self._lose(peer, f"sending to it: {error}")
 
     def _finish(self, entry: tuple) -> None:
         peer, work, _ = entry
@@ -239,6 +274,9 @@ class Transport:
                 if got_step == CLOSING:
                     self.closed.add(channel.src)
                     return
+                if got_step == LOST:  # the sender goes quiet too
+                    self._learn(got_index & 0xFFFFFFFF, got_index >> 32)
+                    return
                 if (got_step, got_index) != (step, i):
                     raise BackendError(f"rank {channel.src} sent message {got_index} of step {got_step} where "
                                        f"message {i} of step {step} was due")
@@ -254,13 +292,29 @@ class Transport:
                 self._lose(channel.src, f"receiving from it: {error}")
 
     def _lose(self, peer: int, why: str) -> None:
-        """Peer ``peer`` is gone: nothing more goes to it, and this rank's workers stop at their next wait."""
+        """Peer ``peer`` is gone: nothing more goes to it, and every rank learns it (``_learn``)."""
         if peer not in self._dead:
             self._dead.add(peer)
+            self._quiet.add(peer)
             self.failures.append(f"rank {self.rank}'s transport: rank {peer} (another node) is unreachable, {why}")
-        self.abort.fill_(1)
+        self._learn(peer, self.rank)
+
+    def _learn(self, lost: int, finder: int) -> None:
+        """Rank ``lost`` is gone, as rank ``finder``'s transport found: written into the header of this rank
+        and of each rank of its node that knows of no loss yet, with its abort word (their workers stop at
+        their next wait, their agents tell their peers: ``_tell_loss``)."""
+        for header in self.headers.values():
+            if not header[LOST_WORD]:
+                header[LOST_BY] = finder
+                header[LOST_WORD] = lost + 1
+            header[ABORT] = 1
 
     # -- what the host asks -------------------------------------------------------------------------
+    def wait_told(self, timeout: float) -> None:
+        """Wait, ``timeout`` seconds at most, until the news of a loss this rank knows has gone to its peers of
+        other nodes (before the host reports it: the process may end then)."""
+        self._told.wait(timeout)
+
     def arrival(self, src: int, event: int, step: int) -> str:
         """Whether the message of rank ``src`` that raises ``event`` in ``step`` has arrived (for hang reports)."""
         channel = next((c for c in self.incoming if c.src == src), None)

@@ -126,48 +126,59 @@ def test_a_killed_rank_of_another_node_is_named_and_nothing_is_left(monkeypatch)
     assert_nothing_left(before)
 
 
-def lost_peer():
-    """Rank 1 (node 1) kills its own process mid-job; rank 0 reports what its transport saw, from a thread
-    that outlives the launcher's reaction (the launcher stops every rank once one died)."""
+def lost_peer(dead: int):
+    """Rank ``dead`` kills its own process mid-job; the others report what they saw, from a thread that
+    outlives the launcher's reaction (the launcher stops every rank once one died)."""
     g = mk.Graph()
     g.output("y", g.all_reduce(g.input("x", (2, 32), torch.float32)))
     kernel = mk.Megakernel(g, workers=1, timeout=30)
     kernel.run({"x": torch.randn(2, 32)})
-    if g.rank == 1:
+    torch.distributed.barrier()  # every rank's first launch checked before one dies
+    if g.rank == dead:
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
         kernel.run({"x": torch.randn(2, 32)})
-    except mk.BackendError as error:
-        return time.monotonic() - start, str(error)
+    except mk.MegakernelError as error:
+        return time.monotonic() - start, f"{type(error).__name__}: {error}"
     return time.monotonic() - start, "no error"
 
 
-def lost_peer_rank(rank: int, store: str) -> None:
-    """One rank of a two-node job started without ``launch`` (which would stop rank 0 as soon as rank 1
-    died): prints what ``lost_peer`` returned."""
+def lost_peer_rank(rank: int, world: int, per_node: int, store: str) -> None:
+    """One rank of a job started without ``launch`` (which would stop the others as soon as one died), the
+    last rank the one that dies: prints what ``lost_peer`` returned."""
     import torch.distributed as dist
-    os.environ.update(LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    print(repr(lost_peer()), flush=True)
-    os._exit(0)  # the transport's group still has rank 1's receive posted
+    os.environ.update(LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(rank // per_node))
+    bootstrap.set_process_backend("torch")  # the transport is the backends' own
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    print(repr(lost_peer(world - 1)), flush=True)
+    os._exit(0)  # the transport's group still has the dead rank's receive posted
 
 
-def test_a_lost_peer_of_another_node_stops_the_run_naming_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("world,per_node", [(2, 1), (4, 2)])
+def test_a_lost_peer_of_another_node_stops_every_rank_naming_it(tmp_path, monkeypatch, world, per_node):
+    """The last rank dies between launches: every survivor's next launch raises a ``BackendError`` naming it
+    well within the watchdog's timeout, whether its transport found it (a channel to it), a rank of its node
+    told it (through the headers it maps), or a peer of another node did (a message marked LOST)."""
     monkeypatch.setenv(*_TAG.decode().split("=", 1))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    command = "import sys, test_nodes; test_nodes.lost_peer_rank(int(sys.argv[1]), sys.argv[2])"
-    ranks = [subprocess.Popen([sys.executable, "-c", command, str(r), str(tmp_path / "store")],
-                              stdout=subprocess.PIPE, text=True, start_new_session=True) for r in range(2)]
+    command = "import sys, test_nodes; test_nodes.lost_peer_rank(*map(int, sys.argv[1:4]), sys.argv[4])"
+    ranks = [subprocess.Popen([sys.executable, "-c", command, str(r), str(world), str(per_node),
+                               str(tmp_path / "store")], stdout=subprocess.PIPE, text=True, start_new_session=True)
+             for r in range(world)]
     try:
-        out, _ = ranks[0].communicate(timeout=120)
+        outs = [ranks[r].communicate(timeout=120)[0] for r in range(world - 1)]
     finally:
         for process in ranks:
-            os.killpg(process.pid, signal.SIGKILL)
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:  # its group ended with it
+                pass
             process.wait()
-    elapsed, message = ast.literal_eval(out.strip().splitlines()[-1])
-    assert "rank 1 (another node) is unreachable" in message, message
-    assert elapsed < 30 / 2  # well within the watchdog's timeout: the broken connection, not the wait, tells
+    for rank, out in enumerate(outs):
+        elapsed, message = ast.literal_eval(out.strip().splitlines()[-1])
+        assert message.startswith("BackendError") and f"rank {world - 1} " in message, (rank, message)
+        assert elapsed < 30 / 2, (rank, elapsed)  # the broken connection, not the watchdog, tells
 
 
 def test_graphs_and_launches_check_the_nodes():
