@@ -118,3 +118,13 @@ def test_serve_exits_in_one_line_when_it_cannot_listen(tmp_path):
 def test_serve_over_ranks_exits_in_one_line_when_a_rank_cannot_load(tmp_path):
     line = _serve_fails(tmp_path, "--tp", "2", "--backend", "torch", "--port", "0")
     assert "no config.json" in line and "rank" in line, line
+
+
+def test_serve_runs_the_fast_path_by_default(monkeypatch):
+    """``megakernel serve`` without ``--backend``: the GPU where there is one, else the torch backend (not the
+    interpreter, which runs only when asked for)."""
+    from megakernel.tools import serve
+    monkeypatch.setattr(serve, "gpu_flavour", lambda: None)
+    assert serve.server_backend("auto") == "torch" and serve.server_backend("cpu") == "cpu"
+    monkeypatch.setattr(serve, "gpu_flavour", lambda: "cuda")
+    assert serve.server_backend("auto") == "cuda" and serve.server_backend("torch") == "torch"

@@ -186,7 +186,8 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--backend", choices=["auto", "cpu", "torch", "cuda", "hip"], default="auto",
-                   help="auto: the GPU if there is one, else cpu; torch runs each tile as torch code (fast on a CPU)")
+                   help="auto: the GPU if there is one, else torch (each tile as torch code: fast on a CPU); cpu: "
+                        "the Triton interpreter (the tiles' own code, slow)")
     for f in fields(ServingConfig):  # the server's defaults: SERVER's (models.serving_config says why they differ)
         p.add_argument("--" + f.name.replace("_", "-"), type=_count if f.name in POSITIVE else int,
                        default=getattr(SERVER, f.name), help=f.metadata["help"])

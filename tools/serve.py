@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -50,6 +50,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..backends import gpu_flavour
 from ..bootstrap import Group, current_world
 from ..errors import MAX_TIMEOUT, GraphError
 from ..launcher import launch
@@ -60,6 +61,11 @@ from ..serving.loop import LATENCY_BUCKETS
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256  # a stop string's length at most: each new token's text is matched against every stop
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def server_backend(backend: str) -> str:
+    """``serve``'s backend for ``backend``: "auto" the GPU if there is one, else torch."""
+    return (gpu_flavour() or "torch") if backend == "auto" else backend
 
 
 @dataclass
@@ -525,7 +531,10 @@ def prometheus(state: State) -> str:
 # -- processes, ranks and signals -------------------------------------------------------------------------
 
 def serve(options: Options) -> None:
-    """Run the server until SIGTERM or Ctrl-C: in this process, or over ``options.tp`` process ranks."""
+    """Run the server until SIGTERM or Ctrl-C: in this process, or over ``options.tp`` process ranks. Backend
+    "auto" is the GPU where there is one, else torch (tiles as torch code: the fast path on a CPU; the
+    Triton interpreter, "cpu", only when asked for)."""
+    options = replace(options, backend=server_backend(options.backend))
     if options.tp == 1:
         return serve_rank(options)
 
