@@ -346,9 +346,9 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
-def _checked(function, *args):
+def _checked(function, *args, **kwargs):
     try:
-        return function(*args)
+        return function(*args, **kwargs)
     except GraphError as error:
         raise RequestError(str(error)) from None
 
@@ -382,10 +382,11 @@ def _start(state: State, body, ids: list[int], max_tokens: int, top: int) -> Run
     if top > serving.max_logprobs:
         raise RequestError(f"logprobs: at most {serving.max_logprobs} most likely tokens (--max-logprobs)", "logprobs")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    sampling = _checked(SamplingParams, body.temperature, max(body.top_k, 0), body.top_p, body.min_p, body.seed)
+    sampling = _checked(SamplingParams, temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
+                        min_p=body.min_p, seed=body.seed)
     loop, updates = asyncio.get_running_loop(), asyncio.Queue()
-    request = EngineRequest(ids, max_tokens, lambda update: loop.call_soon_threadsafe(updates.put_nowait, update),
-                      sampling, stop)
+    request = EngineRequest(prompt=ids, max_tokens=max_tokens, sampling=sampling, stop=stop,
+                            emit=lambda update: loop.call_soon_threadsafe(updates.put_nowait, update))
     run = Run(request, updates)
     state.serving_loop.submit(request)
     return run

@@ -10,7 +10,7 @@ import math
 import secrets
 import threading
 from collections.abc import Iterable
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, TypeVar
 
 import torch
@@ -705,8 +705,7 @@ class DecodeModel:
         without a seed gets the next of the model's (the same on every rank). Returns them, seed set."""
         if params.seed is None:
             self._seeds_drawn += 1
-            params = SamplingParams(*astuple(params)[:-1], (self._seed_base + self._seeds_drawn * 0x9E3779B97F4A7C15)
-                                    % (1 << SEED_BITS))
+            params = replace(params, seed=(self._seed_base + self._seeds_drawn * 0x9E3779B97F4A7C15) % (1 << SEED_BITS))
         self.kernel.tensor(self.graph.inputs["sampling"])[row] = torch.tensor(params.row)
         # any int seeds: its 64 low bits, as the int64 the tile's Philox takes them as
         self.kernel.tensor(self.graph.inputs["seed"])[row] = (params.seed + (1 << 63)) % (1 << 64) - (1 << 63)

@@ -149,8 +149,8 @@ class MegakernelForCausalLM(nn.Module):
                 if firsts[i] + b - a != seq_lens[i]:
                     raise GraphError(f"{ARCHITECTURE}: request {i} has {b - a} tokens from position {firsts[i]} "
                                      f"but a sequence length of {seq_lens[i]}")
-                scheduled[i] = Scheduled(input_ids[a:b].long().cpu(), firsts[i],
-                                         m.block_table[i, :-(-seq_lens[i] // page)].long().cpu())
+                scheduled[i] = Scheduled(tokens=input_ids[a:b].long().cpu(), start=firsts[i],
+                                         pages=m.block_table[i, :-(-seq_lens[i] // page)].long().cpu())
         if scheduled:  # (run_scheduled orders the requests that share KV blocks, and runs them in rows of its batch)
             self.logits = engine.run_scheduled(list(scheduled.values())).to(input_ids.device)
         last = torch.tensor([starts[i + 1] - 1 for i in scheduled], dtype=torch.int64)
