@@ -57,7 +57,23 @@ def compile_kernel(specs: list[Spec], target: str, row_words: int, trace: bool =
     """Compile the megakernel for ``specs`` for ``target`` (a key of ``TARGETS``), with or without tracing,
     with the wait/signal ``protocol`` (``device.PROTOCOLS``; the default one if None), reaching peers through
     ``transport`` (``codegen.TRANSPORTS``; "nvshmem" links NVSHMEM's device library, ``shmem``), with the
-    options a GPU launch uses (``backends.gpu.launch_options``; ``num_warps`` overrides)."""
+    options a GPU launch uses (``backends.gpu.launch_options``; ``num_warps`` overrides); its resources
+    read from the binary and its spills from the assembler."""
+    gpu = TARGETS[target]
+    compiled = triton_compiled(specs, target, row_words, trace, num_warps, protocol, transport)
+    binary, text = ("cubin", "ptx") if gpu.backend == "cuda" else ("hsaco", "amdgcn")
+    res = binary_resources(compiled.asm, compiled.metadata.name, compiled.metadata.shared,
+                           compiled.metadata.num_warps)
+    spilled = ptxas_spilled(compiled) if gpu.backend == "cuda" else amdgcn_spilled(compiled.asm["amdgcn"])
+    return Compiled(target, binary, len(compiled.asm[binary]), res.shared, res.registers, res.num_warps,
+                    res.scalar_registers, compiled.asm[text], spilled)
+
+
+def triton_compiled(specs: list[Spec], target: str, row_words: int, trace: bool = False,
+                    num_warps: int | None = None, protocol: str | None = None, transport: str = "memory"):
+    """``compile_kernel``'s kernel as Triton's ``compile`` returns it (its source generated or found in the
+    kernel cache, its binary compiled or found in Triton's): what a process waits for before its first
+    launch."""
     gpu = TARGETS[target]
     kernel = codegen.load_kernel(codegen.kernel_path(specs, gpu.backend, protocol, transport))
     signature = {name: "i64" for name in codegen.KERNEL_ARGS}
@@ -75,12 +91,7 @@ def compile_kernel(specs: list[Spec], target: str, row_words: int, trace: bool =
         raise BackendError(f"triton {triton.__version__} cannot read NVSHMEM's device library {library} (bitcode of a "
                            "newer LLVM than its own); nvidia-nvshmem-cu12==3.4.5's (LLVM 18) it reads, or set "
                            f"{shmem.LIBRARY_ENV} to such a file") from None
-    binary, text = ("cubin", "ptx") if gpu.backend == "cuda" else ("hsaco", "amdgcn")
-    res = binary_resources(compiled.asm, compiled.metadata.name, compiled.metadata.shared,
-                           compiled.metadata.num_warps)
-    spilled = ptxas_spilled(compiled) if gpu.backend == "cuda" else amdgcn_spilled(compiled.asm["amdgcn"])
-    return Compiled(target, binary, len(compiled.asm[binary]), res.shared, res.registers, res.num_warps,
-                    res.scalar_registers, compiled.asm[text], spilled)
+    return compiled
 
 
 def ptxas_spilled(compiled) -> int:
