@@ -5,9 +5,10 @@ SmolLM2-135M (its GGUF file as a float32 checkpoint folder: vLLM 0.32 reads no G
 ``MegakernelForCausalLM`` at 3 tensor-parallel ranks (vLLM's, the megakernel's) against vLLM's own model
 and transformers: prompts of 1 to 27 tokens, more than the batch holds at once (they queue) and longer
 than a step's token budget (chunked prefill mixed with decodes), greedy and seeded, and a prompt that
-finds an earlier one's KV block in vLLM's prefix cache; the OpenAI server
-started with the override, a streamed request cancelled; an option the megakernel does not build
-refused at load. The cases run in ``tests/vllm_cases.py``."""
+finds an earlier one's KV block in vLLM's prefix cache; issue 56's probe (a block read in the step that
+computes it, and requests of every class under KV pressure, each against vLLM's own model); the OpenAI server
+started with the override, a streamed request cancelled, prompt logprobs refused with a 400; an option the
+megakernel does not build refused at load. The cases run in ``tests/vllm_cases.py``."""
 import json
 import os
 import signal
@@ -114,21 +115,26 @@ def test_an_option_the_megakernel_does_not_build_is_refused_at_load_by_name(envi
 
 
 @pytest.fixture(scope="module")
-def shared_own(environment, checkpoint) -> dict:
-    return case(environment, "shared", checkpoint, "own", "0")
+def probe_own(environment, checkpoint) -> dict:
+    return case(environment, "probe", checkpoint, "own", "0", "classes")
+
+
+@pytest.fixture(scope="module")
+def probe_ours(environment, checkpoint) -> dict:
+    return case(environment | {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, "probe", checkpoint, "megakernel", "2", "classes")
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("workers", [2, 3])
 def test_a_block_read_in_the_step_that_computes_it_gives_what_the_prompt_gives_alone(environment, checkpoint,
-                                                                                    shared_own, workers):
+                                                                                    probe_own, probe_ours, workers):
     """Issue 56: B finds A's block (A's last position a batch row) in vLLM's prefix cache in the step that
     computes it. Before the fix B's log-probabilities were off by up to 2.35, its tokens different; now
     they are B's alone, as vLLM's own model's are, repeatedly; and prompt logprobs are refused for that request
     alone."""
-    ours = case(environment | {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, "shared", checkpoint, "megakernel",
-                str(workers))
-    for run in (ours, shared_own):
+    ours = probe_ours if workers == 2 else case(environment | {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, "probe",
+                                                checkpoint, "megakernel", str(workers), "race")
+    for run in (ours, probe_own):
         for repeat in run["repeats"]:
             together, alone = repeat["together"], repeat["alone"]
             assert together["cached"] >= run["block"] and alone["cached"] == 0  # the block came from the cache
@@ -136,9 +142,28 @@ def test_a_block_read_in_the_step_that_computes_it_gives_what_the_prompt_gives_a
             for step_together, step_alone in zip(together["logprobs"], alone["logprobs"]):
                 assert step_together.keys() == step_alone.keys()
                 assert max(abs(step_together[t] - step_alone[t]) for t in step_alone) < 1e-3
-    assert [r["alone"]["tokens"] for r in ours["repeats"]] == [r["alone"]["tokens"] for r in shared_own["repeats"]]
-    assert "prompt_logprobs is not supported" in ours["refused"] and shared_own["refused"] is None
-    assert ours["after"] == shared_own["after"] and len(ours["after"]) == 4  # the engine still serves
+    assert [r["alone"]["tokens"] for r in ours["repeats"]] == [r["alone"]["tokens"] for r in probe_own["repeats"]]
+    assert "prompt_logprobs is not supported" in ours["refused"] and probe_own["refused"] is None
+    assert ours["after"] == probe_own["after"] and len(ours["after"]) == 4  # the engine still serves
+
+
+def test_every_class_of_the_probe_gives_what_vllms_own_model_gives(probe_own, probe_ours):
+    """16 mixed-length requests at once under KV pressure (both engines preempted), a prompt past
+    max_model_len, n > 1, a stop string, max_tokens=1, a generation to max_model_len: the megakernel's
+    tokens, texts and refusals are vLLM's own model's, its log-probabilities within float32's reach."""
+    ours, own = probe_ours, probe_own
+    assert ours["preemptions"] > 0 and own["preemptions"] > 0
+    assert ours["batch"] == own["batch"] and all(len(tokens) == 60 for tokens in ours["batch"])
+    for request_ours, request_own in zip(ours["batch_logprobs"], own["batch_logprobs"]):
+        for step_ours, step_own in zip(request_ours, request_own):
+            common = step_ours.keys() & step_own.keys()
+            assert len(common) >= 5 and max(abs(step_ours[t] - step_own[t]) for t in common) < 1e-3
+    assert ours["too_long"] == own["too_long"] == "VLLMValidationError"
+    assert ours["n"] == own["n"] and len({tuple(sample) for sample in ours["n"]}) == 3
+    assert ours["stop"] == own["stop"] and ours["stop"][1] == "stop" and ours["stop"][0]
+    assert ours["one"] == own["one"] and all(len(tokens) == 1 for tokens in ours["one"])
+    prompt, tokens, reason = ours["to_the_end"]
+    assert ours["to_the_end"] == own["to_the_end"] and prompt + len(tokens) == 256 and reason == "length"
 
 
 def test_the_openai_server_with_the_override_serves_and_cancels(environment, checkpoint, reference, tmp_path):

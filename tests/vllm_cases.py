@@ -6,7 +6,8 @@ process, each printing one JSON line ``RESULT {...}`` (vLLM's engine runs in a p
     python tests/vllm_cases.py transformers FOLDER N       transformers' greedy tokens of PROMPTS
     python tests/vllm_cases.py vllm FOLDER N own|megakernel TP  vLLM's greedy and seeded tokens of PROMPTS
     python tests/vllm_cases.py refuse FOLDER               an option the megakernel does not build, refused
-    python tests/vllm_cases.py shared FOLDER own|megakernel WORKERS   a block read in the step that writes it
+    python tests/vllm_cases.py probe FOLDER own|megakernel WORKERS race|classes   issue 56's probe: a block read
+                                                           in the step that writes it, and requests of every class
 """
 import importlib.util
 import json
@@ -31,6 +32,7 @@ PROMPTS = ["Name three colours of the rainbow.", "The capital of France is", "1,
 SHARED = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun. " * 9
 CACHED_PROMPTS = [SHARED + "What does the fox do?", SHARED + "Where does the cat sleep?"]
 SHARED_REPEATS = 3          # the shared-block race (issue 56), prompt pairs per run
+PROBE_LEN = 256             # the probe's max_model_len: two of vLLM's CPU blocks
 MAX_NUM_SEQS = 2            # requests queue behind the running ones
 MAX_NUM_BATCHED_TOKENS = 16  # a long prompt takes several steps, each mixing its chunk with the others' decodes
 SEEDS = (7, 8, 9)           # seeded sampling: one request per seed, the first prompt
@@ -95,40 +97,71 @@ def refuse(folder: str) -> None:
     result({"refused": None})
 
 
-def shared(folder: str, which: str, workers: int) -> None:
-    """Issue 56's race, ``SHARED_REPEATS`` times: prompt A fills one KV block exactly, prompt B is A and 40
-    tokens more; submitted together, B finds A's block in the prefix cache in the step that computes it (its
-    last position in A's batch row). B's greedy tokens and top log-probabilities together and alone (the
-    prefix cache emptied before each). Then a request for prompt logprobs, refused, and one more request."""
+def probe(folder: str, which: str, workers: int, classes: bool) -> None:
+    """Issue 56's probe, in one engine with a small KV cache (8 blocks of 128 positions, prefix caching on).
+
+    The race, ``SHARED_REPEATS`` times: prompt A fills one KV block exactly, prompt B is A and 40 tokens more;
+    submitted together, B finds A's block in the prefix cache in the step that computes it (A's last position
+    in its batch row); B's greedy tokens and top log-probabilities together and alone (the prefix cache
+    emptied before each). Then a request for prompt logprobs (refused by the megakernel) and one more request.
+    With ``classes``, the probe's classes: 16 requests of 1 to 100 tokens at once, greedy with top-5
+    logprobs (their KV outgrows the blocks: vLLM preempts and recomputes), a prompt past max_model_len
+    (refused), n = 3 seeded samples, a stop string, max_tokens=1, and a generation to max_model_len; each
+    for the test to hold against vLLM's own model's. ``workers``: the megakernel's per rank."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     overrides = OVERRIDE | {"megakernel_workers": workers} if which == "megakernel" else None
-    llm = LLM(model=folder, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
-              max_num_batched_tokens=512, enable_prefix_caching=True, hf_overrides=overrides)
+    llm = LLM(model=folder, dtype="float32", enforce_eager=True, max_model_len=PROBE_LEN, max_num_seqs=16,
+              max_num_batched_tokens=PROBE_LEN, num_gpu_blocks_override=8, enable_prefix_caching=True,
+              disable_log_stats=False, hf_overrides=overrides)
     block = llm.llm_engine.vllm_config.cache_config.block_size
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5)
     generator = torch.Generator().manual_seed(56)
+    tokens = lambda n: torch.randint(100, 20000, (n,), generator=generator).tolist()  # noqa: E731
+    rows = lambda output: [{str(t): l.logprob for t, l in step.items()} for step in output.logprobs]  # noqa: E731
 
     def run(prompts):
         llm.reset_prefix_cache()
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        out = outputs[-1]
-        return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
-                "logprobs": [{str(t): l.logprob for t, l in step.items()} for step in out.outputs[0].logprobs]}
+        out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=8, logprobs=5), use_tqdm=False)[-1]
+        return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens, "logprobs": rows(out.outputs[0])}
 
-    repeats = []
+    out = {"block": block, "repeats": []}
     for _ in range(SHARED_REPEATS):
-        a = torch.randint(100, 20000, (block,), generator=generator).tolist()
-        b = a + torch.randint(100, 20000, (40,), generator=generator).tolist()
-        repeats.append({"together": run([a, b]), "alone": run([b])})
+        a = tokens(block)
+        b = a + tokens(40)
+        out["repeats"].append({"together": run([a, b]), "alone": run([b])})
     try:
         llm.generate(["Hello"], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
-        refused = None
+        out["refused"] = None
     except Exception as error:  # vLLM's validation error, raised for this request alone
-        refused = f"{type(error).__name__}: {error}"
+        out["refused"] = f"{type(error).__name__}: {error}"
     after = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    result({"block": block, "repeats": repeats, "refused": refused, "after": list(after[0].outputs[0].token_ids)})
+    out["after"] = list(after[0].outputs[0].token_ids)
+    if not classes:
+        return result(out)
+    prompts = [TokensPrompt(prompt_token_ids=tokens(n)) for n in torch.linspace(1, 100, 16).long().tolist()]
+    batch = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60, logprobs=5, ignore_eos=True),
+                         use_tqdm=False)
+    out["batch"] = [list(o.outputs[0].token_ids) for o in batch]
+    out["batch_logprobs"] = [rows(o.outputs[0]) for o in batch]
+    out["preemptions"] = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    try:
+        llm.generate([TokensPrompt(prompt_token_ids=[100] * (PROBE_LEN + 1))], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
+        out["too_long"] = None
+    except Exception as error:
+        out["too_long"] = type(error).__name__
+    samples = llm.generate([PROMPTS[0]], SamplingParams(n=3, temperature=0.8, top_p=0.95, seed=5, max_tokens=12),
+                           use_tqdm=False)[0]
+    out["n"] = sorted(list(c.token_ids) for c in samples.outputs)
+    stopped = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=40, stop=["\n"]), use_tqdm=False)[0]
+    out["stop"] = [stopped.outputs[0].text, stopped.outputs[0].finish_reason]
+    out["one"] = [list(o.outputs[0].token_ids)
+                  for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)]
+    long = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    out["to_the_end"] = [len(long.prompt_token_ids), list(long.outputs[0].token_ids), long.outputs[0].finish_reason]
+    result(out)
 
 
 if __name__ == "__main__":
@@ -141,7 +174,7 @@ if __name__ == "__main__":
         vllm_tokens(folder, int(rest[0]), rest[1], int(rest[2]))
     elif case == "refuse":
         refuse(folder)
-    elif case == "shared":
-        shared(folder, rest[0], int(rest[1]))
+    elif case == "probe":
+        probe(folder, rest[0], int(rest[1]), rest[2] == "classes")
     else:
         raise SystemExit(f"unknown case {case!r}")
