@@ -114,3 +114,30 @@ def test_from_hf_and_from_pretrained_bind_the_same_weights(tmp_path):
     finally:
         loaded.close()
         direct.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_checkpoint_runs_in_16_bits_as_transformers_casts_it(smollm2, dtype):
+    """``from_pretrained(..., dtype=...)`` of SmolLM2's GGUF file (float32 when dequantized): the weights cast
+    as transformers casts them, the activations in that dtype, every sum in float32. Against float64 over the
+    same cast weights, the logits at the prompt's last token are as far as transformers' own in that dtype
+    (30 layers of 16-bit activations: bfloat16 1.9e-2 of the largest logit here, transformers 2.2e-2;
+    float16 3.2e-3, transformers 1.5e-3: rounded at other places), and 16 greedy tokens are transformers'."""
+    import copy
+    from helpers import SMOLLM2_PROMPT, smollm2_path
+    cast = copy.deepcopy(smollm2).to(dtype)
+    with torch.no_grad():
+        expected = copy.deepcopy(cast).double()(SMOLLM2_PROMPT).logits[0, -1]
+        theirs = cast(SMOLLM2_PROMPT).logits[0, -1].double()
+        tokens = cast.generate(SMOLLM2_PROMPT, max_new_tokens=16, do_sample=False)[0, SMOLLM2_PROMPT.shape[1]:]
+    model = from_pretrained(smollm2_path(), max_seq_len=64, dequantize=True, dtype=dtype)
+    try:
+        floats = [model.kernel.tensor(t) for t in model.graph.inputs.values() if t.dtype.is_floating_point]
+        assert model.config.dtype == dtype and {w.dtype for w in floats} == {dtype, torch.float32}
+        first = model.generate(SMOLLM2_PROMPT, max_new_tokens=1)
+        error = lambda logits: ((logits.double() - expected).abs().max() / expected.abs().max()).item()  # noqa: E731
+        assert error(model.logits[0]) <= 2.5 * error(theirs), (error(model.logits[0]), error(theirs))
+        ids = model.generate(SMOLLM2_PROMPT, max_new_tokens=16)[0, SMOLLM2_PROMPT.shape[1]:]
+        assert first[0, -1] == ids[0] and ids.tolist() == tokens.tolist()
+    finally:
+        model.close()

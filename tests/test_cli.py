@@ -128,3 +128,17 @@ def test_serve_runs_the_fast_path_by_default(monkeypatch):
     assert serve.server_backend("auto") == "torch" and serve.server_backend("cpu") == "cpu"
     monkeypatch.setattr(serve, "gpu_flavour", lambda: "cuda")
     assert serve.server_backend("auto") == "cuda" and serve.server_backend("torch") == "torch"
+
+
+def test_serve_dtype_reaches_the_loader(tmp_path, monkeypatch):
+    """``megakernel serve --dtype bfloat16``: the checkpoint read in that dtype (``from_pretrained(dtype=...)``,
+    tested on SmolLM2 in test_checkpoints); "auto" keeps what the checkpoint stores."""
+    import torch
+    from megakernel.tools import cli, serve
+    asked = []
+    monkeypatch.setattr(serve, "from_pretrained", lambda *args, **kwargs: asked.append(kwargs["dtype"]))
+    monkeypatch.setattr(serve, "serve", serve.load_model)
+    (tmp_path / "model.gguf").write_bytes(b"")
+    for given in (["--dtype", "bfloat16"], []):
+        cli.main(["serve", str(tmp_path / "model.gguf"), *given])
+    assert asked == [torch.bfloat16, None]

@@ -6,6 +6,7 @@ process, each printing one JSON line ``RESULT {...}`` (vLLM's engine runs in a p
     python tests/vllm_cases.py transformers FOLDER N       transformers' greedy tokens of PROMPTS
     python tests/vllm_cases.py vllm FOLDER N own|megakernel TP  vLLM's greedy and seeded tokens of PROMPTS
     python tests/vllm_cases.py refuse FOLDER               an option the megakernel does not build, refused
+    python tests/vllm_cases.py bfloat16 FOLDER N own|megakernel  the float32 folder in bfloat16, and transformers'
     python tests/vllm_cases.py probe FOLDER own|megakernel WORKERS race|classes   issue 56's probe: a block read
                                                            in the step that writes it, and requests of every class
 """
@@ -85,16 +86,39 @@ def vllm_tokens(folder: str, new: int, which: str, tensor_parallel: int) -> None
 
 
 def refuse(folder: str) -> None:
-    """The checkpoint stores float32; the megakernel runs weights as stored, so bfloat16 is refused at load
-    (vLLM reports the engine's failure; the reason is in this process's output)."""
+    """An option the megakernel does not build (prompt embeddings) is refused at load (vLLM reports the engine's
+    failure; the reason is in this process's output)."""
     from vllm import LLM
 
     try:
-        LLM(model=folder, dtype="bfloat16", enforce_eager=True, max_model_len=512, hf_overrides=OVERRIDE)
+        LLM(model=folder, dtype="float32", enforce_eager=True, max_model_len=512, enable_prompt_embeds=True,
+            hf_overrides=OVERRIDE)
     except Exception as error:  # vLLM wraps the engine process's error
         result({"refused": f"{type(error).__name__}: {error}"})
         return
     result({"refused": None})
+
+
+def bfloat16(folder: str, new: int, which: str) -> None:
+    """The float32 checkpoint served in bfloat16 (``LLM(dtype="bfloat16")``: vLLM's own model, or the megakernel,
+    which casts the weights as vLLM and transformers do): the greedy tokens of PROMPTS, and transformers' in
+    bfloat16."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=folder, dtype="bfloat16", enforce_eager=True, max_model_len=512,
+              hf_overrides=OVERRIDE if which == "megakernel" else None)
+    tokens = [list(o.outputs[0].token_ids)
+              for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=new), use_tqdm=False)]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    theirs = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+        theirs.append(out[0, ids.shape[1]:].tolist())
+    result({"tokens": tokens, "transformers": theirs, "dtype": str(llm.llm_engine.model_config.dtype)})
 
 
 def probe(folder: str, which: str, workers: int, classes: bool) -> None:
@@ -174,6 +198,8 @@ if __name__ == "__main__":
         vllm_tokens(folder, int(rest[0]), rest[1], int(rest[2]))
     elif case == "refuse":
         refuse(folder)
+    elif case == "bfloat16":
+        bfloat16(folder, int(rest[0]), rest[1])
     elif case == "probe":
         probe(folder, rest[0], int(rest[1]), rest[2] == "classes")
     else:

@@ -193,6 +193,8 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
                        default=getattr(SERVER, f.name), help=f.metadata["help"])
     p.add_argument("--steps-per-launch", type=_count, default=4, help="decode steps per launch at most")
     p.add_argument("--workers", type=_count, help="workers per rank (default: the backend's)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="the weights and activations in this float dtype (auto: as the checkpoint stores them)")
     p.add_argument("--dequantize", action="store_true", help="a GGUF file's weights as float32 (for the torch "
                                                              "backend, which unpacks quantized weights every step)")
     p.add_argument("--name", help="the model's id in the API (default: the file's stem or the folder's name)")

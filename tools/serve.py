@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import h11
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -82,6 +83,7 @@ class Options:
     steps_per_launch: int = 4
     workers: int | None = None
     dequantize: bool = False
+    dtype: str = "auto"  # the weights' and activations' float dtype: "auto" (as stored), float32, bfloat16, float16
     name: str | None = None
     max_request_bytes: int = 4 << 20  # a larger body is refused (413) before it is read whole
     max_connections: int = 512        # past it a request is refused (503): each connection holds a socket
@@ -97,7 +99,8 @@ class Options:
 def load_model(options: Options) -> DecodeModel:
     """This rank's ``DecodeModel`` of ``options.model``."""
     kernel = {"backend": options.backend} | ({"workers": options.workers} if options.workers else {})
-    return from_pretrained(options.model, options.serving, dequantize=options.dequantize, **kernel)
+    dtype = None if options.dtype == "auto" else getattr(torch, options.dtype)
+    return from_pretrained(options.model, options.serving, dequantize=options.dequantize, dtype=dtype, **kernel)
 
 
 # -- the HTTP API ---------------------------------------------------------------------------------------

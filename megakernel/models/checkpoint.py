@@ -20,7 +20,7 @@ from ..errors import GraphError
 from ..tasks.quantized import FP8_BLOCK, FP8_CHANNEL, FP8_SCALE_BLOCK, Format
 from .gguf import build_gguf
 from .architectures import architecture_of
-from .hf import CONFIG_ERRORS, CONFIG_SIZES, ModelBuild, auto_classes, build, config_of_file
+from .hf import CONFIG_ERRORS, CONFIG_SIZES, ModelBuild, auto_classes, build, config_of_file, in_dtype
 from .packed import Packed
 from .schema import stored_formats
 from .serving_config import ServingConfig
@@ -250,18 +250,22 @@ class Checkpoint:
         return tensor
 
 
-def build_pretrained(path, serving: ServingConfig, dequantize: bool = False) -> ModelBuild:
+def build_pretrained(path, serving: ServingConfig, dequantize: bool = False, dtype: torch.dtype | None = None
+                     ) -> ModelBuild:
     """Read this rank's share of a checkpoint directory (``config.json`` + ``*.safetensors``, one file or
     shards, as ``save_pretrained`` writes it; an FP8 one's weights stay FP8, ``FP8Weights``), or of a GGUF
     file (``models.gguf``: its weights stay quantized), for a decode step built for ``serving`` (nothing is
     downloaded). Only this rank's slices are read (``Checkpoint``): no whole model in host memory.
     The model's modules are made on the meta device (no memory) for what ``config_of`` reads off them;
     the RoPE frequencies from its rotary module's class, made for real. ``dequantize``: a GGUF file's
-    weights as float32 (``models.gguf``).
+    weights as float32 (``models.gguf``). ``dtype``: the weights and activations in that float dtype
+    (``hf.in_dtype``; None: as the checkpoint stores them, float32 for a GGUF file's).
     """
-    AutoConfig, AutoModelForCausalLM = auto_classes()
+    return in_dtype(_build_pretrained(Path(path), serving, dequantize), dtype)
 
-    path = Path(path)
+
+def _build_pretrained(path: Path, serving: ServingConfig, dequantize: bool) -> ModelBuild:
+    AutoConfig, AutoModelForCausalLM = auto_classes()
     if path.suffix == ".gguf" and path.is_file():
         return build_gguf(path, serving, dequantize)
     if not (path / "config.json").is_file():

@@ -184,6 +184,26 @@ def build(config: DecoderConfig, tensors: Mapping[str, Any], rotary, tied: bool)
     return ModelBuild(config, weights, rope_at)
 
 
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a model's weights and activations may be kept in
+
+
+def in_dtype(model: ModelBuild, dtype: torch.dtype | None) -> ModelBuild:
+    """``model`` with its weights and activations in ``dtype`` (None: as they are): each floating weight kept
+    in the model's dtype cast to it, as transformers' ``from_pretrained(dtype=...)`` casts them; packed
+    weights, FP8 scales and the RoPE frequencies stay as they are, a router applied in float32 stays so."""
+    c = model.config
+    if dtype is None or dtype == c.dtype:
+        return model
+    if dtype not in DTYPES:
+        raise GraphError(f"dtype must be one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
+    weights = {name: w.to(dtype) if w.dtype == c.dtype and name != "inv_freq" and not name.endswith(".scales") else w
+               for name, w in model.weights.items()}
+    if c.embed_scaled:  # sqrt(hidden) as the new dtype holds it, not a rounding of the old one's
+        weights["embed_scale"] = torch.full((c.rows, c.hidden), c.hidden ** 0.5, dtype=dtype)
+    router = dtype if c.router_weight_dtype == c.dtype else c.router_weight_dtype
+    return replace(model, config=replace(c, dtype=dtype, router_weight_dtype=router), weights=weights)
+
+
 def rope_frequencies(rotary) -> Callable[[int], torch.Tensor]:
     """The inverse frequencies ``rotary`` (a transformers rotary module, this model's own copy) uses for
     a token at ``pos``: its forward updates them for the sequence length, as in a decode step."""

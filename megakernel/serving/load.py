@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..backends import KINDS, resolve
 from ..models.checkpoint import build_pretrained
-from ..models.hf import build_hf
+from ..models.hf import build_hf, in_dtype
 from ..models.serving_config import ServingConfig
 from .engine import DecodeModel
 
 
-def from_hf(model, serving: ServingConfig | None = None, *, parallelism: int | str = "auto",
-            **options: Any) -> DecodeModel:
+def from_hf(model, serving: ServingConfig | None = None, *, dtype: torch.dtype | None = None,
+            parallelism: int | str = "auto", **options: Any) -> DecodeModel:
     """Shard ``model`` (a transformers causal LM already in memory; nothing is downloaded) for this rank and
     compile its decode step. The serving fields: ``max_seq_len`` (required), ``max_batch``; the KV cache, a
     pool of ``kv_pages`` pages of ``page_size`` positions (None: enough for every batch row at
@@ -25,19 +27,21 @@ def from_hf(model, serving: ServingConfig | None = None, *, parallelism: int | s
     log-probabilities each step reports (``Sequence.top``); ``draft_tokens`` K: each step drafts up to K
     tokens per sequence from its own history and verifies them (``tasks.speculation``: the same tokens, in
     fewer steps where the text repeats itself; 0: none). ``parallelism``: the number of workers the step's
-    tiles are sized for; "auto" (see ``DecodeModel``)."""
+    tiles are sized for; "auto" (see ``DecodeModel``). ``dtype``: the weights and activations in that float
+    dtype (``torch.bfloat16``, ``torch.float16``, ``torch.float32``; None: the model's), cast as transformers
+    casts them."""
     serving, kernel_options = _for_backend(serving, options)
-    return DecodeModel(build_hf(model, serving), parallelism, **kernel_options)
+    return DecodeModel(in_dtype(build_hf(model, serving), dtype), parallelism, **kernel_options)
 
 
 def from_pretrained(path, serving: ServingConfig | None = None, *, dequantize: bool = False,
-                    parallelism: int | str = "auto", **options: Any) -> DecodeModel:
+                    dtype: torch.dtype | None = None, parallelism: int | str = "auto", **options: Any) -> DecodeModel:
     """Load a checkpoint directory (as ``save_pretrained`` writes it) or a GGUF file straight into this rank's
     heap (only its slices are read; nothing is downloaded) and compile its decode step
     (``models.build_pretrained``). ``dequantize``: a GGUF file's weights as float32 (``models.gguf``). The
-    other arguments are ``from_hf``'s."""
+    other arguments are ``from_hf``'s (``dtype`` None: as the checkpoint stores them, float32 for GGUF's)."""
     serving, kernel_options = _for_backend(serving, options)
-    return DecodeModel(build_pretrained(path, serving, dequantize), parallelism, **kernel_options)
+    return DecodeModel(build_pretrained(path, serving, dequantize, dtype), parallelism, **kernel_options)
 
 
 def _for_backend(serving: ServingConfig | None, options: dict[str, Any]) -> tuple[ServingConfig, dict[str, Any]]:

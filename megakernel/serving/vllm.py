@@ -42,7 +42,7 @@ from ..backends.cpu import usable_cores
 from ..errors import GraphError
 from ..models.architectures import ARCHITECTURES
 from ..models.checkpoint import build_pretrained
-from ..models.hf import ModelBuild
+from ..models.hf import DTYPES, ModelBuild
 from ..models.serving_config import PREFILL_CHUNK, ServingConfig
 from .engine import DecodeModel, Scheduled
 
@@ -113,7 +113,7 @@ class MegakernelForCausalLM(nn.Module):
         """Read this rank's share of the checkpoint into host memory (the megakernel's own reader: packed
         and FP8 weights stay as stored); vLLM's iterator of tensors is left unread. The module has no
         parameters of vLLM's: none to report."""
-        build = build_pretrained(self.path, self.serving)
+        build = build_pretrained(self.path, self.serving, dtype=self.vllm_config.model_config.dtype)
         if build.rope_at is not None:  # a step's rows would need frequencies of their own
             raise GraphError(f"{ARCHITECTURE} ({self.architecture}): rope types whose frequencies follow the "
                              "position (dynamic, longrope) are not supported")
@@ -227,11 +227,7 @@ def _refuse_unsupported(vllm_config: VllmConfig, architecture: str) -> None:
         (cache.cache_dtype not in ("auto", None), f"kv_cache_dtype={cache.cache_dtype!r} (the model's: 'auto')"),
         (model.runner_type != "generate", f"runner={model.runner_type!r} (generate)"),
     ]
-    config = json.loads((Path(model.model) / "config.json").read_text())
-    stored = config.get("dtype") or config.get("torch_dtype")
-    if stored is not None and str(model.dtype).removeprefix("torch.") != stored:
-        refused.append((True, f"dtype={str(model.dtype).removeprefix('torch.')} (the megakernel runs the weights "
-                              f"as stored: the checkpoint's {stored})"))
+    refused.append((model.dtype not in DTYPES, f"dtype={model.dtype} (one of {', '.join(map(str, DTYPES))})"))
     for bad, what in refused:
         if bad:
             raise GraphError(f"{ARCHITECTURE} ({architecture}): {what} is not supported")
