@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import os
 import time
@@ -50,42 +51,78 @@ def smollm2():
     return model, os.path.join(folder, name), prompt
 
 
-def decode_speed(model, path: str, prompt: torch.Tensor, tokens: int, repeats: int) -> None:
-    context = prompt.shape[1] + tokens
-    decoders = {
-        "float32, 1 worker": from_hf(model, max_seq_len=context, backend="torch", workers=1),
-        "float32, 2 workers": from_hf(model, max_seq_len=context, backend="torch", workers=2),
-        "float32, 2 workers, prefill_chunk=0": from_hf(model, max_seq_len=context, prefill_chunk=0,
-                                                       backend="torch", workers=2),
-        "GGUF as stored, 2 workers": from_pretrained(path, max_seq_len=context, backend="torch", workers=2),
-    }
-    with torch.no_grad():
-        expected = model.generate(prompt, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
-    for name, decoder in decoders.items():  # warm: processes started, tables read, pages touched
-        assert torch.equal(decoder.generate(prompt, tokens), expected), f"{name}: tokens differ from transformers"
-    best = {name: float("inf") for name in ("transformers", *decoders)}
+def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second torch reads on this machine now: a sum over ``megabytes`` of float32, best of
+    ``repeats`` (the floor a decode step's weights are read at)."""
+    x = torch.ones(megabytes * 2**20 // 4)
+    best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        with torch.no_grad():
-            model.generate(prompt, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
-        best["transformers"] = min(best["transformers"], time.perf_counter() - start)
-        for name, decoder in decoders.items():
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def parameter_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # a tied head once
+
+
+def decode_speed(model, path: str, prompt: torch.Tensor, tokens: int, repeats: int) -> None:
+    context = prompt.shape[1] + tokens
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    decoders = {
+        "float32, 1 worker": (from_hf(model, max_seq_len=context, backend="torch", workers=1), model),
+        "float32, 2 workers": (from_hf(model, max_seq_len=context, backend="torch", workers=2), model),
+        "float32, 2 workers, prefill_chunk=0": (from_hf(model, max_seq_len=context, prefill_chunk=0,
+                                                        backend="torch", workers=2), model),
+        "bfloat16, 2 workers": (from_hf(model, max_seq_len=context, backend="torch", workers=2,
+                                        dtype=torch.bfloat16), bf16),
+        "GGUF as stored, 2 workers": (from_pretrained(path, max_seq_len=context, backend="torch", workers=2), model),
+    }
+    references = {"transformers float32": model, "transformers bfloat16": bf16}
+    with torch.no_grad():
+        expected = {id(m): m.generate(prompt, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
+                    for m in references.values()}
+    agreed = {}  # new tokens shared with transformers in the same dtype before they part (16 bits may round apart)
+    for name, (decoder, reference) in decoders.items():  # warm: processes started, tables read, pages touched
+        same = (decoder.generate(prompt, tokens) == expected[id(reference)])[0, prompt.shape[1]:].tolist()
+        agreed[name] = same.index(False) if False in same else tokens
+        assert reference is not model or agreed[name] == tokens, f"{name}: tokens differ from transformers'"
+    best = {name: float("inf") for name in (*references, *decoders)}
+    for _ in range(repeats):
+        for name, reference in references.items():
+            start = time.perf_counter()
+            with torch.no_grad():
+                reference.generate(prompt, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
+            best[name] = min(best[name], time.perf_counter() - start)
+        for name, (decoder, _) in decoders.items():
             start = time.perf_counter()
             decoder.generate(prompt, tokens)
             best[name] = min(best[name], time.perf_counter() - start)
+    bandwidth = read_bandwidth()
     print(f"SmolLM2-135M, batch 1, one rank, a {prompt.shape[1]}-token chat prompt + {tokens} new tokens, best of "
-          f"{repeats}; torch threads per worker: cores / workers")
-    print("| engine | tasks/step | s | new tokens/s | wall vs transformers |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    reference = best["transformers"]
-    print(f"| transformers eager generate | – | {reference:.3f} | {tokens / reference:.1f} | 1.00 |")
-    for name, decoder in decoders.items():
-        print(f"| megakernel torch, {name} | {len(decoder.kernel.tables.rows):,} | {best[name]:.3f} | "
-              f"{tokens / best[name]:.1f} | {best[name] / reference:.2f} |")
+          f"{repeats}; torch threads per worker: cores / workers; reading memory here: {bandwidth / 1e9:.1f} GB/s "
+          f"(a {256} MB sum). The floor of a step: its weights' bytes at that rate; a step per new token (the "
+          "prompt's in the first) but with prefill_chunk=0 (a step per prompt token too)")
+    print("| engine | tasks/step | s | new tokens/s | wall vs transformers | MB/step | floor fraction | tokens "
+          "= transformers' |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    reference = best["transformers float32"]
+
+    def row(name: str, tasks: str, seconds: float, step_bytes: int, steps: int, same: str) -> None:
+        fraction = step_bytes / bandwidth / (seconds / steps)
+        print(f"| {name} | {tasks} | {seconds:.3f} | {tokens / seconds:.1f} | {seconds / reference:.2f} | "
+              f"{step_bytes / 1e6:.0f} | {fraction:.0%} | {same} |")
+    for name, m in references.items():
+        row(f"{name} eager generate", "–", best[name], parameter_bytes(m), tokens, "–")
+    for name, (decoder, _) in decoders.items():
+        steps = tokens + (prompt.shape[1] - 1 if decoder.config.prefill_chunk == 0 else 0)
+        row(f"megakernel torch, {name}", f"{len(decoder.kernel.tables.rows):,}", best[name], decoder.weight_bytes,
+            steps, f"{agreed[name]} of {tokens}")
     traced = from_hf(model, max_seq_len=context, backend="torch", workers=2, trace=True)
     traced.generate(prompt[:, -1:], 1)  # one step, its prefill rows off
     print("\none decode step traced (2 workers):\n" + "\n".join(traced.kernel.trace.summary(top=3).splitlines()[:16]))
-    for decoder in [*decoders.values(), traced]:
+    for decoder in [*(d for d, _ in decoders.values()), traced]:
         decoder.close()
 
 
