@@ -10,9 +10,11 @@
    1 and 2 workers, the same without prefill rows (``prefill_chunk=0``: a step per prompt token), and
    ``from_pretrained(the GGUF file, backend="torch")``, its Q4_1 / Q8_0 weights kept as stored on the
    heap, each worker unpacking its tiles' once (``WorkerHeap.derived``) and checking their bytes at every
-   use. They are timed in turns (transformers, then each engine,
-   again) so that drift in the machine's load hits each alike; each figure is the best of ``--repeats``.
-   Every engine's tokens are checked to be transformers' tokens.
+   use; and the float32 model in bfloat16 (``dtype=``) against transformers' in bfloat16. They are timed in
+   turns (transformers, then each engine, again) so that drift in the machine's load hits each alike; each
+   figure is the best of ``--repeats``. Every float32 engine's tokens are checked to be transformers'; the
+   bfloat16 one's are counted (16 bits may round two engines apart). Each row's fraction of the floor: its
+   weights' bytes a step at the machine's read bandwidth, measured in the same run.
 2. Per-task overhead: a chain of ``touch`` tasks (empty tiles, each waiting for the one before) on one
    worker, and the same tasks spread over 2 workers (each wait then crosses processes): launch time per
    task, over 100 steps in one launch.
