@@ -29,7 +29,7 @@ dies breaks its connections: a rank that receives from it (or sends to it) recor
 ``BackendError`` naming the peer. The loss is news for every rank: the finder writes it (``layout.LOST``,
 ``LOST_BY``) into its own header and those of its node's ranks, with their abort words (their workers stop
 at their next wait), and every agent that finds it in its header tells its peers of other nodes with a
-message of the size they wait for marked ``LOST`` (ending the channel, as ``CLOSING`` does), whose agents
+message of the size they wait for marked ``LOSS`` (ending the channel, as ``CLOSING`` does), whose agents
 do the same; each rank then raises ``BackendError`` naming the lost rank and the rank that found it.
 """
 from __future__ import annotations
@@ -47,13 +47,12 @@ import torch.distributed as dist
 from . import atomics
 from .bootstrap import Topology
 from .errors import BackendError, GraphError
-from .layout import ABORT, COMM, LOST_BY, SIGNAL_COUNT, SIGNAL_START, SIGNAL_WORDS
-from .layout import LOST as LOST_WORD
+from .layout import ABORT, COMM, LOST, LOST_BY, SIGNAL_COUNT, SIGNAL_START, SIGNAL_WORDS
 
 NAME = "gloo"            # what ``Megakernel.links`` calls a peer reached through this transport
 MESSAGE_HEADER_WORDS = 2  # a message's step (its epoch) and index in the channel
 CLOSING = -1             # a header step: the sender is closing, nothing follows
-LOST = -2                # a header step: a rank is gone (the index: finder << 32 | lost rank), nothing follows
+LOSS = -2                # a header step: a rank is gone (the index: finder << 32 | lost rank), nothing follows
 RECEIVE_TIMEOUT = timedelta(days=365)  # a receive waits for the next step however long the host idles
 PENDING_SENDS = 64       # sends in flight before the agent waits for the oldest
 POLL_SECONDS = (20e-6, 1e-3)  # the agent's pause when nothing was ready: first, and at most (doubling)
@@ -200,13 +199,13 @@ class Transport:
         """Once this rank's header names a lost rank (found here, by a rank of this node, or told by a peer),
         tell every peer of another node still listening; whether one was told."""
         header = self.headers[self.rank]
-        lost = int(header[LOST_WORD])
+        lost = int(header[LOST])
         if not lost:
             return False
         told = False
         for channel in self.outgoing:
             if channel.dst not in self._quiet:
-                self._notice(channel, LOST, int(header[LOST_BY]) << 32 | lost - 1, pending)
+                self._notice(channel, LOSS, int(header[LOST_BY]) << 32 | lost - 1, pending)
                 self._quiet.add(channel.dst)
                 told = True
         while told and pending:  # delivered before the host may report it and end the process
@@ -242,7 +241,7 @@ class Transport:
         self._post(channel.dst, buffer, pending)
 
     def _notice(self, channel: Channel, kind: int, value: int, pending: deque) -> None:
-        """A message marked ``kind`` (CLOSING, LOST) with ``value``, of the size of the message the receiver
+        """A message marked ``kind`` (CLOSING, LOSS) with ``value``, of the size of the message the receiver
         has its receive posted for (the channel's next)."""
         buffer = torch.zeros(channel.messages[self.sent[channel.dst][1]].nbytes, dtype=torch.uint8)
         buffer[:8 * MESSAGE_HEADER_WORDS].view(torch.int64).copy_(torch.tensor([kind, value]))
@@ -274,7 +273,7 @@ class Transport:
                 if got_step == CLOSING:
                     self.closed.add(channel.src)
                     return
-                if got_step == LOST:  # the sender goes quiet too
+                if got_step == LOSS:  # the sender goes quiet too
                     self._learn(got_index & 0xFFFFFFFF, got_index >> 32)
                     return
                 if (got_step, got_index) != (step, i):
@@ -304,9 +303,9 @@ class Transport:
         and of each rank of its node that knows of no loss yet, with its abort word (their workers stop at
         their next wait, their agents tell their peers: ``_tell_loss``)."""
         for header in self.headers.values():
-            if not header[LOST_WORD]:
+            if not header[LOST]:
                 header[LOST_BY] = finder
-                header[LOST_WORD] = lost + 1
+                header[LOST] = lost + 1
             header[ABORT] = 1
 
     # -- what the host asks -------------------------------------------------------------------------

@@ -159,7 +159,7 @@ def lost_peer_rank(rank: int, world: int, per_node: int, store: str) -> None:
 def test_a_lost_peer_of_another_node_stops_every_rank_naming_it(tmp_path, monkeypatch, world, per_node):
     """The last rank dies between launches: every survivor's next launch raises a ``BackendError`` naming it
     well within the watchdog's timeout, whether its transport found it (a channel to it), a rank of its node
-    told it (through the headers it maps), or a peer of another node did (a message marked LOST)."""
+    told it (through the headers it maps), or a peer of another node did (a message marked LOSS)."""
     monkeypatch.setenv(*_TAG.decode().split("=", 1))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     command = "import sys, test_nodes; test_nodes.lost_peer_rank(*map(int, sys.argv[1:4]), sys.argv[4])"
