@@ -108,7 +108,10 @@ def _reference(heap, task) -> None:
     keys = torch.arange(last + 1)
     seen = (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - task.window)  # [rows, keys]
     scores = torch.einsum("rgd,kd->rgk", q * task.SCALE, k).masked_fill(~seen[:, None, :], float("-inf"))
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)   # a row of no sequence: no key, zeros
+    # a row of no sequence: no key, zeros; the probabilities rounded to the cache's dtype before they weigh V, as
+    # the tile rounds its p for the dot (and transformers' eager attention its softmax): in bfloat16 a prompt's
+    # greedy tokens then stay transformers' where float32 probabilities parted from them (a no-op in float32)
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(getattr(torch, dtype)).float()
     out.copy_(torch.einsum("rgk,kd->rgd", weights, v).reshape(task.rows, group * hd))
 
 
