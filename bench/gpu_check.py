@@ -26,8 +26,11 @@
 11. speculation: a random Llama (on a GPU 4 layers of hidden 2048, bf16) fed a prompt that repeats a
    piece, with ``draft_tokens`` 4 and without: the same tokens, device steps and time per token of each.
 12. nodes: a hierarchical all-reduce over 2 nodes x 2 ranks through the cpu transport (the host's gloo, on
-   the machine's own torch and triton), and the nvshmem transport's kernel compiled for the GPU with the
-   NVSHMEM device library installed there (not run: its host side is not built).
+   the machine's own torch and triton), the nvshmem transport's kernel compiled for the GPU with the
+   NVSHMEM device library installed there, and NVSHMEM run on the one GPU: torch's symmetric memory,
+   the module's NVSHMEM state, the transport's put and signal calls to this processing element itself
+   (``shmem.loopback``); a missing piece (torch without NVSHMEM, a bitcode this Triton cannot read) is
+   a "not run" row with the reason.
 
 A section named ``NAME:spin`` runs NAME with the old wait/signal protocol (``MEGAKERNEL_PROTOCOL=spin``:
 every thread spinning on scalar atomics, system-scope signals) instead of the default ``poll``, so one
@@ -769,8 +772,8 @@ def _nodes_job() -> tuple[torch.Tensor, dict[int, str]]:
 def check_nodes(s: Setup) -> list[Row]:
     """Ranks on two nodes on this machine's stack: a hierarchical all-reduce at 2 nodes x 2 ranks through the
     cpu transport (gloo and a progress agent per rank; the torch backend on the host, whatever the device),
-    and the nvshmem transport's kernel compiled for this GPU with the NVSHMEM device library installed here
-    (compiled, not run: its host side is not built)."""
+    the nvshmem transport's kernel compiled for this GPU with the NVSHMEM device library installed here, and
+    NVSHMEM's puts and signal run on this GPU to itself (``nvshmem_loopback``)."""
     results = mk.launch(_nodes_job, world_size=4, ranks_per_node=2, backend="torch", timeout=300)
     right = all(torch.equal(y, torch.full((4, 1024), 10.0)) and list(links.values()).count("gloo") == 2
                 for y, links in results)
@@ -786,7 +789,46 @@ def check_nodes(s: Setup) -> list[Row]:
         return rows + [Row("nodes: nvshmem transport kernel", f"not compiled: {str(error)[:120]}", "", None)]
     return rows + [Row(f"nodes: nvshmem transport kernel, {target} ({library.name})",
                        f"{compiled.registers} registers, {compiled.spilled} bytes spilled", "0 spilled",
-                       compiled.spilled == 0)]
+                       compiled.spilled == 0), nvshmem_loopback(arch[0] * 10 + arch[1])]
+
+
+def nvshmem_loopback(arch: int) -> Row:
+    """NVSHMEM's host side and the transport's device calls on the one GPU (one processing element): a
+    world of one rank (gloo, for the store NVSHMEM bootstraps from), a symmetric area from torch, the
+    ``shmem.loopback`` kernel linked with the device library and given NVSHMEM's state, 4 rows of 256
+    int32 put to this PE and a signal after them; right when the rows and the signal both arrived."""
+    import torch.distributed as dist
+    check = "nodes: nvshmem puts and a signal to this GPU itself (one PE)"
+    missing = shmem.host_missing()
+    if missing:
+        return Row(check, f"not run: {missing}", "", None)
+    rows, cols, polls = 4, 256, 1 << 24
+    src, dst, counter, seen = 0, rows * cols * 4, 2 * rows * cols * 4, 2 * rows * cols * 4 + 8
+    try:
+        library = shmem.device_library(arch)
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        area = shmem.symmetric_area(seen + 8, torch.device("cuda", torch.cuda.current_device()),
+                                    dist.group.WORLD.group_name)
+        sent = torch.randint(-2**31, 2**31 - 1, (rows * cols,), dtype=torch.int32, device=area.device)
+        area[src:dst].view(torch.int32).copy_(sent)
+        area[dst:counter].fill_(0xA5)  # poisoned
+        area[counter:].view(torch.int64).copy_(torch.tensor([0, -7]))
+        words = (area.data_ptr(), src, dst, counter, seen, rows, cols, 0, polls)
+        kernel = shmem.loopback.warmup(*words, grid=(1,), num_warps=4,
+                                       extern_libs={"libnvshmem_device": str(library)})
+        shmem.init_module(kernel)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        kernel[(1, 1, 1)](*words, stream=torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    except (BackendError, ValueError, RuntimeError) as error:  # a bitcode 3.6 cannot read, a host call refused
+        return Row(check, f"not run: {type(error).__name__}: {str(error)[:160]}", "", None)
+    arrived = torch.equal(area[dst:counter].view(torch.int32), sent)
+    signalled = int(area[seen:].view(torch.int64).item())
+    return Row(check, f"rows {'arrived' if arrived else 'WRONG'}, counter read {signalled}, {wall * 1e6:.0f} us wall",
+               "rows arrived, counter 1", arrived and signalled == 1)
 
 
 SECTIONS = {"types": check_task_types, "decode": check_decode, "layer": check_layer, "dispatch": check_dispatch,

@@ -568,6 +568,50 @@ def test_the_nvshmem_transport_puts_and_signals_through_nvshmems_device_library(
     assert "nvshmem" not in memory.assembly and memory.spilled == 0
 
 
+def test_the_one_pe_loopback_links_the_transports_puts_and_signal_whole():
+    """``shmem.loopback``, what the GPU check runs on one GPU to try NVSHMEM's host side: for sm_90 with the
+    device library it calls the transport's ``put_rows`` and ``signal``, NVSHMEM's transfer, fence and
+    put-with-signal, nothing left unresolved, the device state for ``nvshmemx_cumodule_init``, no spills;
+    its int64 arguments (the addresses, sizes and the signal's value) met NVSHMEM's declared types."""
+    need("sm_90")
+    nvshmem_library()
+    from megakernel import shmem
+    source = ASTSource(fn=shmem.loopback, signature={name: "i64" for name in shmem.loopback.arg_names})
+    compiled = triton.compile(source, target=TARGETS["sm_90"], options={
+        "num_warps": 4, "extern_libs": {"libnvshmem_device": str(shmem.device_library(90))}})
+    text = compiled.asm["ptx"]
+    assert re.search(r"^\.visible \.const .*nvshmemi_device_state_d\[", text, re.M)
+    assert not re.search(r"^\.extern \.func.*nvshmem", text, re.M), "an NVSHMEM call left unresolved"
+    calls = " ".join(re.findall(r"^\s*call(?:\.uni)?\s.*?(\w*(?:put_rows|signal|nvshmemi_transfer)\w*)", text, re.M))
+    for name in ("put_rows", "signal", "nvshmemi_transfer_rma", "nvshmemi_transfer_fence",
+                 "nvshmemi_transfer_put_signal"):
+        assert name in calls, name
+    assert ptxas_spilled(compiled) == 0
+
+
+def test_nvshmems_host_side_refuses_with_its_reason_where_a_piece_is_missing(monkeypatch):
+    """Here (no CUDA GPU, a CPU torch without NVSHMEM) the symmetric area and the module init raise with
+    the missing piece, and the GPU check's loopback row says "not run" with it instead of failing; a torch
+    that sees a GPU but was built without NVSHMEM is named as such."""
+    from megakernel import shmem
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    missing = shmem.host_missing()
+    assert missing
+    with pytest.raises(BackendError, match="NVSHMEM's host side: " + re.escape(missing)):
+        shmem.symmetric_area(4096, torch.device("cuda", 0), "0")
+    with pytest.raises(BackendError, match=re.escape(missing)):
+        shmem.init_module(None)
+    row = gpu_check.nvshmem_loopback(90)
+    assert row.value == f"not run: {missing}" and row.ok is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert "NVSHMEM" in shmem.host_missing()
+
+
 def test_a_device_library_this_triton_cannot_read_is_a_backend_error_naming_it(tmp_path, monkeypatch):
     """The GPU image's NVSHMEM (3.8, LLVM 22 bitcode) under its triton 3.6: the GPU check's nodes section
     reports it as not compiled, with the reason, and goes on (a file that is no bitcode stands in here)."""
