@@ -10,7 +10,8 @@ against every token in one launch, and prints the launches and the host's time p
 prompt to its first token with and without a prefill chunk (launches per prompt token). Part 3
 counts, for mixture-of-experts models, the bytes of weights one step reads (attention, routers, the
 k chosen experts' slices: what the expert tiles stream) against the dense equivalent (every
-expert), for a Qwen3-30B-A3B shape and the tests' small Qwen3-MoE, from the graph's tasks, and the bytes of
+expert), for a Qwen3-30B-A3B shape and the tests' small Qwen3-MoE, from the graph's tasks; the expert
+bytes of a layer-step at batch 1, 8 and 64 with the rows grouped by expert against a pass per row; and the bytes of
 weights one step of a Llama-3.1-8B reads in each weight format (bf16, FP8, Q8_0, Q4_K), from the graph's
 tasks too. Part 4 prints, for a Llama-3-8B-shaped decoder layer (hidden 4096, 32 heads, 8 KV
 heads, head dim 128, intermediate 14336, bfloat16, batch 1), the bytes one decode step of the layer
@@ -102,27 +103,56 @@ QWEN3_30B_A3B = DecoderConfig(hidden=2048, heads=32, kv_heads=4, head_dim=128, i
                               router_weight_dtype=torch.bfloat16)
 
 
-def moe_bytes(c: DecoderConfig) -> tuple[int, int]:
-    """(bytes of weights a decode step reads, the dense equivalent's), from one layer's graph: the expert
-    tiles' own bytes (each streams its slice of one chosen expert) against every expert's."""
+def moe_layer(c: DecoderConfig, tokens: int) -> list[tuple[int, int]]:
+    """One sparse layer of ``c`` over ``tokens`` rows, built as a graph: its ``grouped_expert`` tasks, each
+    as (group j, weight elements it streams when its group has an expert)."""
     from megakernel.graph import Graph
     from megakernel.models.decoder import Shard, decoder_layer
-    from megakernel.tasks.moe import EXPERT_LINEAR
+    from megakernel.tasks.moe import GROUPED_EXPERT
 
-    one = DecoderConfig(**{**c.__dict__, "layers": 1, "moe": (True,)})
+    one = DecoderConfig(**{**c.__dict__, "layers": 1, "moe": (True,), "batch": tokens})
     g = Graph(world_size=1, rank=0)
-    decoder_layer(g, one, Shard.of(one, 0, 1), g.input("x", (1, c.hidden), c.dtype), g.input("pos", (1,), torch.int64),
-                  g.input("inv_freq", (c.head_dim // 2,), torch.float32), 0)
+    decoder_layer(g, one, Shard.of(one, 0, 1), g.input("x", (tokens, c.hidden), c.dtype),
+                  g.input("pos", (tokens,), torch.int64), g.input("inv_freq", (c.head_dim // 2,), torch.float32), 0)
+    gated = {i: bool(dict(spec.constexprs)["ACT"]) for i, spec in enumerate(g.specs)
+             if spec.task_type == GROUPED_EXPERT.name}
+    j, n, k = (GROUPED_EXPERT.arg_names.index(name) for name in ("j", "n", "k"))
+    return [(args[j], args[n] * args[k] * (2 if gated[op] else 1))
+            for op, args in zip(g.tasks.opcode, g.tasks.args) if op in gated]
+
+
+def moe_bytes(c: DecoderConfig) -> tuple[int, int]:
+    """(bytes of weights a decode step reads at batch 1, the dense equivalent's), from one layer's graph:
+    the grouped expert tiles' own bytes (k groups, each streaming one chosen expert: a token's k experts
+    are distinct, so at batch 1 every group has one) against every expert's."""
     size = c.dtype.itemsize
-    expert_op = {i for i, spec in enumerate(g.specs) if spec.task_type == EXPERT_LINEAR.name}
-    n, k = EXPERT_LINEAR.arg_names.index("n"), EXPERT_LINEAR.arg_names.index("k")
-    streamed = sum(g.tasks.args[t][n] * g.tasks.args[t][k] for t in range(len(g.tasks))  # each expert tile's rows
-                   if g.tasks.opcode[t] in expert_op) * size
+    streamed = sum(elements for _, elements in moe_layer(c, 1)) * size
     every_expert = c.experts * 3 * c.moe_intermediate * c.hidden * size
+    one = DecoderConfig(**{**c.__dict__, "layers": 1, "moe": (True,)})
     others = weight_bytes(DecoderConfig(**{**one.__dict__, "intermediate": 0}), lm_head=False) - c.hidden * size
     others += c.experts * c.hidden * size  # the router
     return c.layers * (others + streamed) + c.vocab * c.hidden * size, \
         c.layers * (others + every_expert) + c.vocab * c.hidden * size
+
+
+def moe_grouping(c: DecoderConfig, batches=(1, 8, 64), samples: int = 48) -> None:
+    """Expert weight bytes one sparse layer-step reads at each batch, the rows grouped by expert (a pass
+    per distinct expert chosen) against a pass per (token, slot) row, for routers that pick uniformly at
+    random (``samples`` layer-steps, seeded): the bytes per expert from the layer's grouped tasks, the
+    number of distinct experts from the sampled choices."""
+    size, generator = c.dtype.itemsize, torch.Generator().manual_seed(0)
+    print(f"  rows grouped by expert, one sparse layer-step, uniform random routing ({samples} samples):")
+    for batch in batches:
+        tasks = moe_layer(c, batch)
+        groups = 1 + max(j for j, _ in tasks)
+        per_expert = sum(elements for _, elements in tasks) * size / groups
+        distinct = statistics.mean(
+            len(torch.unique(torch.stack([torch.randperm(c.experts, generator=generator)[:c.top_k]
+                                          for _ in range(batch)]))) for _ in range(samples))
+        grouped, ungrouped = distinct * per_expert, batch * c.top_k * per_expert
+        print(f"    batch {batch:>2}: {len(tasks):>4} grouped tiles ({groups} groups), {distinct:5.1f} distinct "
+              f"experts of {batch * c.top_k} rows: {grouped / 2**20:6.1f} MiB grouped, {ungrouped / 2**20:6.1f} MiB "
+              f"a pass per row ({ungrouped / grouped:.2f}x)")
 
 
 def moe_fraction() -> None:
@@ -135,6 +165,7 @@ def moe_fraction() -> None:
         active, dense = moe_bytes(c)
         print(f"  {name}: {active / 2**20:,.1f} MiB of {dense / 2**20:,.1f} MiB dense-equivalent "
               f"({active / dense:.1%} active)")
+    moe_grouping(QWEN3_30B_A3B)
 
 
 LLAMA31_8B = DecoderConfig(**{**LLAMA3_8B.__dict__, "layers": 32})

@@ -370,15 +370,26 @@ class Graph:
         rows of ``w`` (``count`` experts stacked): [tokens * slots, n]. ``w`` may be ``Quantized``."""
         return self._op(moe.expert_rows, x, w, experts, count)
 
-    def moe_sum(self, y: Tensor, weights: Tensor) -> Tensor:
-        """Per token, its slots' rows of ``y`` [tokens * slots, n] summed with ``weights`` [tokens, slots]."""
-        return self._op(moe.moe_sum, y, weights)
+    def grouped_experts(self, x: Tensor, w: Tensor | Quantized, experts: Tensor, count: int, act: str = "",
+                        after: Tensor | None = None, passes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``expert_rows`` with the rows grouped by expert: each chosen expert's rows of ``w`` read once for
+        all the rows that chose it; ``act`` a gated activation over gate rows then up rows. Returns ``(y,
+        marker)``: the marker is what a reader of y names as ``after`` (the rows written depend on the
+        router). ``passes`` (int64 [count]) counts the weight passes."""
+        return self._op(moe.grouped_experts, x, w, experts, count, act, after, passes)
+
+    def moe_sum(self, y: Tensor, weights: Tensor, after: Tensor | None = None) -> Tensor:
+        """Per token, its slots' rows of ``y`` [tokens * slots, n] summed with ``weights`` [tokens, slots];
+        ``after``: the marker of the ``grouped_experts`` that wrote y."""
+        return self._op(moe.moe_sum, y, weights, after)
 
     def moe_mlp(self, x: Tensor, router: Tensor | Quantized, gate_up: Tensor | Quantized, down: Tensor | Quantized,
-                k: int, normalize: bool, weight_dtype: torch.dtype, act: str = "silu_mul") -> Tensor:
-        """A sparse MLP: ``route``, each token's ``k`` experts' gated MLP (``expert_rows``, ``act``), and
-        ``moe_sum`` of their outputs, [tokens, hidden]."""
-        return self._op(moe.moe_mlp, x, router, gate_up, down, k, normalize, weight_dtype, act)
+                k: int, normalize: bool, weight_dtype: torch.dtype, act: str = "silu_mul",
+                passes: Tensor | None = None) -> Tensor:
+        """A sparse MLP: ``route``, each token's ``k`` experts' gated MLP (``act``), the rows that chose an
+        expert sharing one pass over its weights (``tasks.moe.grouped_experts``; ``passes`` counts them),
+        and ``moe_sum`` of their outputs, [tokens, hidden]."""
+        return self._op(moe.moe_mlp, x, router, gate_up, down, k, normalize, weight_dtype, act, passes)
 
     # tasks/comm.py
     def put(self, x: Tensor, to_rank: int, into: Tensor) -> Tensor:

@@ -34,6 +34,13 @@ def _binary_block(base, out, a, b, r0, c0, rows, cols, out_stride, a_stride, b_s
     """``binary_tile``'s block at row ``r0``, column ``c0`` of the tile."""
     x = load_block(heap_ptr(base, a, DTYPE) + r0 * a_stride + c0, a_stride, rows - r0, cols - c0, BLOCK_M, BLOCK_N)
     y = load_block(heap_ptr(base, b, DTYPE) + r0 * b_stride + c0, b_stride, rows - r0, cols - c0, BLOCK_M, BLOCK_N)
+    store_block(heap_ptr(base, out, DTYPE) + r0 * out_stride + c0, out_stride, rows - r0, cols - c0,
+                combined(x, y, OP), BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def combined(x, y, OP: tl.constexpr):
+    """``x OP y`` of float32 blocks (OP: add, mul, silu_mul, gelu_tanh_mul)."""
     if OP == "add":
         z = x + y
     elif OP == "mul":
@@ -43,16 +50,19 @@ def _binary_block(base, out, a, b, r0, c0, rows, cols, out_stride, a_stride, b_s
     else:  # "gelu_tanh_mul": gelu(x) * y with gelu's tanh approximation (Gemma's GeGLU); tanh(u) = 1 - 2 / (e^2u + 1)
         u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2 / pi) (x + 0.044715 x^3)
         z = 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)) * y
-    store_block(heap_ptr(base, out, DTYPE) + r0 * out_stride + c0, out_stride, rows - r0, cols - c0, z, BLOCK_M,
-                BLOCK_N)
+    return z
 
 
 def _reference(heap, task) -> None:
     x = heap.tensor(task.a, task.DTYPE, task.rows, task.cols, task.a_stride).float()
     y = heap.tensor(task.b, task.DTYPE, task.rows, task.cols, task.b_stride).float()
-    z = {"add": lambda: x + y, "mul": lambda: x * y, "silu_mul": lambda: x * torch.sigmoid(x) * y,
-         "gelu_tanh_mul": lambda: torch.nn.functional.gelu(x, approximate="tanh") * y}[task.OP]()
-    heap.tensor(task.out, task.DTYPE, task.rows, task.cols, task.out_stride).copy_(z)
+    heap.tensor(task.out, task.DTYPE, task.rows, task.cols, task.out_stride).copy_(combined_reference(x, y, task.OP))
+
+
+def combined_reference(x: torch.Tensor, y: torch.Tensor, op: str) -> torch.Tensor:
+    """``combined`` in torch."""
+    return {"add": lambda: x + y, "mul": lambda: x * y, "silu_mul": lambda: x * torch.sigmoid(x) * y,
+            "gelu_tanh_mul": lambda: torch.nn.functional.gelu(x, approximate="tanh") * y}[op]()
 
 
 def binary(g, op: str, a, b):

@@ -270,7 +270,7 @@ def dequantized(base, w, scales, rows, cols, w_stride, scales_stride, scale_offs
 
 
 @triton.jit
-def _w_block(base, w, scales, rows, kc, k_end, w_stride, scales_stride, scale_offset, FORMAT: tl.constexpr,
+def dequantized_block(base, w, scales, rows, kc, k_end, w_stride, scales_stride, scale_offset, FORMAT: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr):
     """float32 [BLOCK_N, BLOCK_K]: columns ``kc ..`` of rows ``rows`` ([BLOCK_N, 1]) of the weight, 0 from
     ``k_end`` on. ``ALIGNED`` (the host checked: every packed row and the tile's first byte 16-byte
@@ -321,7 +321,7 @@ def _quantized_rows(base, y, x, w, scales, row0, k0, m, n, k, y_stride, x_stride
         rows = row0 + tl.minimum(r0 + rn, n - 1)
         for c0 in range(0, k, BLOCK_K):
             cols = c0 + rk
-            b = _w_block(base, w, scales, rows, k0 + c0, k0 + k, w_stride, scales_stride, scale_offset, FORMAT,
+            b = dequantized_block(base, w, scales, rows, k0 + c0, k0 + k, w_stride, scales_stride, scale_offset, FORMAT,
                          BLOCK_N, BLOCK_K, ALIGNED)
             if USE_DOT:
                 a = tl.load(x_ptr + rm * x_stride + tl.trans(cols), mask=(rm < m) & (tl.trans(cols) < k), other=0.0)
@@ -351,7 +351,7 @@ def quantized_linear_tile(base,
     registers, float32 accumulation; m <= BLOCK_M, any n (BLOCK_N rows of W at a time), k0 a whole
     number of the format's blocks. Rows past n re-read row n - 1, columns past k are masked. ``USE_DOT``
     (BLOCK_M >= 16: prefill rows): the products by ``tl.dot`` in IEEE float32 (the dequantized weights
-    are float32), otherwise reduced per row of x. ``ALIGNED``: see ``_w_block``."""
+    are float32), otherwise reduced per row of x. ``ALIGNED``: see ``dequantized_block``."""
     _quantized_rows(base, y, x, w, scales, row0, k0, m.to(tl.int32), n.to(tl.int32), k.to(tl.int32), y_stride,
                     x_stride, w_stride, scales_stride, scale_offset, X_DTYPE, Y_DTYPE, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
                     ALIGNED)
@@ -375,7 +375,7 @@ def quantized_expert_linear_tile(base, status,
                     ALIGNED)
 
 
-def _weight(heap, format: Format, w: int, w_stride: int, scales: int, scales_stride: int, scale_offset: int,
+def unpacked_weight(heap, format: Format, w: int, w_stride: int, scales: int, scales_stride: int, scale_offset: int,
             rows: int, cols: int, row0: int, col0: int) -> torch.Tensor:
     """float32 [rows, cols]: the weight at heap offset ``w`` from row ``row0``, column ``col0`` (a block's),
     unpacked where the heap keeps what tiles derive (``HeapView.derived``: a torch backend's worker
@@ -395,14 +395,14 @@ def _weight(heap, format: Format, w: int, w_stride: int, scales: int, scales_str
 def _expert_linear_reference(heap, task) -> None:
     e = heap_index(heap, task.expert, task.count)
     x = heap.tensor(task.x, task.X_DTYPE, 1, task.k, task.k).float()
-    w = _weight(heap, FORMATS_BY_CODE[task.FORMAT], task.w, task.w_stride, task.scales, task.scales_stride,
+    w = unpacked_weight(heap, FORMATS_BY_CODE[task.FORMAT], task.w, task.w_stride, task.scales, task.scales_stride,
                 task.scale_offset, task.n, task.k, e * task.expert_rows + task.row0, 0)
     heap.tensor(task.y, task.Y_DTYPE, 1, task.n, task.n).copy_(x @ w.T)
 
 
 def _linear_reference(heap, task) -> None:
     x = heap.tensor(task.x, task.X_DTYPE, task.m, task.k, task.x_stride).float()
-    w = _weight(heap, FORMATS_BY_CODE[task.FORMAT], task.w, task.w_stride, task.scales, task.scales_stride,
+    w = unpacked_weight(heap, FORMATS_BY_CODE[task.FORMAT], task.w, task.w_stride, task.scales, task.scales_stride,
                 task.scale_offset, task.n, task.k, task.row0, task.k0)
     heap.tensor(task.y, task.Y_DTYPE, task.m, task.n, task.y_stride).copy_(x @ w.T)
 
@@ -443,7 +443,7 @@ def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
     opcode = g.opcode(QUANTIZED_LINEAR, X_DTYPE=x.dtype, Y_DTYPE=target.dtype, FORMAT=w.format.code,
                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=block_m >= DOT_MIN_M, ALIGNED=aligned)
     f, data, scales = w.format, w.data, w.scales
-    scale_words = _scale_words(w)
+    words = scale_words(w)
     tile_rows = ceil_div(n_total, g.parallelism) if g.few_tiles else TILE_ROWS  # a tile takes any n
     for s, (k0, k) in enumerate(k_ranges):
         byte0, nbytes = f.row_bytes(k0), f.row_bytes(k)
@@ -460,7 +460,7 @@ def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
                                                 scales.region(c0, n, first, per_row),), 4 * n * per_row
                 g.add_task(opcode, y=target.addr(row, c0), x=x.addr(r0, k0), w=data.addr(0, 0), row0=c0, k0=k0,
                            m=m, n=n, k=k, y_stride=target.row_stride, x_stride=x.row_stride,
-                           w_stride=data.row_stride, **scale_words,
+                           w_stride=data.row_stride, **words,
                            reads=(x.region(r0, m, k0, k), data.region(c0, n, byte0, nbytes), *scale_reads),
                            writes=(target.region(row, m, c0, n),),
                            bytes=m * k * x.element_size + n * nbytes + scale_bytes + m * n * target.element_size,
@@ -472,7 +472,7 @@ def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
 
 def tile_blocks(w: Quantized, starts: list[int], lengths: list[int]) -> tuple[int, int, bool]:
     """(BLOCK_N, BLOCK_K, ALIGNED) of tiles reading columns ``start .. start + length`` of ``w``: its
-    format's vector path (``_w_block``, VECTOR_BLOCKS) when its rows and every start's byte are 16-byte
+    format's vector path (``dequantized_block``, VECTOR_BLOCKS) when its rows and every start's byte are 16-byte
     aligned and every length and its scale offset whole BLOCK_K steps; else the gathered one."""
     f = w.format
     block_n, block_k = VECTOR_BLOCKS.get(f.name, (BLOCK_N, BLOCK_K))
@@ -481,7 +481,7 @@ def tile_blocks(w: Quantized, starts: list[int], lengths: list[int]) -> tuple[in
     return (block_n, block_k, True) if aligned else (BLOCK_N, BLOCK_K, False)
 
 
-def _scale_words(w: Quantized) -> dict:
+def scale_words(w: Quantized) -> dict:
     scales = w.scales
     return {"scales": scales.addr(0, 0) if scales is not None else 0,
             "scales_stride": scales.row_stride if scales is not None else 0, "scale_offset": w.scale_offset}
@@ -511,7 +511,7 @@ def expert_rows(g, x, w: Quantized, experts, count: int):
             n = min(TILE_ROWS, n_total - c0)
             g.add_task(opcode, y=y.addr(row, c0), x=x.addr(x_row, 0), w=w.data.addr(0, 0), expert=experts.addr(b, s),
                        count=count, expert_rows=n_total, row0=c0, n=n, k=k_total, w_stride=w.data.row_stride,
-                       **_scale_words(w), reads=(x.region(x_row, 1, 0, k_total), experts.region(b, 1, s, 1), *whole),
+                       **scale_words(w), reads=(x.region(x_row, 1, 0, k_total), experts.region(b, 1, s, 1), *whole),
                        writes=(y.region(row, 1, c0, n),),
                        bytes=k_total * x.element_size + n * row_bytes + n * y.element_size, flops=2 * n * k_total)
     return y
@@ -565,7 +565,7 @@ def quantized_embedding_at_tile(base, status,
 
 
 def _copy_row(heap, task, row: int) -> None:
-    value = _weight(heap, FORMATS_BY_CODE[task.FORMAT], task.table, task.table_stride, task.scales,
+    value = unpacked_weight(heap, FORMATS_BY_CODE[task.FORMAT], task.table, task.table_stride, task.scales,
                     task.scales_stride, task.scale_offset, 1, task.cols, row, 0)
     heap.tensor(task.out, task.OUT_DTYPE, 1, task.cols, task.cols).copy_(value)
 
@@ -584,7 +584,7 @@ def embedding(g, tokens, table: Quantized, pos=None):
     block_n = min(next_power_of_2(table.cols), EMBEDDING_BLOCK_N)
     scales = table.scales
     words = dict(table=table.data.addr(0, 0), rows=table.rows, cols=table.cols, table_stride=table.data.row_stride,
-                 **_scale_words(table))
+                 **scale_words(table))
     table_reads = (table.data.region(0, table.rows, 0, table.data.cols),)
     if scales is not None:
         table_reads += (scales.region(0, scales.rows, 0, scales.cols),)
@@ -627,7 +627,7 @@ def every_format(g) -> tuple:
 def _example(g):
     """Each tile's variants, in four formats: a one-row Q4_K linear (its vector path), a three-row split-K
     and a ``tl.dot`` Q8_0 linear (gathered, a last step of 32 columns), an MoE whose experts are FP8 with
-    block scales (gate/up: the vector path; down, 40 columns: gathered), and Q8_0 embedding lookups. Every format goes
+    block scales (gate/up: the vector path; down, 40 columns: gathered; grouped by expert, and a pass per slot), and Q8_0 embedding lookups. Every format goes
     through every tile in ``tests/test_quantized.py``, and compiles in ``every_format``'s kernel."""
     x1 = g.input("quantized.x1", (1, 512), torch.float32)
     x3 = g.input("quantized.x3", (3, 544), torch.bfloat16)
@@ -636,10 +636,12 @@ def _example(g):
     results = [g.linear(x1, quantized_input(g, "quantized.q4_k", (136, 512), Q4_K, torch.float32)),
                g.linear(x3, w, split_k=2), g.linear(x20, w)]
     x_moe = g.input("quantized.moe.x", (2, 64), torch.bfloat16)  # top-2 of 4 experts
-    results.append(g.moe_mlp(x_moe, g.input("quantized.moe.router", (4, 64), torch.bfloat16),
-                             quantized_input(g, "quantized.moe.gate_up", (4 * 80, 64), FP8_BLOCK, torch.bfloat16),
+    router = g.input("quantized.moe.router", (4, 64), torch.bfloat16)
+    gate_up = quantized_input(g, "quantized.moe.gate_up", (4 * 80, 64), FP8_BLOCK, torch.bfloat16)
+    results.append(g.moe_mlp(x_moe, router, gate_up,
                              quantized_input(g, "quantized.moe.down", (4 * 64, 40), FP8_BLOCK, torch.bfloat16),
                              2, True, torch.float32))
+    results.append(g.expert_rows(x_moe, gate_up, g.route(g.linear(x_moe, router), 2, True)[0], 4))  # a pass per slot
     table = quantized_input(g, "quantized.table", (50, 544), Q8_0, torch.bfloat16)
     results += [g.embedding(g.input("quantized.tokens", (2,), torch.int64), table),
                 g.embedding(g.input("quantized.history", (2, 45), torch.int64), table,

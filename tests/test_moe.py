@@ -7,6 +7,7 @@ from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen
 
 import megakernel as mk
 from megakernel.serving import from_hf, from_pretrained
+from megakernel.tasks.quantized import FP8_CHANNEL, Q8_0, quantized_input
 
 from helpers import assert_close, run_checked
 
@@ -81,6 +82,89 @@ def test_a_router_can_pick_one_expert_for_every_token_or_each_expert_once():
         assert_close(out["y"], y, 1e-5, f"top-{k}")
 
 
+def grouped_graph(tokens: int, hidden: int, experts: int, inter: int, k: int, normalize: bool, format=None):
+    """``moe_mlp``: the rows grouped by expert, ``passes`` counting their weight passes; the expert weights
+    as stored in a quantized ``format`` if one is given."""
+    g = mk.Graph(world_size=1, rank=0)
+    x = g.input("x", (tokens, hidden), torch.float32)
+    router = g.input("router", (experts, hidden), torch.float32)
+    weight = functools.partial(quantized_input, format=format, dtype=torch.float32) if format else \
+        (lambda g, name, shape: g.input(name, shape, torch.float32))
+    gate_up, down = weight(g, "gate_up", (experts * 2 * inter, hidden)), weight(g, "down", (experts * hidden, inter))
+    passes = g.input("passes", (experts,), torch.int64)
+    g.output("y", g.moe_mlp(x, router, gate_up, down, k, normalize, torch.float32, passes=passes))
+    return g
+
+
+def run_grouped(g: mk.Graph, inputs: dict) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The kernel's outputs (checked against the reference executor) and its weight passes per group."""
+    with mk.Megakernel(g, workers=2) as kernel:
+        out = run_checked(g, {**inputs, "passes": torch.zeros(g.inputs["passes"].cols, dtype=torch.int64)},
+                          kernel=kernel)
+        return out, kernel.tensor(g.inputs["passes"]).tolist()
+
+
+def one_pass_per_expert_chosen(chosen: torch.Tensor, experts: int) -> list[int]:
+    distinct = len(torch.unique(chosen))
+    return [1] * distinct + [0] * (experts - distinct)
+
+
+@pytest.mark.interpreter  # the grouped tiles' semantics: GEMV below 16 tokens, tl.dot from 16
+@pytest.mark.parametrize("tokens,k,normalize", [(1, 2, True), (3, 3, False), (20, 2, True)])
+def test_rows_grouped_by_expert_match_float64_with_a_pass_per_expert_chosen(tokens, k, normalize):
+    hidden, experts, inter = 48, 8, 41
+    inputs = _inputs(tokens, hidden, experts, inter, seed=tokens)
+    out, passes = run_grouped(grouped_graph(tokens, hidden, experts, inter, k, normalize), inputs)
+    y, chosen = moe_float64(inputs, experts, inter, k, normalize)
+    assert_close(out["y"], y, 1e-5, f"grouped sparse MLP vs float64, {tokens} tokens")
+    assert passes == one_pass_per_expert_chosen(chosen, experts)
+    if tokens == 3:  # a pass per (token, slot) row: 9 where the grouped tiles ran fewer
+        ungrouped = run_checked(moe_graph(tokens, hidden, experts, inter, k, normalize), inputs)
+        assert_close(ungrouped["y"], y, 1e-5, "ungrouped sparse MLP vs float64")
+        assert sum(passes) < tokens * k
+
+
+@pytest.mark.interpreter
+def test_grouped_rows_all_on_one_expert_and_experts_nobody_picks():
+    """Every token routed to expert 5 first (and, top-2, to expert 0 on the others' tie): the tile of
+    expert 5 serves all 18 rows of its pass in two blocks of 16, seven experts do no weight read."""
+    tokens, hidden, experts, inter = 18, 8, 8, 16
+    inputs = _inputs(tokens, hidden, experts, inter)
+    inputs["x"] = torch.rand(tokens, hidden, generator=torch.Generator().manual_seed(4)) + 0.5  # positive
+    inputs["router"] = -torch.ones(experts, hidden)
+    inputs["router"][5] = 3.0
+    for k in (1, 2):
+        out, passes = run_grouped(grouped_graph(tokens, hidden, experts, inter, k, True), inputs)
+        y, chosen = moe_float64(inputs, experts, inter, k, True)
+        assert chosen[:, 0].tolist() == [5] * tokens and passes == [1] * k + [0] * (experts - k)
+        assert_close(out["y"], y, 1e-5, f"every token on expert 5, top-{k}")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("format", [Q8_0, FP8_CHANNEL], ids=lambda f: f.name)
+def test_grouped_experts_stream_quantized_weights_as_stored(format):
+    tokens, hidden, experts, inter, k = 3, 64, 4, 32, 2
+    inputs = _inputs(tokens, hidden, experts, inter, seed=5)
+    dequantized = dict(inputs)
+    for name in ("gate_up", "down"):
+        if format.scales is None:  # Q8_0: a float16 scale and 32 int8 weights per block
+            blocks = inputs[name].reshape(-1, 32)
+            scale = (blocks.abs().amax(dim=1, keepdim=True) / 127).half()
+            q = torch.round(blocks / scale.float()).clamp(-127, 127).to(torch.int8)
+            inputs[name] = torch.cat([scale.view(torch.uint8), q.view(torch.uint8)], 1).reshape(
+                inputs[name].shape[0], -1)
+            dequantized[name] = (q.float() * scale.float()).reshape(dequantized[name].shape)
+        else:  # a float8 row and its scale
+            scale = inputs[name].abs().amax(dim=1) / 448
+            q = (inputs[name] / scale[:, None]).to(torch.float8_e4m3fn)
+            inputs[name], inputs[f"{name}.scales"] = q.view(torch.uint8), scale
+            dequantized[name] = q.float() * scale[:, None]
+    out, passes = run_grouped(grouped_graph(tokens, hidden, experts, inter, k, True, format), inputs)
+    y, chosen = moe_float64(dequantized, experts, inter, k, True)
+    assert_close(out["y"], y, 1e-5, f"grouped {format.name} experts vs float64 of the dequantized weights")
+    assert passes == one_pass_per_expert_chosen(chosen, experts)
+
+
 def moe_model(family: str, k: int):
     torch.manual_seed(0)
     shapes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
@@ -95,27 +179,50 @@ def moe_model(family: str, k: int):
     return model.eval()
 
 
-def _moe_rank(model, ids):
-    m = from_hf(model, max_seq_len=12, max_batch=ids.shape[0], workers=1)
+def _moe_rank(model, ids, prefill_chunk=None):
+    m = from_hf(model, max_seq_len=12, max_batch=ids.shape[0], workers=1, prefill_chunk=prefill_chunk)
     try:
-        return m.generate(ids, max_new_tokens=4), m.decode(ids[:, 0], 0)
+        tokens = m.generate(ids, max_new_tokens=4)
+        return tokens, m.expert_passes, m.decode(ids[:, 0], 0)
     finally:
         m.close()
 
 
-@pytest.mark.parametrize("family,k,world,batch", [("qwen3_moe", 2, 1, 3), ("qwen3_moe", 2, 2, 1),
-                                                  ("mixtral", 3, 1, 1), ("mixtral", 3, 2, 3)])
-def test_moe_models_generate_what_transformers_generates(family, k, world, batch):
+def distinct_experts_per_layer_step(model, ids, max_new_tokens: int) -> tuple[torch.Tensor, int]:
+    """transformers' greedy tokens, and the experts its routers chose summed over (layer, position): the
+    distinct experts among the batch's tokens at each position of each sparse layer."""
+    calls = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _, inp, out: calls.append(out[2]))
+             for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    try:
+        with torch.no_grad():
+            tokens = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    chosen = [c.reshape(ids.shape[0], -1, c.shape[-1]) for c in calls]  # [batch, positions, k]
+    return tokens, sum(len(torch.unique(c[:, p])) for c in chosen for p in range(c.shape[1]))
+
+
+@pytest.mark.parametrize("family,k,world,batch,prefill_chunk", [("qwen3_moe", 2, 1, 3, None), ("qwen3_moe", 2, 2, 1, None),
+                                                                ("mixtral", 3, 1, 1, None), ("mixtral", 3, 2, 3, 0)])
+def test_moe_models_generate_what_transformers_generates(family, k, world, batch, prefill_chunk):
+    """Greedy tokens and first logits as transformers', and a weight pass per expert chosen in a
+    layer-step: exactly transformers' distinct choices per (layer, position) when a step runs a position
+    of every sequence (no prefill rows), fewer when prefill rows take several positions in one step."""
     model = moe_model(family, k)
     ids = torch.randint(0, 100, (batch, 5), generator=torch.Generator().manual_seed(1))
+    expected, distinct = distinct_experts_per_layer_step(model, ids, 4)
     with torch.no_grad():
-        expected = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         first = model(ids[:, :1]).logits[:, 0].float()
-    job = functools.partial(_moe_rank, model, ids)
+    job = functools.partial(_moe_rank, model, ids, prefill_chunk)
     results = mk.launch(job, world_size=world, virtual=True, timeout=600) if world > 1 else [job()]
-    for rank, (tokens, logits) in enumerate(results):
+    for rank, (tokens, passes, logits) in enumerate(results):
         assert torch.equal(tokens, expected), f"{family} top-{k}, rank {rank} of {world}, batch {batch}"
         assert_close(logits, first, 1e-4, f"{family} top-{k}, rank {rank} of {world}, batch {batch}")
+        # the grouped tiles: a pass over an expert's weights per layer-step that some row chose it in
+        assert passes == distinct if prefill_chunk == 0 else 0 < passes <= distinct, \
+            f"{passes} weight passes for {distinct} (layer, position, expert) choices"
 
 
 def test_shared_experts_are_refused_by_name():

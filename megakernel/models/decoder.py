@@ -215,7 +215,8 @@ def project(g: Graph, x: Tensor, w: Tensor | Quantized | tuple) -> Tensor:
 
 def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, inv_freq: Tensor, i: int,
                   w: dict[str, Tensor] | None = None, kv: KVCache | None = None, row0: int = 0,
-                  consecutive: bool = False, kv_only: bool = False) -> Tensor | None:
+                  consecutive: bool = False, kv_only: bool = False, expert_passes: Tensor | None = None
+                  ) -> Tensor | None:
     """One pre-norm decoder layer over the residual stream ``x`` [rows, hidden]; returns the new stream.
 
     ``w``: the layer's inputs (``layer_inputs``; made here by default), ``kv``: its paged cache (by
@@ -223,7 +224,8 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     the biases that ``x``'s rows use; ``consecutive``: the rows hold runs of a sequence's consecutive
     positions (a prefill chunk, verification rows: ``chunk_attention``) rather than one position per sequence;
     ``kv_only``: stop after the KV cache append and return None (a prefill chunk's last layer, whose
-    output nothing reads)."""
+    output nothing reads); ``expert_passes``: int64 [experts], where a sparse MLP counts its experts'
+    weight passes (``tasks.moe.grouped_experts``)."""
     hd, q_cols, kv_cols = c.head_dim, s.q.size * c.head_dim, s.kv.size * c.head_dim
     g.require(not consecutive or kv is not None, "decoder_layer: consecutive rows need a paged cache (kv)")
     w = w or layer_inputs(g, c, s, i)
@@ -257,7 +259,7 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     h = g.rms_norm(x, w["post_norm"], c.eps, unit_offset=c.norm_unit_offset)
     if c.moe and c.moe[i]:  # each rank: every expert's span of columns; the partial sums all-reduced
         out = g.moe_mlp(h, w["router"], w["experts.gate_up"], w["experts.down"], c.top_k, c.norm_topk,
-                        c.router_weight_dtype)
+                        c.router_weight_dtype, passes=expert_passes)
         return g.add(x, _row_parallel(g, s, out))
     gate_up = project(g, h, w["gate_up"])
     if c.mlp_bias:
@@ -408,6 +410,8 @@ def _layers(g: Graph, c: DecoderConfig, inputs: StepInputs, rows: BatchRows, x: 
     s, table = inputs.s, inputs.table
     pool_rows = (c.pool_pages + 1) * c.page_size
     chunk = prefill.x if prefill is not None else None
+    # the (layer, expert) weight passes of the batch rows (row 2i) and of the prefill chunk (2i + 1)
+    passes = g.input("expert_passes", (2 * c.layers, c.experts), torch.int64) if any(c.moe) else None
     for i in range(c.layers):
         with g.scope(f"layer{i}"):
             w = layer_inputs(g, c, s, i)
@@ -417,11 +421,13 @@ def _layers(g: Graph, c: DecoderConfig, inputs: StepInputs, rows: BatchRows, x: 
                 with g.scope("prefill"), g.guarded(prefill.pos[0]):
                     chunk = decoder_layer(g, c, s, chunk, prefill.pos, inputs.inv_freq, i, w,
                                           KVCache(k, v, table[c.batch:], c.page_size), row0=c.batch_rows,
-                                          consecutive=True, kv_only=i == c.layers - 1)
+                                          consecutive=True, kv_only=i == c.layers - 1,
+                                          expert_passes=None if passes is None else passes[2 * i + 1])
             with rows.guard():
                 x = decoder_layer(g, c, s, x, rows.pos, inputs.inv_freq, i, w,
                                   KVCache(k, v, table[:c.batch], c.page_size, c.rows_per_sequence),
-                                  consecutive=bool(c.draft_tokens))
+                                  consecutive=bool(c.draft_tokens),
+                                  expert_passes=None if passes is None else passes[2 * i])
     return x
 
 

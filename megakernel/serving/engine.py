@@ -176,6 +176,8 @@ class DecodeModel:
         if config.draft_tokens:  # every row off until it is given an end; the counters from zero
             self.kernel.bind({"end": torch.zeros(config.batch, dtype=torch.int64),
                               "draft_stats": torch.zeros(len(STATS), dtype=torch.int64)})
+        if "expert_passes" in self.graph.inputs:
+            self.kernel.bind({"expert_passes": torch.zeros(2 * config.layers, config.experts, dtype=torch.int64)})
         self._steps_launched = 0
         if config.prefill_chunk:
             self.kernel.bind({"prefill_pos": torch.full((config.prefill_chunk,), -1),
@@ -748,6 +750,14 @@ class DecodeModel:
         if not self.config.draft_tokens:
             return Statistics(self._steps_launched, 0, 0, 0, 0)
         return Statistics(*self.kernel.tensor(self.graph.inputs["draft_stats"]).tolist())
+
+    @property
+    def expert_passes(self) -> int:
+        """The (layer, expert) weight passes this rank's sparse MLPs have run since the model was built: one
+        per expert that some row chose in a layer-step, however many rows chose it (0 for a dense model)."""
+        if "expert_passes" not in self.graph.inputs:
+            return 0
+        return int(self.kernel.tensor(self.graph.inputs["expert_passes"]).sum())
 
     def _require_no_sequences(self, what: str) -> None:
         busy = [s.id for s in self.slots if s is not None]
