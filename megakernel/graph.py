@@ -37,7 +37,7 @@ from .scheduler import NO_GUARD, Region, Spec, Tasks, task_cost
 from .tasks import DTYPES, OPS, TaskType
 from .tasks import (activation, attention, chunk_attention, comm, control, elementwise, embedding, linear, moe, norm,
                     rope, sampling, speculation)
-from .tasks.quantized import Quantized
+from .tasks.formats import Quantized
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The task library: one module per family, each exporting ``TASK_TYPES`` and ``OPS``.
+"""The task library: one module per family, each exporting ``TASK_TYPES`` and ``OPS`` (beside the helpers
+they share, ``HELPERS``).
 
 Every module of this package is imported here, then the modules named in ``MEGAKERNEL_TASK_MODULES``
 (comma-separated, importable: task types of your own, kept outside this package), and their task
@@ -16,11 +17,12 @@ import pkgutil
 from .common import DTYPES, TaskType
 
 EXTRA_MODULES_ENV = "MEGAKERNEL_TASK_MODULES"  # inherited by worker processes, so they see the same library
+HELPERS = {"common", "formats"}  # what the families share (tile helpers; quantized formats): no task types
 
 
 def _modules() -> list[str]:
     own = [f"{__name__}.{m.name}" for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name)
-           if m.name != "common"]
+           if m.name not in HELPERS]
     extra = [name.strip() for name in os.environ.get(EXTRA_MODULES_ENV, "").split(",") if name.strip()]
     return own + extra
 

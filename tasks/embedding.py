@@ -9,6 +9,7 @@ import triton.language as tl
 from ..device import checked_index, heap_ptr, row_position
 from . import quantized
 from .common import TaskType, copy_row, history_row, row_positions, token_row
+from .formats import Quantized
 
 MAX_BLOCK_N = 1024
 
@@ -60,7 +61,7 @@ def embedding(g, tokens, table, pos=None):
     """``table[tokens]``: tokens int64 [B], table [vocab, hidden] -> [B, hidden]; with ``pos`` (one int64
     element, or one per row: ``common.row_positions``), ``table[tokens[b, pos_b]]`` for a history of
     tokens int64 [B, positions]. A ``Quantized`` table's rows are dequantized (``tasks.quantized``)."""
-    if isinstance(table, quantized.Quantized):
+    if isinstance(table, Quantized):
         return quantized.embedding(g, tokens, table, pos)
     g.require(table.ndim == 2, f"embedding: table must be 2-D, got {table.shape}")
     block_n = min(triton.next_power_of_2(table.cols), MAX_BLOCK_N)

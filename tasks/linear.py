@@ -31,6 +31,7 @@ from ..errors import is_count
 from . import quantized
 from .common import (TaskType, block_at, block_count, ceil_div, dot, next_power_of_2, require_float, rounded,
                      row_offsets, store_block, vector_aligned)
+from .formats import Quantized
 from .reduction import sum_slices
 
 DOT_MIN_M = 16
@@ -359,7 +360,7 @@ def linear(g, x, w, split_k: int | None = None, out=None):
     no split; above, K is split when the output alone has fewer blocks than workers. A ``Quantized`` w
     is dequantized in the tiles (``tasks.quantized.linear``).
     """
-    if isinstance(w, quantized.Quantized):
+    if isinstance(w, Quantized):
         return quantized.linear(g, x, w, split_k, out)
     g.require(x.ndim == 2 and w.ndim == 2, f"linear: x {x.shape} and w {w.shape} must both be 2-D")
     require_float(g, "linear", x=x, w=w)

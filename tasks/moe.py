@@ -30,6 +30,7 @@ from . import quantized
 from .common import (TaskType, Tiling, ceil_div, dot, heap_index, load_block, next_power_of_2, require_float, rounded,
                      routed_rows, store_block, vector_aligned)
 from .elementwise import combined, combined_reference
+from .formats import FORMATS_BY_CODE, Quantized
 from .linear import DOT_MIN_M, gemv_blocks, gemv_one_row, plan
 
 
@@ -123,7 +124,7 @@ def expert_rows(g, x, w, experts, count: int):
     has a row per token (every slot reads its token's row) or ``x[b * slots + s]`` when it has a row per
     slot. Returns ``[tokens * slots, n]`` in x's dtype. A ``Quantized`` w is dequantized in the tiles
     (``tasks.quantized.expert_rows``)."""
-    if isinstance(w, quantized.Quantized):
+    if isinstance(w, Quantized):
         return quantized.expert_rows(g, x, w, experts, count)
     tokens, slots = experts.rows, experts.cols
     g.require(experts.ndim == 2 and experts.dtype == torch.int64,
@@ -297,7 +298,7 @@ def _grouped_expert_reference(heap, task) -> None:
             size = getattr(torch, task.W_DTYPE).itemsize
             w = heap.tensor(task.w + row * task.w_stride * size, task.W_DTYPE, task.n, task.k, task.w_stride).float()
         else:
-            w = quantized.unpacked_weight(heap, quantized.FORMATS_BY_CODE[task.FORMAT], task.w, task.w_stride,
+            w = quantized.unpacked_weight(heap, FORMATS_BY_CODE[task.FORMAT], task.w, task.w_stride,
                                           task.scales, task.scales_stride, task.scale_offset, task.n, task.k, row, 0)
         return x @ w.T
 
@@ -319,7 +320,7 @@ def grouped_experts(g, x, w, experts, count: int, act: str = "", after=None, pas
     tokens, slots = experts.rows, experts.cols
     g.require(experts.ndim == 2 and experts.dtype == torch.int64,
               f"grouped_experts: experts must be int64 [tokens, slots], got {experts.shape} {experts.dtype}")
-    is_quantized = isinstance(w, quantized.Quantized)
+    is_quantized = isinstance(w, Quantized)
     require_float(g, "grouped_experts", x=x, **({} if is_quantized else {"w": w}))
     g.require(not is_quantized or w.data.graph is g, "grouped_experts: the quantized weight belongs to another graph")
     g.require(act in ("", "silu_mul", "gelu_tanh_mul"), f"grouped_experts: act must be '', 'silu_mul' or "

@@ -7,7 +7,7 @@ from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen
 
 import megakernel as mk
 from megakernel.serving import from_hf, from_pretrained
-from megakernel.tasks.quantized import FP8_CHANNEL, Q8_0, quantized_input
+from megakernel.tasks.formats import FP8_CHANNEL, Q8_0, quantized_input
 
 from helpers import assert_close, run_checked
 

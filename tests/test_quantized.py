@@ -10,7 +10,7 @@ from helpers import SMOLLM2_NEW_TOKENS, SMOLLM2_PROMPT, run_checked, smollm2_pat
 import megakernel as mk
 from megakernel.backends.torch_loop import WorkerHeap
 from megakernel.heap import HeapView, RankHeap
-from megakernel.tasks.quantized import FORMATS, FP8_BLOCK, FP8_SCALE_BLOCK, Q4_K, Q8_0, dequantize, quantized_input
+from megakernel.tasks.formats import FORMATS, FP8_BLOCK, FP8_SCALE_BLOCK, Q4_K, Q8_0, dequantize, quantized_input
 
 gguf = pytest.importorskip("gguf")
 

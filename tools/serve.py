@@ -132,7 +132,7 @@ class Completion(Sampling):
     logprobs: int | None = Field(None, ge=0)
 
 
-class Part(BaseModel):
+class ContentPart(BaseModel):
     """A part of a message's content: the text ones count, the others (images, audio) are ignored."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -140,22 +140,22 @@ class Part(BaseModel):
     text: str | None = None
 
     @model_validator(mode="after")
-    def _has_text(self) -> "Part":
+    def _has_text(self) -> "ContentPart":
         if self.type == "text" and self.text is None:
             raise ValueError("a part of type text needs its text (a string)")
         return self
 
 
-class Message(BaseModel):
+class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[Part]
+    content: str | list[ContentPart]
 
 
 class Chat(Sampling):
     """``POST /v1/chat/completions``."""
 
-    messages: list[Message] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
@@ -317,7 +317,7 @@ class Run:
 
 
 def _union_branch(loc) -> bool:
-    """A step of a validation error's location that names a branch of a union type ("str", "list[Part]")
+    """A step of a validation error's location that names a branch of a union type ("str", "list[ContentPart]")
     rather than a field or an index."""
     return isinstance(loc, str) and (loc in ("str", "int", "float", "bool", "list", "dict") or "[" in loc
                                      or loc[:1].isupper())

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import GraphError
-from ..tasks.quantized import FP8_BLOCK, FP8_CHANNEL, FP8_SCALE_BLOCK, Format
+from ..tasks.formats import FP8_BLOCK, FP8_CHANNEL, FP8_SCALE_BLOCK, Format
 from .gguf import build_gguf
 from .architectures import architecture_of
 from .hf import CONFIG_ERRORS, CONFIG_SIZES, ModelBuild, auto_classes, build, config_of_file, in_dtype
@@ -90,7 +90,7 @@ def fp8_scheme(config: dict, file: Path) -> tuple[str, Format] | None:
 
 class FP8Weights:
     """A checkpoint's tensors, its float8_e4m3fn weights as ``Packed`` ones with their scales (block scales
-    repeated per row, ``tasks.quantized``); the modules it left unconverted as stored."""
+    repeated per row, ``tasks.formats``); the modules it left unconverted as stored."""
 
     def __init__(self, checkpoint: "Checkpoint", suffix: str, format: Format):
         self.checkpoint, self.suffix, self.format_kept = checkpoint, suffix, format

@@ -1,7 +1,7 @@
 """Llama / Mistral / Qwen3 decoder layers and whole decode steps as megakernel graphs, tensor-parallel.
 
 Per rank: column-parallel fused QKV and gate/up projections (this rank's heads and intermediate
-columns; in a sparse MLP, every expert's span of its columns), row-parallel O and down projections
+columns; in a sparse MLP, every expert's share of its columns), row-parallel O and down projections
 followed by a tile-granular all-reduce, and a
 vocabulary-parallel LM head followed by an all-gather, so every rank ends with the full logits. The
 KV cache, the token history and the position are on the heap: one graph, compiled once, serves every
@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..graph import Graph, Tensor
-from ..tasks.quantized import FORMATS, Format, Quantized, quantized_input, rows_of
+from ..tasks.formats import FORMATS, Format, Quantized, quantized_input, rows_of
 from ..tasks.sampling import PARAMS
 from ..tasks.speculation import STATS
 from .packed import concat
@@ -60,8 +60,8 @@ class DecoderConfig:
     prefill_chunk: int = 0     # prompt tokens a step can prefill besides its batch rows
     max_logprobs: int = ServingConfig.max_logprobs  # the most likely tokens whose log-probabilities a step writes
     # per row (0: none)
-    formats: tuple[tuple[str, str], ...] = ()  # (weight input, format) of the weights kept quantized (tasks.quantized)
-    tied: bool = False         # the LM head is the embedding: read from its rows where a rank's span allows
+    formats: tuple[tuple[str, str], ...] = ()  # (weight input, format) of the weights kept quantized (tasks.formats)
+    tied: bool = False         # the LM head is the embedding: read from its rows where a rank's share allows
     packings: tuple[Packing, ...] = ()  # other ways a state dict may keep the weights (Phi-3's fused projections, ...)
     # tokens drafted per batch row and step, verified in it (tasks.speculation; 0: none)
     draft_tokens: int = ServingConfig.draft_tokens
@@ -102,8 +102,8 @@ class DecoderConfig:
 
 
 @dataclass(frozen=True)
-class Span:
-    """A rank's span of a dimension split among ranks: entries ``start .. start + real`` of the whole,
+class Share:
+    """A rank's share of a dimension split among ranks: entries ``start .. start + real`` of the whole,
     then zeros up to ``size`` entries, so that every rank has the same shapes whatever the division
     leaves (a zero head, intermediate column or vocabulary row adds nothing)."""
 
@@ -112,12 +112,12 @@ class Span:
     size: int
 
     @classmethod
-    def even(cls, total: int, rank: int, world: int) -> "Span":
+    def even(cls, total: int, rank: int, world: int) -> "Share":
         size = -(-total // world)
         return cls(rank * size, max(0, min(size, total - rank * size)), size)
 
     def take(self, weight: torch.Tensor, unit: int = 1, dim: int = 0) -> torch.Tensor:
-        """This span of ``weight`` along ``dim``, in entries of ``unit`` rows or columns (``weight`` a tensor
+        """This share of ``weight`` along ``dim``, in entries of ``unit`` rows or columns (``weight`` a tensor
         or anything with ``narrow``, ``shape``, ``new_zeros`` and ``contiguous``: a checkpoint's lazy slice, a
         ``Packed`` quantized weight)."""
         part = weight.narrow(dim, self.start * unit if self.real else 0, self.real * unit).contiguous()
@@ -141,11 +141,11 @@ class Shard:
 
     rank: int
     world: int
-    q: Span       # query heads
-    kv: Span      # KV heads
-    mlp: Span     # intermediate columns
-    lm: Span      # vocabulary rows
-    moe: Span     # each expert's intermediate columns
+    q: Share       # query heads
+    kv: Share      # KV heads
+    mlp: Share     # intermediate columns
+    lm: Share      # vocabulary rows
+    moe: Share     # each expert's intermediate columns
 
     @classmethod
     def of(cls, c: DecoderConfig, rank: int, world: int) -> "Shard":
@@ -154,13 +154,13 @@ class Shard:
             sharing = world // c.kv_heads
             kv_head, part = divmod(rank, sharing)
             per_rank = -(-group // sharing)
-            kv = Span(kv_head, 1, 1)
-            q = Span(kv_head * group + part * per_rank, max(0, min(per_rank, group - part * per_rank)), per_rank)
+            kv = Share(kv_head, 1, 1)
+            q = Share(kv_head * group + part * per_rank, max(0, min(per_rank, group - part * per_rank)), per_rank)
         else:
-            kv = Span.even(c.kv_heads, rank, world)
-            q = Span(kv.start * group, kv.real * group, kv.size * group)
-        return cls(rank, world, q, kv, Span.even(c.intermediate, rank, world), Span.even(c.vocab, rank, world),
-                   Span.even(c.moe_intermediate, rank, world))
+            kv = Share.even(c.kv_heads, rank, world)
+            q = Share(kv.start * group, kv.real * group, kv.size * group)
+        return cls(rank, world, q, kv, Share.even(c.intermediate, rank, world), Share.even(c.vocab, rank, world),
+                   Share.even(c.moe_intermediate, rank, world))
 
 
 @dataclass(frozen=True)
@@ -257,7 +257,7 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     out = _row_parallel(g, s, g.linear(attn, w["o"]))
     x = g.add(x, g.add(out, bias("o_bias")) if c.o_bias else out)  # a row-parallel bias: once, after
     h = g.rms_norm(x, w["post_norm"], c.eps, unit_offset=c.norm_unit_offset)
-    if c.moe and c.moe[i]:  # each rank: every expert's span of columns; the partial sums all-reduced
+    if c.moe and c.moe[i]:  # each rank: every expert's share of columns; the partial sums all-reduced
         out = g.moe_mlp(h, w["router"], w["experts.gate_up"], w["experts.down"], c.top_k, c.norm_topk,
                         c.router_weight_dtype, passes=expert_passes)
         return g.add(x, _row_parallel(g, s, out))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import GraphError
-from ..tasks.quantized import FP8_SCALE_BLOCK, Format
+from ..tasks.formats import FP8_SCALE_BLOCK, Format
 
 
 def materialized(part: Any) -> torch.Tensor:

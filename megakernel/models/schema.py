@@ -20,11 +20,11 @@ import torch
 
 from ..errors import GraphError
 from ..tasks.common import ceil_div
-from ..tasks.quantized import FP8_SCALE_BLOCK
+from ..tasks.formats import FP8_SCALE_BLOCK
 from .packed import Packed, concat
 
 if TYPE_CHECKING:
-    from ..tasks.quantized import Format
+    from ..tasks.formats import Format
     from .decoder import DecoderConfig, Shard
 
 
@@ -148,7 +148,7 @@ class Weight:
     per_row: bool = False     # a bias: [rows, n], the same row for every step row (a step adds it row by row)
     per_expert: bool = False  # ``parts`` for each expert in turn: [experts * rows of the parts, ...]
     packable: bool = False    # a matrix a checkpoint may keep quantized (``DecoderConfig.formats``): the graph
-                              # input is then its packed bytes, and scales (``tasks.quantized``)
+                              # input is then its packed bytes, and scales (``tasks.formats``)
 
     def shape(self, c: DecoderConfig, s: Shard) -> tuple[int, ...]:
         """Its shape on rank ``s``: the same on every rank (shares are zero-padded)."""
