@@ -19,6 +19,8 @@
    worker, and the same tasks spread over 2 workers (each wait then crosses processes): launch time per
    task, over 100 steps in one launch.
 3. Where a decode step's time goes: the trace of one step (time per op, workers' busy share).
+4. Cores shared: transformers and the megakernel (2 workers) alone and beside one busy-loop process, and
+   each one's slowdown (issue 58's target: at most 2x).
 """
 from __future__ import annotations
 
@@ -65,6 +67,20 @@ def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     return x.numel() * 4 / best
 
 
+def gemv_bandwidth(megabytes: int = 128, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Bytes of weights per second torch's own matrix-vector product streams here now (a [rows, 1024]
+    weight of ``megabytes`` times a vector, ``dtype``, best of ``repeats``): the fastest exact path a
+    step's linears have on this backend."""
+    w = torch.randn(megabytes * 2**20 // (1024 * dtype.itemsize), 1024).to(dtype)
+    x = torch.randn(1024).to(dtype)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mv(w, x)
+        best = min(best, time.perf_counter() - start)
+    return w.numel() * dtype.itemsize / best
+
+
 def parameter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())  # a tied head once
 
@@ -102,19 +118,24 @@ def decode_speed(model, path: str, prompt: torch.Tensor, tokens: int, repeats: i
             decoder.generate(prompt, tokens)
             best[name] = min(best[name], time.perf_counter() - start)
     bandwidth = read_bandwidth()
+    gemv = {torch.float32: gemv_bandwidth(), torch.bfloat16: gemv_bandwidth(dtype=torch.bfloat16)}
     print(f"SmolLM2-135M, batch 1, one rank, a {prompt.shape[1]}-token chat prompt + {tokens} new tokens, best of "
           f"{repeats}; torch threads per worker: cores / workers; reading memory here: {bandwidth / 1e9:.1f} GB/s "
-          f"(a {256} MB sum). The floor of a step: its weights' bytes at that rate; a step per new token (the "
-          "prompt's in the first) but with prefill_chunk=0 (a step per prompt token too)")
-    print("| engine | tasks/step | s | new tokens/s | wall vs transformers | MB/step | floor fraction | tokens "
-          "= transformers' |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          f"(a {256} MB sum), torch's GEMV streaming {gemv[torch.float32] / 1e9:.1f} GB/s of float32 weights and "
+          f"{gemv[torch.bfloat16] / 1e9:.1f} of bfloat16 (a 128 MB weight, {torch.get_num_threads()} threads). The "
+          "floor of a step: its weights' bytes at the read rate; the GEMV floor: at torch's GEMV rate (the fastest "
+          "exact path here); a step per new token (the prompt's in the first) but with prefill_chunk=0 (a step per "
+          "prompt token too)")
+    print("| engine | tasks/step | s | new tokens/s | wall vs transformers | MB/step | floor fraction | GEMV floor "
+          "fraction | tokens = transformers' |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     reference = best["transformers float32"]
 
     def row(name: str, tasks: str, seconds: float, step_bytes: int, steps: int, same: str) -> None:
         fraction = step_bytes / bandwidth / (seconds / steps)
+        rate = gemv[torch.bfloat16 if "bfloat16" in name else torch.float32]
         print(f"| {name} | {tasks} | {seconds:.3f} | {tokens / seconds:.1f} | {seconds / reference:.2f} | "
-              f"{step_bytes / 1e6:.0f} | {fraction:.0%} | {same} |")
+              f"{step_bytes / 1e6:.0f} | {fraction:.0%} | {step_bytes / rate / (seconds / steps):.0%} | {same} |")
     for name, m in references.items():
         row(f"{name} eager generate", "–", best[name], parameter_bytes(m), tokens, "–")
     for name, (decoder, _) in decoders.items():
@@ -126,6 +147,43 @@ def decode_speed(model, path: str, prompt: torch.Tensor, tokens: int, repeats: i
     print("\none decode step traced (2 workers):\n" + "\n".join(traced.kernel.trace.summary(top=3).splitlines()[:16]))
     for decoder in [*(d for d, _ in decoders.values()), traced]:
         decoder.close()
+
+
+def shared_cores(model, prompt: torch.Tensor, tokens: int, repeats: int) -> None:
+    """The same generation alone and with one CPU-bound process beside it (a Python busy loop, as another
+    user's job on the machine would be): transformers' and the megakernel's (2 workers), best of
+    ``repeats`` each, and each one's slowdown."""
+    import subprocess
+    import sys
+    decoder = from_hf(model, max_seq_len=prompt.shape[1] + tokens, backend="torch", workers=2)
+    engines = {"transformers float32": lambda: model.generate(prompt, max_new_tokens=tokens, do_sample=False,
+                                                              pad_token_id=0),
+               "megakernel torch, float32, 2 workers": lambda: decoder.generate(prompt, tokens)}
+    times: dict[tuple[str, bool], float] = {}
+    try:
+        for busy in (False, True, False):  # alone before and after: the better of the two
+            loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+            try:
+                time.sleep(0.5 if busy else 0)
+                for name, generate in engines.items():
+                    for _ in range(repeats):
+                        start = time.perf_counter()
+                        with torch.no_grad():
+                            generate()
+                        seconds = time.perf_counter() - start
+                        times[name, busy] = min(times.get((name, busy), float("inf")), seconds)
+            finally:
+                if loop is not None:
+                    loop.kill()
+                    loop.wait()
+    finally:
+        decoder.close()
+    print(f"\ncores shared: the same {tokens} tokens alone and beside one busy-loop process ({os.cpu_count()} cores)")
+    print("| engine | alone, s | beside a busy loop, s | slowdown |")
+    print("| --- | ---: | ---: | ---: |")
+    for name in engines:
+        alone, shared = times[name, False], times[name, True]
+        print(f"| {name} | {alone:.3f} | {shared:.3f} | {shared / alone:.2f}x |")
 
 
 def task_overhead(tasks: int = 200, steps: int = 100) -> None:
@@ -154,6 +212,7 @@ def main() -> None:
     model, path, prompt = smollm2()
     print(f"model: {os.path.basename(path)}")
     decode_speed(model, path, prompt, args.tokens, args.repeats)
+    shared_cores(model, prompt, args.tokens, args.repeats)
     task_overhead()
 
 

@@ -97,6 +97,24 @@ def test_what_a_release_add_follows_is_seen_after_an_acquire():
         _finish(processes, timeout=60)
 
 
+def test_a_worker_preempted_twice_in_a_short_while_polls_briefly(monkeypatch):
+    """Cores shared with another program, which no count of cores tells: two involuntary context switches
+    within SHARED_S make a worker's waits poll SHORT_SPIN_S and nap at most SHARED_NAP_S for SHARED_S; a
+    single one (a passing kernel thread) does not. (The speed it buys: bench/torch_backend.py.)"""
+    from types import SimpleNamespace
+    from megakernel.backends import torch_loop
+    switches = iter([0, 1, 2, 2, 2])
+    monkeypatch.setattr(torch_loop.resource, "getrusage", lambda _: SimpleNamespace(ru_nivcsw=next(switches)))
+    waits = torch_loop.Waits(np.zeros(4, np.int64), 0, 0, 1, np.zeros(8, np.int64), 10**9, torch_loop.SPIN_S, {})
+    alone, shared = (torch_loop.SPIN_S, torch_loop.MAX_NAP_S), (torch_loop.SHORT_SPIN_S, torch_loop.SHARED_NAP_S)
+    window = torch_loop.SHARED_S
+    assert waits._spin(10.0) == alone                     # never preempted
+    assert waits._spin(11.0) == alone                     # preempted once
+    assert waits._spin(11.0 + window / 2) == shared       # again, soon after
+    assert waits._spin(11.0 + window) == shared           # for a while
+    assert waits._spin(11.0 + 2 * window) == alone        # then not
+
+
 def test_every_task_type_gives_what_the_reference_executor_gives():
     """The loop runs each task type's reference: with the tables and heap the kernel ran, the executor's
     outputs are the kernel's, bit for bit."""

@@ -14,10 +14,14 @@ interpreter stays the proof of the Triton tiles.
 A wait polls with plain loads for a while, then yields, then sleeps (up to MAX_NAP_S): a waiting worker
 leaves the cores to the working ones. It polls long (SPIN_S) when the job's workers have a core each,
 briefly (SHORT_SPIN_S) when they share cores: there a spinning worker takes the core of the one it waits for.
+The same holds when another program shares the cores, which no count of them tells: a worker that the
+kernel preempts (involuntary context switches: something else wants its core), twice within SHARED_S,
+polls briefly too for a while. A wait asks only once a brief poll found nothing (most waits end before).
 """
 from __future__ import annotations
 
 import os
+import resource
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -42,6 +46,11 @@ SPIN_S = 1e-3       # a wait polls this long before it first yields its core, wh
 SHORT_SPIN_S = 20e-6  # ... when workers share cores
 DERIVED_SHARE = 4  # a quarter of the machine's memory, over the job's workers, holds what tiles derive
 MAX_NAP_S = 1e-3    # the longest sleep between two polls
+# Preempted twice within SHARED_S, a worker counts its cores as shared for SHARED_S more: it polls SHORT_SPIN_S
+# and naps at most SHARED_NAP_S. (Beside a busy loop on 2 cores a step then takes ~2.8x its time alone, not
+# ~9.6x; alone, the host's work between launches costs ~3% through it: bench/torch_backend.py.)
+SHARED_S = 0.02
+SHARED_NAP_S = 100e-6
 
 
 class TorchBackend(CpuBackend):
@@ -251,7 +260,7 @@ def _tables_bytes(words: np.ndarray, args: dict[str, int], specs: list[Spec]) ->
     return words[args["tasks_off"] // 8:args["trace_off"] // 8].tobytes() + repr(specs).encode()
 
 
-@dataclass(frozen=True)
+@dataclass
 class Waits:
     """How a worker waits on its rank's event counters (``words``, at word ``events``)."""
 
@@ -263,6 +272,9 @@ class Waits:
     timeout_ns: int
     spin_s: float        # how long a wait polls before it first yields
     addresses: dict[int, np.ndarray]  # each event counter's address, as ``atomics`` takes it (``_Addresses``)
+    preempted: int = 0   # this process's involuntary context switches when a wait last polled
+    preempted_at: float = float("-inf")  # when a wait last found it preempted
+    shared_until: float = 0.0  # till when the cores count as shared (``_spin``)
 
     def wait(self, event: int, target: int, task: int) -> bool:
         """Wait until ``event`` counts ``target`` (no wait for event -1 or a target of 0), the rank is
@@ -272,18 +284,33 @@ class Waits:
             return True
         words, at = self.words, self.events + event
         if words[at] < target:
-            start = time.monotonic_ns()
-            spin_until, nap = time.perf_counter() + self.spin_s, 0.0
+            start, polled = time.monotonic_ns(), time.perf_counter()
+            spin_until, nap, longest = polled + SHORT_SPIN_S, 0.0, None
             while words[at] < target:
                 if time.perf_counter() < spin_until:
+                    continue
+                if longest is None:  # a short poll found nothing: how much longer (most waits end before)
+                    spin, longest = self._spin(time.perf_counter())
+                    spin_until = polled + spin
                     continue
                 if words[self.abort] != 0 or time.monotonic_ns() - start > self.timeout_ns:
                     self._report_stall(task, event, target)
                     return False
                 time.sleep(nap)  # 0: a yield
-                nap = min(MAX_NAP_S, max(nap * 2, 20e-6)) if nap else 1e-6
+                nap = min(longest, max(nap * 2, 20e-6)) if nap else 1e-6
         atomics.load_acquire(self.addresses[event])  # the producers' stores are visible from here
         return True
+
+    def _spin(self, now: float) -> tuple[float, float]:
+        """How long this wait polls before it yields, and its longest nap: ``spin_s`` and MAX_NAP_S, or
+        SHORT_SPIN_S and SHARED_NAP_S while the cores count as shared (the process preempted twice within
+        SHARED_S, by something, ours or not, that wants its core)."""
+        switches = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+        if switches != self.preempted:  # preempted twice within SHARED_S: not a passing kernel thread
+            if now - self.preempted_at < SHARED_S:
+                self.shared_until = now + SHARED_S
+            self.preempted, self.preempted_at = switches, now
+        return (SHORT_SPIN_S, SHARED_NAP_S) if now < self.shared_until else (self.spin_s, MAX_NAP_S)
 
     def _report_stall(self, task: int, event: int, target: int) -> None:
         words, status = self.words, self.status
