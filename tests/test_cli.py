@@ -20,9 +20,17 @@ def megakernel(*args, timeout=300):
     return result.stdout
 
 
+def test_demo_answers_with_smollm2_as_transformers_does():
+    out = megakernel("demo", "--tokens", "8")
+    assert "the megakernel on the torch backend" in out and "question: Name three colours" in out
+    assert "tokens identical to transformers'" in out and "FAILED" not in out
+    ours, theirs = (line.split(": ", 1)[1] for line in out.splitlines() if line.startswith(("megakernel ", "transformers ")))
+    assert ours == theirs and len(ours) > 4
+
+
 @pytest.mark.parametrize("backend", [pytest.param("cpu", marks=pytest.mark.slow), "torch"])
 def test_demo_generates_what_transformers_generates(tmp_path, backend):
-    out = megakernel("demo", "--tokens", "2", "--out", str(tmp_path), "--backend", backend)
+    out = megakernel("demo", "--tensor-parallel", "--tokens", "2", "--out", str(tmp_path), "--backend", backend)
     assert f"({backend} backend)" in out
     assert "tokens identical to transformers on every rank" in out and "7 steps" in out and "in 1 launch per rank" in out
     from megakernel.trace import Trace

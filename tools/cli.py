@@ -16,7 +16,7 @@ from ..occupancy import LIMITS, programs_per_unit
 from ..reference import execute
 from ..scheduler import disassemble
 from ..trace import Trace
-from .demo import main as demo
+from .demo import QUESTION, main as demo
 from .dot import RenderError, TooManyNodes, render, select, task_dag, to_dot
 from .examples import across_nodes, every_task_type
 from .plot import plot_timeline
@@ -126,14 +126,22 @@ def main(argv: list[str] | None = None) -> int:
                         "nodes (tools.examples.across_nodes) linked with NVSHMEM's device library (pip install "
                         "nvidia-nvshmem-cu12; NVIDIA targets)")
     p.set_defaults(run=_aot)
-    p = sub.add_parser("demo", help="the main job: tensor-parallel greedy decoding of a random Llama on the cpu "
-                                    "backend, checked against transformers")
-    p.add_argument("--ranks", type=_count, default=2)
-    p.add_argument("--workers", type=_count, default=1, help="workers per rank")
-    p.add_argument("--tokens", type=_count, default=12, help="tokens to generate")
-    p.add_argument("--backend", choices=["cpu", "torch"], default="cpu",
-                   help="cpu: the Triton tiles under the interpreter; torch: each tile as torch code (fast)")
-    p.add_argument("--out", default="megakernel-demo", help="folder for the trace and the kernel image")
+    p = sub.add_parser("demo", help="the main job: SmolLM2 answering a question through the megakernel beside "
+                                    "transformers (torch backend); --tensor-parallel: a random Llama over ranks on the "
+                                    "cpu backend (the Triton tiles under the interpreter)")
+    p.add_argument("--question", default=QUESTION, help="what SmolLM2 is asked")
+    p.add_argument("--tensor-parallel", action="store_true",
+                   help="a random Llama, tensor-parallel over --ranks ranks, its trace and kernel image in --out")
+    p.add_argument("--ranks", type=_count, default=2, help="with --tensor-parallel: ranks")
+    p.add_argument("--workers", type=_count, default=None,
+                   help="workers per rank (default: the backend's; 1 with --tensor-parallel)")
+    p.add_argument("--tokens", type=_count, default=None,
+                   help="tokens to generate (default: 32 for SmolLM2, 12 with --tensor-parallel)")
+    p.add_argument("--backend", choices=["cpu", "torch"], default=None,
+                   help="cpu: the Triton tiles under the interpreter; torch: each tile as torch code (fast). Default: "
+                        "torch for SmolLM2, cpu with --tensor-parallel")
+    p.add_argument("--out", default="megakernel-demo", help="with --tensor-parallel: folder for the trace and the "
+                                                            "kernel image")
     p.set_defaults(run=demo)
     _add_serve_command(sub)
     _add_trace_commands(sub)
