@@ -155,6 +155,39 @@ def moe_grouping(c: DecoderConfig, batches=(1, 8, 64), samples: int = 48) -> Non
               f"a pass per row ({ungrouped / grouped:.2f}x)")
 
 
+def expert_parallel_traffic(c: DecoderConfig, worlds=(2, 4, 8), batches=(1, 8, 64), samples: int = 48) -> None:
+    """Under expert parallelism, per rank and sparse layer-step: the expert weight bytes it reads (a pass
+    per expert of its own chosen) and the bytes it sends (``tasks.moe.combine``: a token's row to each
+    other rank where the token chose one of its experts), against tensor parallelism's (every expert's
+    share of columns read per distinct expert chosen; the all-reduce of the whole [batch, hidden] part),
+    for routers that pick uniformly at random (``samples`` layer-steps, seeded)."""
+    from megakernel.tasks.comm import ONE_SHOT_MAX_BYTES
+    from megakernel.tasks.moe import Held
+
+    size, generator = c.dtype.itemsize, torch.Generator().manual_seed(1)
+    per_expert = 3 * c.moe_intermediate * c.hidden * size
+    print(f"  expert parallelism, per rank and sparse layer-step, uniform random routing ({samples} samples):")
+    for world in worlds:
+        held = [Held.balanced(c.experts, r, world) for r in range(world)]
+        for batch in batches:
+            read = busiest = sent = 0.0
+            for _ in range(samples):
+                chosen = torch.stack([torch.randperm(c.experts, generator=generator)[:c.top_k] for _ in range(batch)])
+                reads = []
+                for h in held:
+                    mine = (chosen >= h.first) & (chosen < h.first + h.count)
+                    reads.append(len(torch.unique(chosen[mine])) * per_expert)
+                    sent += int(mine.any(dim=1).sum()) * c.hidden * size * (world - 1)
+                read, busiest = read + sum(reads), busiest + max(reads)
+            read, busiest, sent = read / (samples * world), busiest / samples, sent / (samples * world)
+            whole = batch * c.hidden * size
+            all_reduce = (world - 1) * whole if whole <= ONE_SHOT_MAX_BYTES else 2 * (world - 1) * whole / world
+            # tensor parallelism reads 1/world of every distinct expert chosen: the ranks' mean under EP
+            print(f"    EP {world}, batch {batch:>2}: expert bytes read {read / 2**20:6.1f} MiB a rank on average "
+                  f"(= TP's), {busiest / 2**20:6.1f} MiB on the busiest rank; sent {sent / 2**10:7.1f} KiB a rank "
+                  f"(TP's all-reduce {all_reduce / 2**10:7.1f} KiB)")
+
+
 def moe_fraction() -> None:
     small = DecoderConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=96, layers=2, vocab=100,
                           eps=1e-6, qk_norm=True, max_seq_len=16, moe=(True, True), experts=8, top_k=2,
@@ -166,6 +199,7 @@ def moe_fraction() -> None:
         print(f"  {name}: {active / 2**20:,.1f} MiB of {dense / 2**20:,.1f} MiB dense-equivalent "
               f"({active / dense:.1%} active)")
     moe_grouping(QWEN3_30B_A3B)
+    expert_parallel_traffic(QWEN3_30B_A3B)
 
 
 LLAMA31_8B = DecoderConfig(**{**LLAMA3_8B.__dict__, "layers": 32})

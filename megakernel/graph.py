@@ -371,25 +371,36 @@ class Graph:
         return self._op(moe.expert_rows, x, w, experts, count)
 
     def grouped_experts(self, x: Tensor, w: Tensor | Quantized, experts: Tensor, count: int, act: str = "",
-                        after: Tensor | None = None, passes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                        after: Tensor | None = None, passes: Tensor | None = None,
+                        expert_parallel: bool = False) -> tuple[Tensor, Tensor]:
         """``expert_rows`` with the rows grouped by expert: each chosen expert's rows of ``w`` read once for
         all the rows that chose it; ``act`` a gated activation over gate rows then up rows. Returns ``(y,
         marker)``: the marker is what a reader of y names as ``after`` (the rows written depend on the
-        router). ``passes`` (int64 [count]) counts the weight passes."""
-        return self._op(moe.grouped_experts, x, w, experts, count, act, after, passes)
+        router). ``passes`` (int64 [count]) counts the weight passes; ``expert_parallel``: only this rank's
+        experts, which w stacks (``moe.Held.balanced``)."""
+        return self._op(moe.grouped_experts, x, w, experts, count, act, after, passes, expert_parallel)
 
-    def moe_sum(self, y: Tensor, weights: Tensor, after: Tensor | None = None) -> Tensor:
+    def moe_sum(self, y: Tensor, weights: Tensor, after: Tensor | None = None, experts: Tensor | None = None,
+                count: int | None = None) -> Tensor:
         """Per token, its slots' rows of ``y`` [tokens * slots, n] summed with ``weights`` [tokens, slots];
-        ``after``: the marker of the ``grouped_experts`` that wrote y."""
-        return self._op(moe.moe_sum, y, weights, after)
+        ``after``: the marker of the ``grouped_experts`` that wrote y; ``experts`` (the router's, of
+        ``count``): only the slots of this rank's experts under expert parallelism."""
+        return self._op(moe.moe_sum, y, weights, after, experts, count)
+
+    def combine(self, part: Tensor, experts: Tensor, count: int) -> Tensor:
+        """The sum over the ranks of each rank's part of a sparse MLP under expert parallelism, on every
+        rank: a token's row travels only from the ranks holding one of its ``experts`` (the router's)."""
+        return self._op(moe.combine, part, experts, count)
 
     def moe_mlp(self, x: Tensor, router: Tensor | Quantized, gate_up: Tensor | Quantized, down: Tensor | Quantized,
                 k: int, normalize: bool, weight_dtype: torch.dtype, act: str = "silu_mul",
-                passes: Tensor | None = None) -> Tensor:
+                passes: Tensor | None = None, expert_parallel: bool = False) -> Tensor:
         """A sparse MLP: ``route``, each token's ``k`` experts' gated MLP (``act``), the rows that chose an
         expert sharing one pass over its weights (``tasks.moe.grouped_experts``; ``passes`` counts them),
-        and ``moe_sum`` of their outputs, [tokens, hidden]."""
-        return self._op(moe.moe_mlp, x, router, gate_up, down, k, normalize, weight_dtype, act, passes)
+        and ``moe_sum`` of their outputs, [tokens, hidden]. ``expert_parallel``: this rank's experts whole
+        (``moe.Held.balanced``), the parts combined over the ranks."""
+        return self._op(moe.moe_mlp, x, router, gate_up, down, k, normalize, weight_dtype, act, passes,
+                        expert_parallel)
 
     # tasks/comm.py
     def put(self, x: Tensor, to_rank: int, into: Tensor) -> Tensor:

@@ -17,14 +17,22 @@ experts chosen reads no weight. Which rows a tile writes depends on the router, 
 is a marker of its own (``served``: an int64 per tile, the weight passes it has run) and the readers of
 the grouped output read every marker of the op: the fan-ins stay static, the writes are disjoint by
 construction (a row chose one expert per slot) and a next step's writers wait for this step's readers.
+
+Under expert parallelism (``expert_parallel``) each rank holds its experts whole (``Held.balanced``) and
+every token's row (attention's all-reduce leaves them on every rank): its grouped tiles serve its own
+experts, its ``moe_sum`` adds their slots, and ``combine`` sums the ranks' parts with ``routed_put``
+tiles, which send a token's row only from the ranks holding one of its experts, and ``routed_sum``
+tiles, which add per token the rows of the ranks it chose, in rank order.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ..device import checked_index, heap_ptr
+from ..device import checked_index, heap_ptr, peer_ptr
 from ..errors import is_count
 from . import quantized
 from .common import (TaskType, Tiling, ceil_div, dot, heap_index, load_block, next_power_of_2, require_float, rounded,
@@ -32,6 +40,42 @@ from .common import (TaskType, Tiling, ceil_div, dot, heap_index, load_block, ne
 from .elementwise import combined, combined_reference
 from .formats import FORMATS_BY_CODE, Quantized
 from .linear import DOT_MIN_M, gemv_blocks, gemv_one_row, plan
+
+
+@dataclass(frozen=True)
+class Held:
+    """The experts a rank serves: the router's ids ``first .. first + count``, stacked in its expert weights
+    in that order, then zero experts up to ``stacked`` (under expert parallelism every rank's weights have
+    one shape; no router picks a zero expert: it serves no id)."""
+
+    first: int
+    count: int
+    stacked: int
+
+    @classmethod
+    def every(cls, experts: int) -> "Held":
+        """All of them: a rank of tensor parallelism (each expert's share of columns) or a world of one."""
+        return cls(0, experts, experts)
+
+    @classmethod
+    def balanced(cls, experts: int, rank: int, world: int) -> "Held":
+        """Rank ``rank``'s experts under expert parallelism: consecutive ids, the ranks' counts differing by
+        at most one (``expert_ranks``)."""
+        first = rank * experts // world
+        return cls(first, (rank + 1) * experts // world - first, -(-experts // world))
+
+
+def expert_ranks(experts: int, world: int) -> tuple[int, ...]:
+    """The rank that holds each expert under expert parallelism (``Held.balanced``)."""
+    return tuple(((e + 1) * world - 1) // experts for e in range(experts))
+
+
+def _held(g, op: str, count: int, expert_parallel: bool) -> Held:
+    """The experts of ``count`` this rank serves in ``op``: all of them, or its own under expert parallelism."""
+    g.require(isinstance(expert_parallel, bool), f"{op}: expert_parallel must be True or False, got {expert_parallel!r}")
+    g.require(is_count(count) and (not expert_parallel or g.world_size <= count),
+              f"{op}: {count!r} experts cannot be held whole by {g.world_size} ranks (at most one rank per expert)")
+    return Held.balanced(count, g.rank, g.world_size) if expert_parallel else Held.every(count)
 
 
 @triton.jit
@@ -169,10 +213,11 @@ FLOAT_FORMAT = tl.constexpr(0)  # the FORMAT of weights stored as floats (quanti
 
 
 @triton.jit
-def _group_expert(base, experts, routed, j, count, BINS: tl.constexpr, CHUNK: tl.constexpr):
-    """(expert, rows): the ``j``-th smallest expert that some of the ``routed`` rows of the router's table
-    chose, and how many rows chose it; rows 0 when fewer than j + 1 experts were chosen. ``BINS > count``:
-    the last bin takes the padding (and an index outside [0, count), which no expert then serves)."""
+def _group_expert(base, experts, routed, j, count, first, held, BINS: tl.constexpr, CHUNK: tl.constexpr):
+    """(expert, rows): the ``j``-th smallest of the experts ``first .. first + held`` that some of the
+    ``routed`` rows of the router's table chose, and how many rows chose it; rows 0 when fewer than j + 1
+    of them were chosen. ``BINS > count``: the last bin takes the padding (and an index outside [0, count),
+    which no expert then serves)."""
     r = tl.arange(0, CHUNK)
     rows = tl.zeros((BINS,), tl.int32)
     for r0 in range(0, routed, CHUNK):
@@ -180,7 +225,7 @@ def _group_expert(base, experts, routed, j, count, BINS: tl.constexpr, CHUNK: tl
         ids = tl.where((ids >= 0) & (ids < count), ids, BINS - 1).to(tl.int32)
         rows += tl.histogram(ids, BINS)
     e = tl.arange(0, BINS)
-    chosen = (rows > 0) & (e < count)
+    chosen = (rows > 0) & (e >= first) & (e < first + held)
     this = chosen & (tl.cumsum(chosen.to(tl.int32), axis=0) - 1 == j)
     return tl.sum(tl.where(this, e, 0), axis=0), tl.sum(tl.where(this, rows, 0), axis=0)
 
@@ -247,6 +292,7 @@ def grouped_expert_tile(base,
                         served,            # heap offset of this tile's int64 marker: the weight passes it ran
                         j,                 # the tile serves the j-th smallest expert chosen
                         routed, count,     # rows of the table (tokens * slots); the number of experts
+                        first, held,       # the experts this rank serves: ids first .. first + held (``Held``)
                         x_per,             # routed rows per row of x: 1 (a row per slot) or slots (per token)
                         row0, n, k,        # the tile: columns row0 .. row0 + n of y, K = k
                         expert_rows,       # rows of w per expert
@@ -255,13 +301,14 @@ def grouped_expert_tile(base,
                         X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, FORMAT: tl.constexpr,
                         ACT: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, ALIGNED: tl.constexpr):
-    """For the j-th expert ``e`` chosen and each routed row ``r`` that chose it: ``y[r, row0:row0 + n] =
-    x[r // x_per] @ W_e[row0:row0 + n].T``, or with ACT (a gated activation, ``elementwise.combined``)
-    ``ACT(x @ W_e[row0 + rows].T, x @ W_e[second + row0 + rows].T)``; W_e expert e's rows of the stacked
-    weight (float, or dequantized: FORMAT). BLOCK_M rows of x at a time, each block of W_e loaded once per
-    BLOCK_M rows; none when no row chose a j-th expert. ``*served`` += 1 when the tile ran a pass."""
+    """For the j-th expert ``e`` chosen of those served and each routed row ``r`` that chose it: ``y[r,
+    row0:row0 + n] = x[r // x_per] @ W_e[row0:row0 + n].T``, or with ACT (a gated activation,
+    ``elementwise.combined``) ``ACT(x @ W_e[row0 + rows].T, x @ W_e[second + row0 + rows].T)``; W_e expert
+    e's rows of the stacked weight (the ``e - first``-th expert stacked; float, or dequantized: FORMAT).
+    BLOCK_M rows of x at a time, each block of W_e loaded once per BLOCK_M rows; none when no row chose a
+    j-th expert. ``*served`` += 1 when the tile ran a pass."""
     routed, x_per = routed.to(tl.int32), x_per.to(tl.int32)  # int32 row indices: no 64-bit division
-    expert, chosen = _group_expert(base, experts, routed, j, count, BINS, CHUNK)
+    expert, chosen = _group_expert(base, experts, routed, j, count, first, held, BINS, CHUNK)
     marker = heap_ptr(base, served, tl.int64)
     tl.store(marker, tl.load(marker) + (chosen > 0).to(tl.int64))
     n = n.to(tl.int32)
@@ -270,7 +317,7 @@ def grouped_expert_tile(base,
         rows = _rows_of(base, experts, routed, expert, m0, BLOCK_M, CHUNK)
         m = tl.minimum(chosen - m0, BLOCK_M)
         for r0 in range(0, n, BLOCK_N):
-            w_rows = expert * expert_rows + row0 + tl.minimum(r0 + tl.arange(0, BLOCK_N)[:, None], n - 1)
+            w_rows = (expert - first) * expert_rows + row0 + tl.minimum(r0 + tl.arange(0, BLOCK_N)[:, None], n - 1)
             acc = _expert_product(base, x, w, scales, rows // x_per, m, w_rows, k, x_stride, w_stride, scales_stride,
                                   scale_offset, X_DTYPE, W_DTYPE, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, ALIGNED)
             if ACT != "":  # the up rows after the gate rows: one weight block live at a time (no spills)
@@ -283,7 +330,7 @@ def grouped_expert_tile(base,
 
 def _grouped_expert_reference(heap, task) -> None:
     ids = heap.tensor(task.experts, torch.int64, 1, task.routed, task.routed)[0]
-    chosen = torch.unique(ids[(ids >= 0) & (ids < task.count)])  # sorted
+    chosen = torch.unique(ids[(ids >= task.first) & (ids < task.first + task.held)])  # sorted
     served = heap.tensor(task.served, torch.int64, 1, 1, 1)
     served += int(task.j < len(chosen))
     if task.j >= len(chosen):
@@ -292,8 +339,8 @@ def _grouped_expert_reference(heap, task) -> None:
     rows = (ids == e).nonzero()[:, 0]
     x = heap.tensor(task.x, task.X_DTYPE, task.routed // task.x_per, task.k, task.x_stride)[rows // task.x_per].float()
 
-    def products(first: int) -> torch.Tensor:
-        row = e * task.expert_rows + first + task.row0
+    def products(gate_or_up: int) -> torch.Tensor:
+        row = (e - task.first) * task.expert_rows + gate_or_up + task.row0
         if task.FORMAT == FLOAT_FORMAT.value:
             size = getattr(torch, task.W_DTYPE).itemsize
             w = heap.tensor(task.w + row * task.w_stride * size, task.W_DTYPE, task.n, task.k, task.w_stride).float()
@@ -308,7 +355,8 @@ def _grouped_expert_reference(heap, task) -> None:
         out.to(getattr(torch, task.Y_DTYPE))
 
 
-def grouped_experts(g, x, w, experts, count: int, act: str = "", after=None, passes=None):
+def grouped_experts(g, x, w, experts, count: int, act: str = "", after=None, passes=None,
+                    expert_parallel: bool = False):
     """``expert_rows`` with the rows grouped by expert: row ``b * slots + s`` of the result is ``x_row @
     w_e.T`` for ``e = experts[b, s]`` (``x_row`` as in ``expert_rows``), each expert's weights read once
     for all the rows that chose it (see the module's docstring). ``act`` ("silu_mul", "gelu_tanh_mul"):
@@ -316,7 +364,8 @@ def grouped_experts(g, x, w, experts, count: int, act: str = "", after=None, pas
     ``experts`` must come from ``route`` (one slot per expert chosen). ``after``: the marker of a grouped
     op whose output ``x`` is (its readers read every marker). ``passes``: int64 [count], ``passes[j]``
     counts the weight passes of the j-th smallest expert chosen (j < ``min(count, tokens * slots)``, the
-    groups). Returns ``(y, marker)``."""
+    groups). ``expert_parallel``: w stacks this rank's experts (``Held.balanced``), the only ones it serves:
+    the rows of the others are not written. Returns ``(y, marker)``."""
     tokens, slots = experts.rows, experts.cols
     g.require(experts.ndim == 2 and experts.dtype == torch.int64,
               f"grouped_experts: experts must be int64 [tokens, slots], got {experts.shape} {experts.dtype}")
@@ -328,12 +377,14 @@ def grouped_experts(g, x, w, experts, count: int, act: str = "", after=None, pas
     g.require(x.ndim == 2 and (is_quantized or w.ndim == 2) and x.cols == w.cols and x.rows in (tokens, tokens * slots),
               f"grouped_experts: x {x.shape} must have a row per token ({tokens}) or per slot ({tokens * slots}), and "
               f"as many columns as w {w.shape}")
-    g.require(is_count(count) and count <= 4096 and w.rows % (count * (2 if act else 1)) == 0,
+    g.require(is_count(count) and count <= 4096, f"grouped_experts: count must be 1 to 4096 experts, got {count!r}")
+    held = _held(g, "grouped_experts", count, expert_parallel)
+    g.require(w.rows % (held.stacked * (2 if act else 1)) == 0,
               f"grouped_experts: w has {w.rows} rows, not a whole number per expert{' (gate and up)' if act else ''} "
-              f"for {count!r} experts (at most 4096)")
-    expert_rows, k_total, routed = w.rows // count, x.cols, tokens * slots
+              f"for {held.stacked} experts")
+    expert_rows, k_total, routed = w.rows // held.stacked, x.cols, tokens * slots
     n_total = expert_rows // 2 if act else expert_rows
-    groups = min(count, routed)
+    groups = min(held.stacked, routed)  # the same on every rank (buffers agree); a group past held.count does nothing
     g.require(passes is None or (passes.shape == (count,) and passes.dtype == torch.int64),
               f"grouped_experts: passes must be int64 [{count}], got "
               f"{None if passes is None else (passes.shape, passes.dtype)}")
@@ -373,7 +424,7 @@ def grouped_experts(g, x, w, experts, count: int, act: str = "", after=None, pas
             counts = passes is not None and c == 0  # counts into passes: its marker cell stands for that
             g.add_task(opcode, y=y.addr(0, 0), x=x.addr(0, 0), w=data.addr(0, 0), **scale_words,
                        experts=experts.addr(0, 0), served=passes.addr(0, group) if counts else marker.addr(group, c),
-                       j=group, routed=routed, count=count, x_per=slots if x.rows == tokens else 1, row0=c0, n=n,
+                       j=group, routed=routed, count=count, first=held.first, held=held.count, x_per=slots if x.rows == tokens else 1, row0=c0, n=n,
                        k=k_total, expert_rows=expert_rows, second=n_total, y_stride=y.row_stride,
                        x_stride=x.row_stride, w_stride=data.row_stride, reads=whole,
                        writes=(marker.region(group, 1, c, 1),) + ((passes.region(0, 1, group, 1),) if counts else ()),
@@ -384,81 +435,249 @@ def grouped_experts(g, x, w, experts, count: int, act: str = "", after=None, pas
 @triton.jit
 def moe_sum_tile(base,
                  out, y, weights,   # heap offsets: the token's output tile, its slot 0 tile, its k weights
+                 experts,           # HELD: heap offset of the token's k experts
+                 first, held,       # HELD: the experts this rank serves, ids first .. first + held
                  cols,              # the tile's columns
                  y_stride,          # y's row stride, in elements
-                 K: tl.constexpr, Y_DTYPE: tl.constexpr, WEIGHT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``out = sum_s weights[s] * y[s]`` over the token's K slot rows, in slot order, in float32."""
+                 K: tl.constexpr, Y_DTYPE: tl.constexpr, WEIGHT_DTYPE: tl.constexpr, HELD: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """``out = sum_s weights[s] * y[s]`` over the token's K slot rows, in slot order, in float32; with
+    HELD only the slots whose expert this rank serves (the others' rows are not written: never read)."""
     acc = tl.zeros((1, BLOCK_N), tl.float32)
     for s in tl.static_range(K):
         weight = tl.load(heap_ptr(base, weights, WEIGHT_DTYPE) + s).to(tl.float32)
-        acc += weight * load_block(heap_ptr(base, y, Y_DTYPE) + s * y_stride, y_stride, 1, cols, 1, BLOCK_N)
+        if HELD:
+            e = tl.load(heap_ptr(base, experts, tl.int64) + s)
+            if (e >= first) & (e < first + held):
+                acc += weight * load_block(heap_ptr(base, y, Y_DTYPE) + s * y_stride, y_stride, 1, cols, 1, BLOCK_N)
+        else:
+            acc += weight * load_block(heap_ptr(base, y, Y_DTYPE) + s * y_stride, y_stride, 1, cols, 1, BLOCK_N)
     store_block(heap_ptr(base, out, Y_DTYPE), cols, 1, cols, acc, 1, BLOCK_N)
 
 
 def _moe_sum_reference(heap, task) -> None:
-    acc = 0.0
+    acc = torch.zeros(1, task.cols)
     size = getattr(torch, task.Y_DTYPE).itemsize
     weights = heap.tensor(task.weights, task.WEIGHT_DTYPE, 1, task.K, task.K).float()
+    ids = heap.tensor(task.experts, torch.int64, 1, task.K, task.K)[0] if task.HELD else None
     for s in range(task.K):
-        acc = acc + weights[0, s] * heap.tensor(task.y + s * task.y_stride * size, task.Y_DTYPE, 1, task.cols,
-                                                task.cols).float()
+        if ids is None or task.first <= int(ids[s]) < task.first + task.held:
+            acc = acc + weights[0, s] * heap.tensor(task.y + s * task.y_stride * size, task.Y_DTYPE, 1, task.cols,
+                                                    task.cols).float()
     heap.tensor(task.out, task.Y_DTYPE, 1, task.cols, task.cols).copy_(acc)
 
 
-def moe_sum(g, y, weights, after=None):
+def moe_sum(g, y, weights, after=None, experts=None, count: int | None = None):
     """``out[b] = sum_s weights[b, s] * y[b * slots + s]`` (``y [tokens * slots, n]``, ``weights [tokens,
     slots]``: a slot per expert of the router's top-k), in slot order: ``[tokens, n]`` in y's dtype.
-    ``after``: the marker of the ``grouped_experts`` op that wrote y."""
+    ``after``: the marker of the ``grouped_experts`` op that wrote y. ``experts`` (the router's, over
+    ``count`` experts, under expert parallelism): only the slots of this rank's experts (``Held.balanced``),
+    its part of the sum (``combine``)."""
     tokens, slots = weights.rows, weights.cols
     require_float(g, "moe_sum", y=y, weights=weights)
     g.require(y.ndim == 2 and y.rows == tokens * slots,
               f"moe_sum: y {y.shape} must have a row per slot of weights {weights.shape}")
+    g.require(experts is None or experts.shape == weights.shape and experts.dtype == torch.int64,
+              f"moe_sum: experts must be the router's, int64 shaped as weights {weights.shape}")
+    held = None if experts is None else _held(g, "moe_sum", count, True)
     out = g.new_tensor((tokens, y.cols), y.dtype)
     tiling = Tiling(1, y.cols)
     marker = (after.region(0, after.rows, 0, after.cols),) if after is not None else ()
-    opcode = g.opcode(MOE_SUM, K=slots, Y_DTYPE=y.dtype, WEIGHT_DTYPE=weights.dtype, BLOCK_N=tiling.block_n)
+    opcode = g.opcode(MOE_SUM, K=slots, Y_DTYPE=y.dtype, WEIGHT_DTYPE=weights.dtype, HELD=held is not None,
+                      BLOCK_N=tiling.block_n)
     for b in range(tokens):
+        routing = ({"experts": 0, "first": 0, "held": 0} if held is None else
+                   {"experts": experts.addr(b, 0), "first": held.first, "held": held.count})
+        chosen = () if held is None else (experts.region(b, 1, 0, slots),)
         for _, _, c0, n in tiling:
-            g.add_task(opcode, out=out.addr(b, c0), y=y.addr(b * slots, c0), weights=weights.addr(b, 0), cols=n,
-                       y_stride=y.row_stride, reads=(y.region(b * slots, slots, c0, n), weights.region(b, 1, 0, slots),
-                                                     *marker),
+            g.add_task(opcode, out=out.addr(b, c0), y=y.addr(b * slots, c0), weights=weights.addr(b, 0), **routing,
+                       cols=n, y_stride=y.row_stride,
+                       reads=(y.region(b * slots, slots, c0, n), weights.region(b, 1, 0, slots), *chosen, *marker),
                        writes=(out.region(b, 1, c0, n),), bytes=(slots + 1) * n * y.element_size, flops=2 * slots * n)
     return out
 
 
+# -- expert parallelism: each rank's part of the sum, combined ----------------------------------------------
+
+@triton.jit
+def _chose(base, experts, rows, experts_stride, first, held, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_S: tl.constexpr):
+    """int32 [BLOCK_M]: 1 where token i < rows chose one of the experts ``first .. first + held`` (its SLOTS
+    ids in row i of the router's table from ``experts``), else 0."""
+    rm = tl.arange(0, BLOCK_M)[:, None]
+    rs = tl.arange(0, BLOCK_S)[None, :]
+    ids = tl.load(heap_ptr(base, experts, tl.int64) + rm * experts_stride + rs, mask=(rm < rows) & (rs < SLOTS),
+                  other=-1)
+    return tl.max(((ids >= first) & (ids < first + held)).to(tl.int32), axis=1)
+
+
+@triton.jit
+def routed_put_tile(base, bases, NETWORK_PUT: tl.constexpr,
+                    dst, src,            # heap offsets: the block's first row on rank peer, here
+                    experts,             # heap offset of the block's first token's row of the router's table
+                    peer,                # the rank that receives the rows
+                    rows, cols,          # the block: rows tokens x cols columns <= BLOCK_M x BLOCK_N
+                    first, held,         # this rank's experts: ids first .. first + held
+                    dst_stride, src_stride, experts_stride,
+                    DTYPE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_S: tl.constexpr):
+    """The rows of a ``rows x cols`` block whose token chose one of this rank's experts, stored into the
+    same rows at ``dst`` on rank ``peer``; the other rows are not sent (none, where no token did). Through a
+    network transport (a peer of another node, ``NETWORK_PUT``) the whole block."""
+    if NETWORK_PUT is not None:
+        if tl.load(bases + peer) == 0:
+            NETWORK_PUT(base, dst, src, peer, rows, cols, dst_stride, src_stride, DTYPE)
+        else:
+            _put_chosen_rows(base, bases, dst, src, experts, peer, rows, cols, first, held, dst_stride, src_stride,
+                             experts_stride, DTYPE, SLOTS, BLOCK_M, BLOCK_N, BLOCK_S)
+    else:
+        _put_chosen_rows(base, bases, dst, src, experts, peer, rows, cols, first, held, dst_stride, src_stride,
+                         experts_stride, DTYPE, SLOTS, BLOCK_M, BLOCK_N, BLOCK_S)
+
+
+@triton.jit
+def _put_chosen_rows(base, bases, dst, src, experts, peer, rows, cols, first, held, dst_stride, src_stride,
+                     experts_stride, DTYPE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``routed_put_tile`` through memory: a masked load here, a masked store into the peer's mapped heap."""
+    rm = tl.arange(0, BLOCK_M)[:, None]
+    rn = tl.arange(0, BLOCK_N)[None, :]
+    sent = (_chose(base, experts, rows, experts_stride, first, held, SLOTS, BLOCK_M, BLOCK_S)[:, None] > 0) \
+        & (rn < cols)
+    block = tl.load(heap_ptr(base, src, DTYPE) + rm * src_stride + rn, mask=sent)
+    tl.store(peer_ptr(bases, peer, dst, DTYPE) + rm * dst_stride + rn, block, mask=sent)
+
+
+def _routed_put_reference(heap, task, peers) -> None:
+    ids = heap.tensor(task.experts, torch.int64, task.rows, task.SLOTS, task.experts_stride)
+    sent = ((ids >= task.first) & (ids < task.first + task.held)).any(dim=1)
+    block = heap.tensor(task.src, task.DTYPE, task.rows, task.cols, task.src_stride)
+    peers[task.peer].tensor(task.dst, task.DTYPE, task.rows, task.cols, task.dst_stride)[sent] = block[sent]
+
+
+@triton.jit
+def routed_sum_tile(base,
+                    out, stage,          # heap offsets: the token's output tile; its tile in rank 0's slot
+                    experts,             # heap offset of the token's SLOTS experts
+                    cols, count, world,  # the tile's columns; experts and ranks (``Held.balanced``)
+                    slot_stride,         # elements from one rank's slot of stage to the next
+                    DTYPE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``out = sum_r stage[r]`` in rank order over the ranks r that hold one of the token's experts (the
+    others sent nothing), in float32."""
+    count, world = count.to(tl.int32), world.to(tl.int32)
+    acc = tl.zeros((1, BLOCK_N), tl.float32)
+    for r in range(0, world):
+        first = r * count // world
+        chose = tl.sum(_chose(base, experts, 1, SLOTS, first, (r + 1) * count // world - first, SLOTS, 1, BLOCK_S),
+                       axis=0)
+        if chose > 0:
+            acc += load_block(heap_ptr(base, stage, DTYPE) + r * slot_stride, cols, 1, cols, 1, BLOCK_N)
+    store_block(heap_ptr(base, out, DTYPE), cols, 1, cols, acc, 1, BLOCK_N)
+
+
+def _routed_sum_reference(heap, task) -> None:
+    ids = heap.tensor(task.experts, torch.int64, 1, task.SLOTS, task.SLOTS)[0]
+    size = getattr(torch, task.DTYPE).itemsize
+    acc = torch.zeros(1, task.cols)
+    for r in range(task.world):
+        held = Held.balanced(task.count, r, task.world)
+        if ((ids >= held.first) & (ids < held.first + held.count)).any():
+            acc = acc + heap.tensor(task.stage + r * task.slot_stride * size, task.DTYPE, 1, task.cols,
+                                    task.cols).float()
+    heap.tensor(task.out, task.DTYPE, 1, task.cols, task.cols).copy_(acc)
+
+
+def combine(g, part, experts, count: int):
+    """The sum over the ranks of ``part [tokens, n]``, each rank's part of a sparse MLP under expert
+    parallelism (``Held.balanced``: each rank holds its experts whole), on every rank. A rank puts a
+    token's row into every rank only where the token chose one of its experts: which rows travel depends on
+    the router, the puts and their arrivals do not (every rank puts to every rank, rows or none, so every
+    fan-in is fixed). Each rank adds, per token, the rows of the ranks it chose, in rank order: bitwise the
+    same on every rank, whatever arrives first."""
+    world, me = g.world_size, g.rank
+    require_float(g, "combine", part=part)
+    tokens, slots = experts.rows, experts.cols
+    g.require(part.ndim == 2 and part.rows == tokens and experts.dtype == torch.int64,
+              f"combine: part {part.shape} must have a row per token of the router's experts {experts.shape}")
+    _held(g, "combine", count, True)
+    stage = g.new_tensor((world * tokens, part.cols), part.dtype, comm=True)  # slot r: rank r's part
+    out = g.new_tensor(part.shape, part.dtype)
+    held = _held(g, "combine", count, True)
+    tiling = Tiling(tokens, part.cols)
+    block_s = next_power_of_2(slots)
+    put = g.opcode(ROUTED_PUT, DTYPE=part.dtype, SLOTS=slots, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n,
+                   BLOCK_S=block_s)
+    for dst in range(world):
+        for r0, m, c0, n in tiling:
+            target = stage.region(me * tokens + r0, m, c0, n)
+            g.add_task(put, dst=stage.addr(me * tokens + r0, c0), src=part.addr(r0, c0), experts=experts.addr(r0, 0),
+                       peer=dst, rows=m, cols=n, first=held.first, held=held.count,
+                       dst_stride=stage.row_stride, src_stride=part.row_stride, experts_stride=experts.row_stride,
+                       reads=(part.region(r0, m, c0, n), experts.region(r0, m, 0, slots)),
+                       writes=(target,) if dst == me else (), remote=() if dst == me else ((dst, target),),
+                       bytes=2 * m * n * part.element_size, flops=0)
+    g.phase("combine.sum")
+    columns = Tiling(1, part.cols)
+    total = g.opcode(ROUTED_SUM, DTYPE=part.dtype, SLOTS=slots, BLOCK_N=columns.block_n, BLOCK_S=block_s)
+    for b in range(tokens):
+        for _, _, c0, n in columns:
+            g.add_task(total, out=out.addr(b, c0), stage=stage.addr(b, c0), experts=experts.addr(b, 0), cols=n,
+                       count=count, world=world, slot_stride=tokens * stage.row_stride,
+                       reads=(stage.region(0, world * tokens, c0, n), experts.region(b, 1, 0, slots)),
+                       writes=(out.region(b, 1, c0, n),), bytes=(world + 1) * n * part.element_size,
+                       flops=world * n)
+    return out
+
+
 def moe_mlp(g, x, router, gate_up, down, k: int, normalize: bool, weight_dtype: torch.dtype, act: str = "silu_mul",
-            passes=None):
+            passes=None, expert_parallel: bool = False):
     """A sparse MLP over ``x [tokens, hidden]``: ``router [E, hidden]``, ``gate_up [E * 2I, hidden]`` (each
     expert's gate rows, then its up rows), ``down [E * hidden, I]``; the k experts of largest router
     probability per token, their outputs weighted and summed. The rows are grouped by expert
     (``grouped_experts``: the activation in the gate/up tiles); ``passes`` (int64 [E])
-    counts the experts' weight passes (``grouped_experts``). Returns ``[tokens, hidden]``."""
+    counts the experts' weight passes (``grouped_experts``). ``expert_parallel``: this rank's experts
+    whole (``Held.balanced``; gate_up and down stack ``stacked`` of them): each rank sums its experts'
+    slots and the parts are combined over the ranks (``combine``), so every rank returns the whole sum;
+    without it, a share of every expert's columns and the caller sums the ranks' parts. Returns
+    ``[tokens, hidden]``."""
     count = router.rows
-    g.require(gate_up.rows % (2 * count) == 0 and down.rows == count * x.cols,
-              f"moe_mlp: gate_up {gate_up.shape} and down {down.shape} do not hold {count} experts of hidden {x.cols}")
+    stacked = _held(g, "moe_mlp", count, expert_parallel).stacked
+    g.require(gate_up.rows % (2 * stacked) == 0 and down.rows == stacked * x.cols,
+              f"moe_mlp: gate_up {gate_up.shape} and down {down.shape} do not hold {stacked} experts of hidden {x.cols}")
     experts, weights = g.route(g.linear(x, router), k, normalize, weight_dtype)
-    hidden, marker = grouped_experts(g, x, gate_up, experts, count, act=act, passes=passes)
-    y, marker = grouped_experts(g, hidden, down, experts, count, after=marker)
-    return moe_sum(g, y, weights, after=marker)
+    hidden, marker = grouped_experts(g, x, gate_up, experts, count, act=act, passes=passes,
+                                     expert_parallel=expert_parallel)
+    y, marker = grouped_experts(g, hidden, down, experts, count, after=marker, expert_parallel=expert_parallel)
+    if not expert_parallel:
+        return moe_sum(g, y, weights, after=marker)
+    part = moe_sum(g, y, weights, after=marker, experts=experts, count=count)
+    return combine(g, part, experts, count) if g.world_size > 1 else part
 
 
 def _example(g):
     """Top-3 of 5 experts (expert intermediate 40, float32 weights renormalised) over two tokens, bf16: the
     grouped GEMV tiles, and the gate/up rows again a pass per slot (``expert_rows``); top-2 of the same
-    experts over 20 tokens (the grouped ``tl.dot`` tiles, GeGLU)."""
+    experts over 20 tokens (the grouped ``tl.dot`` tiles, GeGLU); and a rank's part under expert
+    parallelism, combined (in a world of one: every expert, put into itself)."""
     x = g.input("moe.x", (2, 64), torch.bfloat16)
     router, gate_up = g.input("moe.router", (5, 64), torch.bfloat16), g.input("moe.gate_up", (5 * 80, 64), torch.bfloat16)
     down = g.input("moe.down", (5 * 64, 40), torch.bfloat16)
     x20 = g.input("moe.x20", (20, 64), torch.bfloat16)
+    experts, weights = g.route(g.linear(x, router), 3, True)
+    both = g.expert_rows(x, gate_up, experts, 5)
+    y, marker = g.grouped_experts(g.silu_mul(both[:, :40], both[:, 40:]), down, experts, 5, expert_parallel=True)
     return (g.moe_mlp(x, router, gate_up, down, 3, True, torch.float32),
-            g.expert_rows(x, gate_up, g.route(g.linear(x, router), 3, True)[0], 5),
-            g.moe_mlp(x20, router, gate_up, down, 2, False, torch.float32, act="gelu_tanh_mul"))
+            both,
+            g.moe_mlp(x20, router, gate_up, down, 2, False, torch.float32, act="gelu_tanh_mul"),
+            g.combine(g.moe_sum(y, weights, marker, experts, 5), experts, 5))
 
 
 ROUTE = TaskType("route", route_tile, _route_reference, _example)
 EXPERT_LINEAR = TaskType("expert_linear", expert_linear_tile, _expert_linear_reference, _example)
 GROUPED_EXPERT = TaskType("grouped_expert", grouped_expert_tile, _grouped_expert_reference, _example)
 MOE_SUM = TaskType("moe_sum", moe_sum_tile, _moe_sum_reference, _example)
-TASK_TYPES = (ROUTE, EXPERT_LINEAR, GROUPED_EXPERT, MOE_SUM)
+ROUTED_PUT = TaskType("routed_put", routed_put_tile, _routed_put_reference, _example)
+ROUTED_SUM = TaskType("routed_sum", routed_sum_tile, _routed_sum_reference, _example)
+TASK_TYPES = (ROUTE, EXPERT_LINEAR, GROUPED_EXPERT, MOE_SUM, ROUTED_PUT, ROUTED_SUM)
 OPS = {"route": route, "expert_rows": expert_rows, "grouped_experts": grouped_experts, "moe_sum": moe_sum,
-       "moe_mlp": moe_mlp}
+       "combine": combine, "moe_mlp": moe_mlp}

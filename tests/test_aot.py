@@ -40,7 +40,8 @@ pytestmark = pytest.mark.aot  # compiled for the GPU targets: the interpreter ac
 
 # the decode step as a GPU runs it, and as the torch backend cuts it (``Graph.few_tiles``: its tiles loop over
 # their blocks), with prefill rows (``tl.dot`` tiles of many blocks); a GPU may be given such a graph too; and the
-# step of a served mixture-of-experts model: prefill rows, drafts and their verification, sparse MLPs, sampling
+# step of a served mixture-of-experts model: prefill rows, drafts and their verification, sparse MLPs under expert
+# parallelism, sampling
 KERNELS = ["every task type", "decode step", "few tiles", "serving step"]
 NVIDIA = [t for t, gpu in TARGETS.items() if gpu.backend == "cuda"]
 AMD = [t for t, gpu in TARGETS.items() if gpu.backend == "hip"]
@@ -80,9 +81,10 @@ def graph(kernel: str) -> tuple[mk.Graph, int]:
     if kernel == "few tiles":
         config = replace(config, prefill_chunk=16)
         return decode_step(config, mk.Graph(world_size=1, rank=0, parallelism=2, few_tiles=True)), 16
-    if kernel == "serving step":
+    if kernel == "serving step":  # rank 0 of 2, its experts whole: the all-reduces' and combine's puts too
         config = replace(config, prefill_chunk=16, draft_tokens=2, moe=(True,), experts=4, top_k=2,
-                         moe_intermediate=64, norm_topk=True)
+                         moe_intermediate=64, norm_topk=True, expert_parallel=True)
+        return decode_step(config, mk.Graph(world_size=2, rank=0)), 16
     return decode_step(config, mk.Graph(world_size=1, rank=0)), 16
 
 

@@ -8,6 +8,7 @@ from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen
 import megakernel as mk
 from megakernel.serving import from_hf, from_pretrained
 from megakernel.tasks.formats import FP8_CHANNEL, Q8_0, quantized_input
+from megakernel.tasks.moe import Held
 
 from helpers import assert_close, run_checked
 
@@ -179,11 +180,12 @@ def moe_model(family: str, k: int):
     return model.eval()
 
 
-def _moe_rank(model, ids, prefill_chunk=None):
-    m = from_hf(model, max_seq_len=12, max_batch=ids.shape[0], workers=1, prefill_chunk=prefill_chunk)
+def _moe_rank(model, ids, prefill_chunk=None, expert_parallel=False):
+    m = from_hf(model, max_seq_len=12, max_batch=ids.shape[0], workers=1, prefill_chunk=prefill_chunk,
+                expert_parallel=expert_parallel)
     try:
         tokens = m.generate(ids, max_new_tokens=4)
-        return tokens, m.expert_passes, m.decode(ids[:, 0], 0)
+        return tokens, m.expert_passes, m.decode(ids[:, 0], 0), m.expert_ranks, m.bytes_read
     finally:
         m.close()
 
@@ -217,7 +219,7 @@ def test_moe_models_generate_what_transformers_generates(family, k, world, batch
         first = model(ids[:, :1]).logits[:, 0].float()
     job = functools.partial(_moe_rank, model, ids, prefill_chunk)
     results = mk.launch(job, world_size=world, virtual=True, timeout=600) if world > 1 else [job()]
-    for rank, (tokens, passes, logits) in enumerate(results):
+    for rank, (tokens, passes, logits, _, _) in enumerate(results):
         assert torch.equal(tokens, expected), f"{family} top-{k}, rank {rank} of {world}, batch {batch}"
         assert_close(logits, first, 1e-4, f"{family} top-{k}, rank {rank} of {world}, batch {batch}")
         # the grouped tiles: a pass over an expert's weights per layer-step that some row chose it in
@@ -233,25 +235,102 @@ def test_shared_experts_are_refused_by_name():
         _moe_config(model)
 
 
-def _pretrained_rank(path, ids):
-    m = from_pretrained(path, max_seq_len=10, workers=1)
+def _pretrained_rank(path, ids, expert_parallel=False):
+    m = from_pretrained(path, max_seq_len=10, workers=1, expert_parallel=expert_parallel)
     try:
         return m.generate(ids, max_new_tokens=3), m.bytes_read
     finally:
         m.close()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_moe_checkpoints_load_expert_by_expert(family, tmp_path):
+@pytest.mark.parametrize("family,expert_parallel", [("qwen3_moe", False), ("mixtral", False), ("qwen3_moe", True)])
+def test_moe_checkpoints_load_expert_by_expert(family, expert_parallel, tmp_path):
     """Checkpoints store each expert apart (``mlp.experts.{e}.gate_proj``, Mixtral's ``block_sparse_moe``
-    ``w1``/``w3``/``w2``): loaded straight into the heap, each of two ranks reading about half."""
+    ``w1``/``w3``/``w2``): loaded straight into the heap, each of two ranks reading about half (under expert
+    parallelism its own experts whole)."""
     model = moe_model(family, 2)
     model.save_pretrained(tmp_path)
     ids = torch.randint(0, 100, (1, 4), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     alone = _pretrained_rank(tmp_path, ids)
-    pair = mk.launch(functools.partial(_pretrained_rank, tmp_path, ids), world_size=2, virtual=True, timeout=600)
+    pair = mk.launch(functools.partial(_pretrained_rank, tmp_path, ids, expert_parallel), world_size=2, virtual=True,
+                     timeout=600)
     for tokens, _ in [alone, *pair]:
         assert torch.equal(tokens, expected)
     assert all(read < 0.75 * alone[1] for _, read in pair)
+
+
+# -- expert parallelism ---------------------------------------------------------------------------------------
+
+def held_slice(inputs: dict, held: Held, hidden: int, inter: int) -> dict:
+    """A rank's inputs under expert parallelism: its experts' gate/up and down rows whole, zero experts
+    after them up to ``held.stacked``."""
+    def stacked(w: torch.Tensor, rows: int) -> torch.Tensor:
+        mine = w[held.first * rows:(held.first + held.count) * rows]
+        return torch.cat([mine, mine.new_zeros((held.stacked - held.count) * rows, w.shape[1])])
+    return {**inputs, "gate_up": stacked(inputs["gate_up"], 2 * inter), "down": stacked(inputs["down"], hidden)}
+
+
+def _expert_parallel_rank(inputs: dict, tokens: int, hidden: int, experts: int, inter: int, k: int):
+    g = mk.Graph()
+    held = Held.balanced(experts, g.rank, g.world_size)
+    x, router = g.input("x", (tokens, hidden), torch.float32), g.input("router", (experts, hidden), torch.float32)
+    gate_up = g.input("gate_up", (held.stacked * 2 * inter, hidden), torch.float32)
+    down = g.input("down", (held.stacked * hidden, inter), torch.float32)
+    passes = g.input("passes", (experts,), torch.int64)
+    g.output("y", g.moe_mlp(x, router, gate_up, down, k, True, torch.float32, passes=passes, expert_parallel=True))
+    with mk.Megakernel(g, workers=2) as kernel:
+        kernel.bind({**held_slice(inputs, held, hidden, inter), "passes": torch.zeros(experts, dtype=torch.int64)})
+        kernel.poison()
+        return kernel.run()["y"], kernel.tensor(g.inputs["passes"]).tolist(), held
+
+
+@pytest.mark.interpreter  # the tiles' semantics: routed puts and their rank-order sum
+@pytest.mark.parametrize("world,skewed", [(2, False), (3, True)])
+def test_expert_parallel_ranks_hold_their_experts_whole_and_agree_bit_for_bit(world, skewed):
+    """5 experts over 2 ranks (2 and 3 each) or 3 (1, 2, 2): every rank ends with the whole sparse MLP, bit
+    for bit the same, as float64 computes it, each running a weight pass per expert of its own chosen;
+    ``skewed``: every token's first choice is expert 4 (the last rank's), its second the lowest of the
+    others' tie (expert 0, the first rank's): the middle rank's experts nobody picks, it sends no row."""
+    tokens, hidden, experts, inter, k = 3, 16, 5, 12, 2
+    inputs = _inputs(tokens, hidden, experts, inter, seed=world)  # made once, before the launch: ranks share them
+    if skewed:
+        inputs["x"] = torch.rand(tokens, hidden, generator=torch.Generator().manual_seed(4)) + 0.5  # positive
+        inputs["router"] = -torch.ones(experts, hidden)
+        inputs["router"][4] = 3.0
+    results = mk.launch(functools.partial(_expert_parallel_rank, inputs, tokens, hidden, experts, inter, k),
+                        world_size=world, virtual=True, timeout=600)
+    y, chosen = moe_float64(inputs, experts, inter, k, True)
+    if skewed:
+        assert chosen.tolist() == [[4, 0]] * tokens
+    for rank, (out, passes, held) in enumerate(results):
+        assert torch.equal(out, results[0][0]), f"rank {rank} differs from rank 0"
+        assert_close(out, y, 1e-5, f"expert-parallel sparse MLP on rank {rank} of {world}")
+        mine = [e for e in torch.unique(chosen).tolist() if held.first <= e < held.first + held.count]
+        assert passes == [1] * len(mine) + [0] * (experts - len(mine)), f"rank {rank} holds {held}, chose {mine}"
+
+
+@pytest.mark.parametrize("family,world,batch,prefill_chunk,processes", [
+    ("qwen3_moe", 2, 3, None, False), ("qwen3_moe", 3, 2, 0, False), ("mixtral", 4, 3, None, False),
+    ("qwen3_moe", 2, 2, None, True)])
+def test_expert_parallel_models_generate_what_transformers_generates(family, world, batch, prefill_chunk, processes):
+    """Each expert whole on one rank (8 experts: 4 + 4, 2 + 3 + 3, 2 each), attention tensor-parallel:
+    transformers' greedy tokens for a batch of prompts on every rank, the same logits on every rank bit
+    for bit, the same expert map everywhere, and the weight passes of all ranks together exactly
+    transformers' distinct (layer, position, expert) choices (each expert chosen is served once, by its
+    rank) when every step runs a position of every sequence."""
+    model = moe_model(family, 2)
+    ids = torch.randint(0, 100, (batch, 5), generator=torch.Generator().manual_seed(world))
+    expected, distinct = distinct_experts_per_layer_step(model, ids, 4)
+    job = functools.partial(_moe_rank, model, ids, prefill_chunk, True)
+    results = mk.launch(job, world_size=world, virtual=not processes, timeout=600)
+    ranks = tuple(((e + 1) * world - 1) // 8 for e in range(8))
+    for rank, (tokens, _, logits, expert_ranks, _) in enumerate(results):
+        assert torch.equal(tokens, expected), f"{family}, rank {rank} of {world}, batch {batch}"
+        assert torch.equal(logits, results[0][2]) and expert_ranks == ranks
+    passes = sum(r[1] for r in results)
+    assert passes == distinct if prefill_chunk == 0 else 0 < passes <= distinct, \
+        f"{passes} weight passes on {world} ranks for {distinct} (layer, position, expert) choices"
+    alone = _moe_rank(model, ids, prefill_chunk)
+    assert_close(results[0][2], alone[2], 1e-5, "expert-parallel logits vs one rank's")

@@ -170,7 +170,7 @@ def test_the_signature_declares_the_row():
     assert not compute.needs_peers
     comm = TaskType("send", _send_tile, _nothing, _nothing)
     assert comm.arg_names == ("dst", "peer") and comm.constexpr_names == ("BLOCK",) and comm.needs_peers
-    assert [name for name, t in TASK_TYPES.items() if t.needs_peers] == ["put"]
+    assert [name for name, t in TASK_TYPES.items() if t.needs_peers] == ["put", "routed_put"]
 
 
 @triton.jit

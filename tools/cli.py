@@ -197,8 +197,12 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="auto: the GPU if there is one, else torch (each tile as torch code: fast on a CPU); cpu: "
                         "the Triton interpreter (the tiles' own code, slow)")
     for f in fields(ServingConfig):  # the server's defaults: SERVER's (models.serving_config says why they differ)
-        p.add_argument("--" + f.name.replace("_", "-"), type=_count if f.name in POSITIVE else int,
-                       default=getattr(SERVER, f.name), help=f.metadata["help"])
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(getattr(SERVER, f.name), bool):
+            p.add_argument(flag, action="store_true", default=getattr(SERVER, f.name), help=f.metadata["help"])
+        else:
+            p.add_argument(flag, type=_count if f.name in POSITIVE else int, default=getattr(SERVER, f.name),
+                           help=f.metadata["help"])
     p.add_argument("--steps-per-launch", type=_count, default=4, help="decode steps per launch at most")
     p.add_argument("--workers", type=_count, help="workers per rank (default: the backend's)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",

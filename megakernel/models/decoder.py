@@ -1,7 +1,8 @@
 """Llama / Mistral / Qwen3 decoder layers and whole decode steps as megakernel graphs, tensor-parallel.
 
 Per rank: column-parallel fused QKV and gate/up projections (this rank's heads and intermediate
-columns; in a sparse MLP, every expert's share of its columns), row-parallel O and down projections
+columns; in a sparse MLP, every expert's share of its columns, or with ``expert_parallel`` its own
+experts whole, their parts combined over the ranks), row-parallel O and down projections
 followed by a tile-granular all-reduce, and a
 vocabulary-parallel LM head followed by an all-gather, so every rank ends with the full logits. The
 KV cache, the token history and the position are on the heap: one graph, compiled once, serves every
@@ -17,8 +18,10 @@ from typing import Callable
 
 import torch
 
+from ..errors import GraphError
 from ..graph import Graph, Tensor
 from ..tasks.formats import FORMATS, Format, Quantized, quantized_input, rows_of
+from ..tasks.moe import Held
 from ..tasks.sampling import PARAMS
 from ..tasks.speculation import STATS
 from .packed import concat
@@ -50,6 +53,7 @@ class DecoderConfig:
     norm_unit_offset: bool = False  # RMSNorms scale by 1 + w
     embed_scaled: bool = False  # embeddings multiplied by sqrt(hidden), as the dtype holds it (the input embed_scale)
     moe: tuple[bool, ...] = ()  # per layer: a sparse (mixture-of-experts) MLP instead of the dense one
+    expert_parallel: bool = False  # each expert whole on one rank (``Shard.experts``), not a share of every one
     experts: int = 0           # experts per sparse MLP, each of ``moe_intermediate`` columns
     top_k: int = 0             # experts chosen per token
     moe_intermediate: int = 0
@@ -145,7 +149,8 @@ class Shard:
     kv: Share      # KV heads
     mlp: Share     # intermediate columns
     lm: Share      # vocabulary rows
-    moe: Share     # each expert's intermediate columns
+    moe: Share     # each expert's intermediate columns (all of them under expert parallelism)
+    experts: Held  # the experts whose columns it holds (all of them, but under expert parallelism)
 
     @classmethod
     def of(cls, c: DecoderConfig, rank: int, world: int) -> "Shard":
@@ -159,8 +164,15 @@ class Shard:
         else:
             kv = Share.even(c.kv_heads, rank, world)
             q = Share(kv.start * group, kv.real * group, kv.size * group)
-        return cls(rank, world, q, kv, Share.even(c.intermediate, rank, world), Share.even(c.vocab, rank, world),
-                   Share.even(c.moe_intermediate, rank, world))
+        if c.expert_parallel and c.experts:
+            if world > c.experts:
+                raise GraphError(f"expert_parallel: {c.experts} experts cannot be held whole by {world} ranks (at most "
+                                 "one rank per expert)")
+            moe, experts = Share(0, c.moe_intermediate, c.moe_intermediate), Held.balanced(c.experts, rank, world)
+        else:
+            moe, experts = Share.even(c.moe_intermediate, rank, world), Held.every(c.experts)
+        return cls(rank, world, q, kv, Share.even(c.intermediate, rank, world), Share.even(c.vocab, rank, world), moe,
+                   experts)
 
 
 @dataclass(frozen=True)
@@ -257,10 +269,12 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     out = _row_parallel(g, s, g.linear(attn, w["o"]))
     x = g.add(x, g.add(out, bias("o_bias")) if c.o_bias else out)  # a row-parallel bias: once, after
     h = g.rms_norm(x, w["post_norm"], c.eps, unit_offset=c.norm_unit_offset)
-    if c.moe and c.moe[i]:  # each rank: every expert's share of columns; the partial sums all-reduced
+    if c.moe and c.moe[i]:
+        # tensor-parallel: every expert's share of columns on each rank, the partial sums all-reduced; expert-
+        # parallel: each rank its experts whole, the parts combined (tasks.moe.combine)
         out = g.moe_mlp(h, w["router"], w["experts.gate_up"], w["experts.down"], c.top_k, c.norm_topk,
-                        c.router_weight_dtype, passes=expert_passes)
-        return g.add(x, _row_parallel(g, s, out))
+                        c.router_weight_dtype, passes=expert_passes, expert_parallel=c.expert_parallel)
+        return g.add(x, out if c.expert_parallel else _row_parallel(g, s, out))
     gate_up = project(g, h, w["gate_up"])
     if c.mlp_bias:
         gate_up = g.add(gate_up, bias("gate_up_bias"))

@@ -21,6 +21,7 @@ import torch
 from ..errors import GraphError
 from ..tasks.common import ceil_div
 from ..tasks.formats import FP8_SCALE_BLOCK
+from ..tasks.moe import Held
 from .packed import Packed, concat
 
 if TYPE_CHECKING:
@@ -152,7 +153,7 @@ class Weight:
 
     def shape(self, c: DecoderConfig, s: Shard) -> tuple[int, ...]:
         """Its shape on rank ``s``: the same on every rank (shares are zero-padded)."""
-        parts = [part.rank_shape(c, s) for part in self.parts] * (c.experts if self.per_expert else 1)
+        parts = [part.rank_shape(c, s) for part in self.parts] * (s.experts.stacked if self.per_expert else 1)
         shape = (sum(part[0] for part in parts), *parts[0][1:])
         return (c.rows, *shape) if self.per_row else shape
 
@@ -298,9 +299,10 @@ def shard_weights(tensors: Mapping[str, Any], c: DecoderConfig, s: Shard, inv_fr
     head is the embedding.
     """
     def rank_slice(weight: Weight, layer: int = 0, name: str = "") -> torch.Tensor | tuple:
-        experts = range(c.experts) if weight.per_expert else (0,)
+        held = s.experts if weight.per_expert else Held(0, 1, 1)
         slices = [part.take(_find(tensors, TIED.get(part, part) if tied else part, c, layer, expert), c, s)
-                  for expert in experts for part in weight.parts]
+                  for expert in range(held.first, held.first + held.count) for part in weight.parts]
+        slices += [p.new_zeros(p.shape) for p in slices[:len(weight.parts)]] * (held.stacked - held.count)
         if c.format_of(part_name(name or weight.name, 0)) is not None:
             return tuple(slices)  # parts in formats of their own: an input each
         value = slices[0] if len(slices) == 1 else concat(slices)

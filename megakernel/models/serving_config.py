@@ -1,5 +1,5 @@
 """``ServingConfig``: the sizes a model's decode step is built for (its context, batch rows, KV cache pages,
-prefill rows, reported log-probabilities and drafts), each default declared here once and every value
+prefill rows, reported log-probabilities and drafts) and how its ranks split the experts, each default declared here once and every value
 checked here once, before anything is built (the graph's tiles grow with the batch rows and the prefill
 chunk, its buffers with the rest).
 
@@ -40,6 +40,9 @@ class ServingConfig:
     draft_tokens: int = field(default=0, metadata={"help": "tokens drafted per sequence and step from its own "
                                                            "history, verified in the step (tasks.speculation; 0: "
                                                            f"none; at most {MAX_DRAFT_TOKENS})"})
+    expert_parallel: bool = field(default=False, metadata={
+        "help": "a mixture of experts' experts each whole on one rank, balanced (attention and dense layers stay "
+                "tensor-parallel), instead of every rank a share of every expert"})
 
     def __post_init__(self):
         for name in POSITIVE:
@@ -60,6 +63,8 @@ class ServingConfig:
         if self.batch_rows > MAX_BATCH:
             raise GraphError(f"max_batch={self.batch_rows:,} is more than a decode step holds; at most {MAX_BATCH:,}"
                              " batch rows x (draft_tokens + 1)")
+        if not isinstance(self.expert_parallel, bool):
+            raise GraphError(f"expert_parallel must be True or False, got {self.expert_parallel!r}")
         if (self.prefill_chunk or 0) > MAX_PREFILL_CHUNK:
             raise GraphError(f"prefill_chunk={self.prefill_chunk:,} is more than a decode step holds; at most "
                              f"{MAX_PREFILL_CHUNK:,}")
@@ -92,7 +97,7 @@ class ServingConfig:
         self._check_logprobs(min(MAX_LOGPROBS, vocab))
         return dict(max_seq_len=self.max_seq_len, batch=self.max_batch, page_size=self.page_size,
                     kv_pages=self.kv_pages or 0, prefill_chunk=self.for_backend(True).prefill_chunk,
-                    max_logprobs=self.max_logprobs, draft_tokens=self.draft_tokens)
+                    max_logprobs=self.max_logprobs, draft_tokens=self.draft_tokens, expert_parallel=self.expert_parallel)
 
     @classmethod
     def taken_from(cls, serving: ServingConfig | None, options: dict[str, Any]) -> tuple[ServingConfig, dict[str, Any]]:

@@ -21,6 +21,7 @@ from ..graph import Graph
 from ..layout import NOT_FINITE
 from ..runtime import Megakernel
 from ..tasks.chunk_attention import BLOCK_ROWS
+from ..tasks.moe import expert_ranks
 from ..tasks.sampling import PARAMS
 from ..tasks.speculation import STATS
 from ..models.decoder import decode_step
@@ -758,6 +759,14 @@ class DecodeModel:
         if "expert_passes" not in self.graph.inputs:
             return 0
         return int(self.kernel.tensor(self.graph.inputs["expert_passes"]).sum())
+
+    @property
+    def expert_ranks(self) -> tuple[int, ...]:
+        """The rank that holds each expert whole (``expert_parallel``; the same on every rank), or () where
+        every rank holds a share of every expert (tensor parallelism, one rank, a dense model)."""
+        if not (self.config.expert_parallel and self.config.experts):
+            return ()
+        return expert_ranks(self.config.experts, self.graph.world_size)
 
     def _require_no_sequences(self, what: str) -> None:
         busy = [s.id for s in self.slots if s is not None]
