@@ -6,7 +6,7 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import megakernel as mk
-from megakernel.serving import from_hf, from_pretrained
+from megakernel.serving import SamplingParams, from_hf, from_pretrained
 from megakernel.tasks.formats import FP8_CHANNEL, Q8_0, quantized_input
 from megakernel.tasks.moe import Held
 
@@ -334,3 +334,28 @@ def test_expert_parallel_models_generate_what_transformers_generates(family, wor
         f"{passes} weight passes on {world} ranks for {distinct} (layer, position, expert) choices"
     alone = _moe_rank(model, ids, prefill_chunk)
     assert_close(results[0][2], alone[2], 1e-5, "expert-parallel logits vs one rank's")
+
+
+def _drafting_rank(model, ids, expert_parallel, sampling):
+    m = from_hf(model, max_seq_len=16, max_batch=ids.shape[0], workers=1, draft_tokens=2,
+                expert_parallel=expert_parallel)
+    try:
+        return m.generate(ids, max_new_tokens=5, sampling=sampling)
+    finally:
+        m.close()
+
+
+def test_expert_parallel_drafts_and_samples_as_tensor_parallel_does():
+    """Drafts verified in the step (2 a sequence) and tokens drawn on the device, under expert parallelism
+    over 2 ranks: greedy, transformers' tokens; seeded sampling, the tokens tensor parallelism draws."""
+    model = moe_model("qwen3_moe", 2)
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    sampled = [SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=1.0, top_k=20, seed=9)]
+    for sampling in (None, sampled):
+        ep, tp = (mk.launch(functools.partial(_drafting_rank, model, ids, expert_parallel, sampling), world_size=2,
+                            virtual=True, timeout=600) for expert_parallel in (True, False))
+        assert torch.equal(ep[0], ep[1]) and torch.equal(ep[0], tp[0]), f"sampling {sampling}"
+        if sampling is None:
+            assert torch.equal(ep[0], expected)
