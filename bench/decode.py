@@ -157,12 +157,12 @@ def moe_grouping(c: DecoderConfig, batches=(1, 8, 64), samples: int = 48) -> Non
 
 def expert_parallel_traffic(c: DecoderConfig, worlds=(2, 4, 8), batches=(1, 8, 64), samples: int = 48) -> None:
     """Under expert parallelism, per rank and sparse layer-step: the expert weight bytes it reads (a pass
-    per expert of its own chosen) and the bytes it sends (``tasks.moe.combine``: a token's row to each
+    per expert of its own chosen) and the bytes it sends (``tasks.expert_parallel.combine``: a token's row to each
     other rank where the token chose one of its experts), against tensor parallelism's (every expert's
     share of columns read per distinct expert chosen; the all-reduce of the whole [batch, hidden] part),
     for routers that pick uniformly at random (``samples`` layer-steps, seeded)."""
     from megakernel.tasks.comm import ONE_SHOT_MAX_BYTES
-    from megakernel.tasks.moe import Held
+    from megakernel.tasks.expert_parallel import Held
 
     size, generator = c.dtype.itemsize, torch.Generator().manual_seed(1)
     per_expert = 3 * c.moe_intermediate * c.hidden * size

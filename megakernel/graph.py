@@ -35,8 +35,8 @@ from .errors import BackendError, GraphError, is_count, is_int
 from .layout import COMM, align
 from .scheduler import NO_GUARD, Region, Spec, Tasks, task_cost
 from .tasks import DTYPES, OPS, TaskType
-from .tasks import (activation, attention, chunk_attention, comm, control, elementwise, embedding, linear, moe, norm,
-                    rope, sampling, speculation)
+from .tasks import (activation, attention, chunk_attention, comm, control, elementwise, embedding, expert_parallel,
+                    linear, moe, norm, rope, sampling, speculation)
 from .tasks.formats import Quantized
 
 
@@ -353,7 +353,7 @@ class Graph:
         return self._op(chunk_attention.chunk_attention, q, k_cache, v_cache, pos, head_dim, window, table,
                         page_size, rows_per_sequence)
 
-    # tasks/embedding.py, tasks/moe.py
+    # tasks/embedding.py, tasks/moe.py, tasks/expert_parallel.py
     def embedding(self, tokens: Tensor, table: Tensor | Quantized, pos: Tensor | None = None) -> Tensor:
         """The rows of ``table`` [vocab, hidden] that ``tokens`` (int64 [B]) name, or with ``pos`` those
         that a token history (int64 [B, positions]) holds at ``pos``. ``table`` may be ``Quantized``."""
@@ -377,7 +377,7 @@ class Graph:
         all the rows that chose it; ``act`` a gated activation over gate rows then up rows. Returns ``(y,
         marker)``: the marker is what a reader of y names as ``after`` (the rows written depend on the
         router). ``passes`` (int64 [count]) counts the weight passes; ``expert_parallel``: only this rank's
-        experts, which w stacks (``moe.Held.balanced``)."""
+        experts, which w stacks (``expert_parallel.Held.balanced``)."""
         return self._op(moe.grouped_experts, x, w, experts, count, act, after, passes, expert_parallel)
 
     def moe_sum(self, y: Tensor, weights: Tensor, after: Tensor | None = None, experts: Tensor | None = None,
@@ -390,7 +390,7 @@ class Graph:
     def combine(self, part: Tensor, experts: Tensor, count: int) -> Tensor:
         """The sum over the ranks of each rank's part of a sparse MLP under expert parallelism, on every
         rank: a token's row travels only from the ranks holding one of its ``experts`` (the router's)."""
-        return self._op(moe.combine, part, experts, count)
+        return self._op(expert_parallel.combine, part, experts, count)
 
     def moe_mlp(self, x: Tensor, router: Tensor | Quantized, gate_up: Tensor | Quantized, down: Tensor | Quantized,
                 k: int, normalize: bool, weight_dtype: torch.dtype, act: str = "silu_mul",
@@ -398,7 +398,7 @@ class Graph:
         """A sparse MLP: ``route``, each token's ``k`` experts' gated MLP (``act``), the rows that chose an
         expert sharing one pass over its weights (``tasks.moe.grouped_experts``; ``passes`` counts them),
         and ``moe_sum`` of their outputs, [tokens, hidden]. ``expert_parallel``: this rank's experts whole
-        (``moe.Held.balanced``), the parts combined over the ranks."""
+        (``expert_parallel.Held.balanced``), the parts combined over the ranks."""
         return self._op(moe.moe_mlp, x, router, gate_up, down, k, normalize, weight_dtype, act, passes,
                         expert_parallel)
 

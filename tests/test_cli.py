@@ -28,8 +28,9 @@ def test_demo_answers_with_smollm2_as_transformers_does():
     assert ours == theirs and len(ours) > 4
 
 
-@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=pytest.mark.slow), "torch"])
-def test_demo_generates_what_transformers_generates(tmp_path, backend):
+def test_demo_generates_what_transformers_generates(tmp_path, backend="torch"):
+    """The tensor-parallel demo on the torch backend (its interpreter run, the default, is the decode tests'
+    tiles over ranks: tests/test_decode.py)."""
     out = megakernel("demo", "--tensor-parallel", "--tokens", "2", "--out", str(tmp_path), "--backend", backend)
     assert f"({backend} backend)" in out
     assert "tokens identical to transformers on every rank" in out and "7 steps" in out and "in 1 launch per rank" in out

@@ -230,13 +230,13 @@ def test_any_tensor_parallel_degree_pads_what_does_not_divide(world, heads, kv_h
         assert_close(logits, first, 1e-4, f"rank {rank} of {world}")
 
 
-def tensor_parallel_generation(family: str, batch: int, model=None):
+def tensor_parallel_generation(family: str, batch: int, model=None, new_tokens: int = 12):
     """One rank's tokens and logits; ``model``: the one model virtual ranks share (threads must not make
     their own: torch's seeded generator is the process's)."""
     model = model or hf_model(family, kv_heads=1 if family == "llama" else 2)
     m = from_hf(model, max_seq_len=24, max_batch=batch, workers=1)
     try:
-        tokens = m.generate(prompt(batch), max_new_tokens=12)
+        tokens = m.generate(prompt(batch), max_new_tokens=new_tokens)
         return tokens, m.decode(tokens[:, 3], 3)
     finally:
         m.close()

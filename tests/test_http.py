@@ -10,7 +10,9 @@ import time
 import httpx
 import pytest
 
-from megakernel.tools.serve import Options, State, build_app, listen, uvicorn_config
+from megakernel.serving.http.app import Options, State, build_app
+from megakernel.serving.http.guards import uvicorn_config
+from megakernel.tools.serve import listen
 
 LIMIT_BYTES = 100_000
 IDLE_SECONDS = 1.0
@@ -24,7 +26,7 @@ def url():
     options = Options(model="no-model", port=0, max_request_bytes=LIMIT_BYTES, max_connections=CONNECTIONS,
                       idle_timeout=IDLE_SECONDS)
     sock = listen(options)
-    server = uvicorn.Server(uvicorn_config(options, build_app(State(options))))
+    server = uvicorn.Server(uvicorn_config(build_app(State(options)), options.max_connections, options.idle_timeout))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -8,7 +8,7 @@ from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen
 import megakernel as mk
 from megakernel.serving import SamplingParams, from_hf, from_pretrained
 from megakernel.tasks.formats import FP8_CHANNEL, Q8_0, quantized_input
-from megakernel.tasks.moe import Held
+from megakernel.tasks.expert_parallel import Held
 
 from helpers import assert_close, run_checked
 

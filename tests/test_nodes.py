@@ -232,18 +232,19 @@ def test_a_graph_may_see_more_nodes_than_there_are_never_fewer(monkeypatch):
 
 
 # TP 4 over 2 nodes of 2 ranks on the torch backend (the engine around the tiles: paged KV, the sampled
-# step, many steps a launch), and TP 2 over 2 nodes of 1 under the interpreter (the tiles themselves)
-@pytest.mark.parametrize("family,world,per_node,batch,host", [("qwen3", 4, 2, 2, "torch"), ("llama", 2, 1, 1, "cpu")])
-def test_tensor_parallel_generation_across_nodes_matches_transformers(family, world, per_node, batch, host,
+# step, many steps a launch), and TP 2 over 2 nodes of 1 under the interpreter (the tiles themselves: 4 tokens)
+@pytest.mark.parametrize("family,world,per_node,batch,host,tokens", [("qwen3", 4, 2, 2, "torch", 12),
+                                                                     ("llama", 2, 1, 1, "cpu", 4)])
+def test_tensor_parallel_generation_across_nodes_matches_transformers(family, world, per_node, batch, host, tokens,
                                                                       monkeypatch):
     monkeypatch.setattr(bootstrap, "_process_backend", host)
     model = hf_model(family, kv_heads=1 if family == "llama" else 2)
     ids = prompt(batch)
     with torch.no_grad():
-        expected = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        expected = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
         reference = model(expected[:, :4]).logits[:, 3].float()
-    results = mk.launch(functools.partial(tensor_parallel_generation, family, batch), world_size=world,
-                        ranks_per_node=per_node, timeout=600)
+    results = mk.launch(functools.partial(tensor_parallel_generation, family, batch, new_tokens=tokens),
+                        world_size=world, ranks_per_node=per_node, timeout=600)
     for rank, (tokens, logits) in enumerate(results):
         assert torch.equal(tokens, expected), f"rank {rank} of {world}, {per_node} a node"
         assert_close(logits, reference, 1e-4, f"rank {rank} of {world}")

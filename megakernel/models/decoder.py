@@ -21,7 +21,7 @@ import torch
 from ..errors import GraphError
 from ..graph import Graph, Tensor
 from ..tasks.formats import FORMATS, Format, Quantized, quantized_input, rows_of
-from ..tasks.moe import Held
+from ..tasks.expert_parallel import Held
 from ..tasks.sampling import PARAMS
 from ..tasks.speculation import STATS
 from .packed import concat
@@ -271,7 +271,7 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     h = g.rms_norm(x, w["post_norm"], c.eps, unit_offset=c.norm_unit_offset)
     if c.moe and c.moe[i]:
         # tensor-parallel: every expert's share of columns on each rank, the partial sums all-reduced; expert-
-        # parallel: each rank its experts whole, the parts combined (tasks.moe.combine)
+        # parallel: each rank its experts whole, the parts combined (tasks.expert_parallel.combine)
         out = g.moe_mlp(h, w["router"], w["experts.gate_up"], w["experts.down"], c.top_k, c.norm_topk,
                         c.router_weight_dtype, passes=expert_passes, expert_parallel=c.expert_parallel)
         return g.add(x, out if c.expert_parallel else _row_parallel(g, s, out))

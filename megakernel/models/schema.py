@@ -21,7 +21,7 @@ import torch
 from ..errors import GraphError
 from ..tasks.common import ceil_div
 from ..tasks.formats import FP8_SCALE_BLOCK
-from ..tasks.moe import Held
+from ..tasks.expert_parallel import Held
 from .packed import Packed, concat
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from ..graph import Graph
 from ..layout import NOT_FINITE
 from ..runtime import Megakernel
 from ..tasks.chunk_attention import BLOCK_ROWS
-from ..tasks.moe import expert_ranks
+from ..tasks.expert_parallel import expert_ranks
 from ..tasks.sampling import PARAMS
 from ..tasks.speculation import STATS
 from ..models.decoder import decode_step
