@@ -311,11 +311,12 @@ def test_expert_parallel_ranks_hold_their_experts_whole_and_agree_bit_for_bit(wo
         assert passes == [1] * len(mine) + [0] * (experts - len(mine)), f"rank {rank} holds {held}, chose {mine}"
 
 
-@pytest.mark.parametrize("family,world,batch,prefill_chunk,processes", [
-    ("qwen3_moe", 2, 3, None, False), ("qwen3_moe", 3, 2, 0, False), ("mixtral", 4, 3, None, False),
-    ("qwen3_moe", 2, 2, None, True)])
-def test_expert_parallel_models_generate_what_transformers_generates(family, world, batch, prefill_chunk, processes):
-    """Each expert whole on one rank (8 experts: 4 + 4, 2 + 3 + 3, 2 each), attention tensor-parallel:
+@pytest.mark.parametrize("family,world,batch,prefill_chunk,ranks", [
+    ("qwen3_moe", 2, 3, None, "virtual"), ("qwen3_moe", 3, 2, 0, "virtual"), ("mixtral", 4, 3, None, "virtual"),
+    ("qwen3_moe", 2, 2, None, "processes"), ("qwen3_moe", 2, 2, None, "two nodes")])
+def test_expert_parallel_models_generate_what_transformers_generates(family, world, batch, prefill_chunk, ranks):
+    """Each expert whole on one rank (8 experts: 4 + 4, 2 + 3 + 3, 2 each), attention tensor-parallel, the
+    ranks threads, processes, or processes on two nodes (the routed puts through the node transport):
     transformers' greedy tokens for a batch of prompts on every rank, the same logits on every rank bit
     for bit, the same expert map everywhere, and the weight passes of all ranks together exactly
     transformers' distinct (layer, position, expert) choices (each expert chosen is served once, by its
@@ -324,7 +325,8 @@ def test_expert_parallel_models_generate_what_transformers_generates(family, wor
     ids = torch.randint(0, 100, (batch, 5), generator=torch.Generator().manual_seed(world))
     expected, distinct = distinct_experts_per_layer_step(model, ids, 4)
     job = functools.partial(_moe_rank, model, ids, prefill_chunk, True)
-    results = mk.launch(job, world_size=world, virtual=not processes, timeout=600)
+    results = mk.launch(job, world_size=world, virtual=ranks == "virtual", backend="torch", timeout=600,
+                        ranks_per_node=1 if ranks == "two nodes" else None)
     ranks = tuple(((e + 1) * world - 1) // 8 for e in range(8))
     for rank, (tokens, _, logits, expert_ranks, _) in enumerate(results):
         assert torch.equal(tokens, expected), f"{family}, rank {rank} of {world}, batch {batch}"
