@@ -158,10 +158,9 @@ def combine(g, part, experts, count: int):
     tokens, slots = experts.rows, experts.cols
     g.require(part.ndim == 2 and part.rows == tokens and experts.dtype == torch.int64,
               f"combine: part {part.shape} must have a row per token of the router's experts {experts.shape}")
-    held_experts(g, "combine", count, True)
+    held = held_experts(g, "combine", count, True)
     stage = g.new_tensor((world * tokens, part.cols), part.dtype, comm=True)  # slot r: rank r's part
     out = g.new_tensor(part.shape, part.dtype)
-    held = held_experts(g, "combine", count, True)
     tiling = Tiling(tokens, part.cols)
     block_s = next_power_of_2(slots)
     put = g.opcode(ROUTED_PUT, DTYPE=part.dtype, SLOTS=slots, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n,
