@@ -1,7 +1,7 @@
 """``ServingConfig``: the sizes a model's decode step is built for (its context, batch rows, KV cache pages,
-prefill rows, reported log-probabilities and drafts) and how its ranks split the experts, each default declared here once and every value
-checked here once, before anything is built (the graph's tiles grow with the batch rows and the prefill
-chunk, its buffers with the rest).
+prefill rows, reported log-probabilities and drafts) and how its ranks split the experts, each default
+declared here once and every value checked here once, before anything is built (the graph's tiles grow
+with the batch rows and the prefill chunk, its buffers with the rest).
 
 The loaders (``hf.build_hf``, ``checkpoint.build_pretrained``, ``gguf.build_gguf``) take one, and
 ``ServingConfig.decoder_fields`` turns it into the ``DecoderConfig``'s fields; ``megakernel serve``'s
