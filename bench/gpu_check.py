@@ -769,63 +769,6 @@ def check_virtual_ranks(s: Setup) -> list[Row]:
     return rows
 
 
-# -- 13. expert parallelism over two virtual ranks ---------------------------------------------------------
-EP_TOKENS = 8
-
-
-def expert_parallel_inputs(c: DecoderConfig) -> dict[str, torch.Tensor]:
-    """The sparse MLP's input rows and weights, whole (every expert), made once before the ranks start."""
-    gen = torch.Generator().manual_seed(13)
-    return {"x": random_weight((EP_TOKENS, c.hidden), c.dtype, gen) * 4,
-            "router": random_weight((c.experts, c.hidden), c.dtype, gen),
-            "gate_up": random_weight((c.experts * 2 * c.moe_intermediate, c.hidden), c.dtype, gen),
-            "down": random_weight((c.experts * c.hidden, c.moe_intermediate), c.dtype, gen)}
-
-
-def expert_parallel_float64(c: DecoderConfig, w: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The sparse MLP in float64 on the host: softmax, top-k renormalised, each chosen expert's SwiGLU."""
-    x, inter = w["x"].double(), c.moe_intermediate
-    top, chosen = torch.sort(torch.softmax(x @ w["router"].double().T, -1), dim=-1, descending=True, stable=True)
-    top = top[:, :c.top_k] / top[:, :c.top_k].sum(-1, keepdim=True)
-    y = torch.zeros_like(x)
-    for b in range(x.shape[0]):
-        for s_, e in enumerate(chosen[b, :c.top_k].tolist()):
-            gate, up = (w["gate_up"][e * 2 * inter:(e + 1) * 2 * inter].double() @ x[b]).split(inter)
-            y[b] += top[b, s_] * (w["down"][e * c.hidden:(e + 1) * c.hidden].double() @ (F.silu(gate) * up))
-    return y
-
-
-def _expert_parallel_job(s: Setup, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float]:
-    c = s.moe
-    g = mk.Graph()
-    held = Held.balanced(c.experts, g.rank, g.world_size)
-    mine = {"gate_up": 2 * c.moe_intermediate, "down": c.hidden}  # rows per expert
-    weights = {name: torch.cat([w[name][held.first * rows:(held.first + held.count) * rows],
-                                w[name].new_zeros((held.stacked - held.count) * rows, w[name].shape[1])])
-               for name, rows in mine.items()}
-    inputs = {name: g.input(name, t.shape, t.dtype) for name, t in {**w, **weights}.items()}
-    g.output("y", g.moe_mlp(inputs["x"], inputs["router"], inputs["gate_up"], inputs["down"], c.top_k, True,
-                            torch.float32, expert_parallel=True))
-    with mk.Megakernel(g, backend=s.backend, timeout=s.timeout) as kernel:
-        kernel.bind({**w, **weights})
-        y = kernel.run()["y"].cpu()
-        return y, median_launch(kernel, s.repeats)[0]
-
-
-def check_expert_parallel(s: Setup) -> list[Row]:
-    c = s.moe
-    w = expert_parallel_inputs(c)
-    ranks = mk.launch(functools.partial(_expert_parallel_job, s, w), world_size=2, virtual=True, backend=s.backend,
-                      timeout=600)
-    same = torch.equal(ranks[0][0], ranks[1][0])
-    error = relative_error(ranks[0][0], expert_parallel_float64(c, w))
-    unit, scale = ("ms", 1e3) if s.device == "cpu" else ("us", 1e6)
-    return [Row(f"expert parallel over 2 ranks: {c.experts} experts top-{c.top_k}, {EP_TOKENS} tokens, bf16, vs "
-                f"float64", f"max rel. error {error:.1e}", "<= 2e-2 (bf16)", error <= 2e-2),
-            Row("expert parallel: both ranks the same bits", "yes" if same else "NO", "", same),
-            Row("expert parallel: sparse MLP launch (slower rank)", f"{max(r[1] for r in ranks) * scale:.1f} {unit}")]
-
-
 # -- 12. ranks on two nodes -------------------------------------------------------------------------------
 def _nodes_job() -> tuple[torch.Tensor, dict[int, str]]:
     g = mk.Graph()
@@ -894,6 +837,63 @@ def nvshmem_loopback(arch: int) -> Row:
     signalled = int(area[seen:].view(torch.int64).item())
     return Row(check, f"rows {'arrived' if arrived else 'WRONG'}, counter read {signalled}, {wall * 1e6:.0f} us wall",
                "rows arrived, counter 1", arrived and signalled == 1)
+
+
+# -- 13. expert parallelism over two virtual ranks ---------------------------------------------------------
+EP_TOKENS = 8
+
+
+def expert_parallel_inputs(c: DecoderConfig) -> dict[str, torch.Tensor]:
+    """The sparse MLP's input rows and weights, whole (every expert), made once before the ranks start."""
+    gen = torch.Generator().manual_seed(13)
+    return {"x": random_weight((EP_TOKENS, c.hidden), c.dtype, gen) * 4,
+            "router": random_weight((c.experts, c.hidden), c.dtype, gen),
+            "gate_up": random_weight((c.experts * 2 * c.moe_intermediate, c.hidden), c.dtype, gen),
+            "down": random_weight((c.experts * c.hidden, c.moe_intermediate), c.dtype, gen)}
+
+
+def expert_parallel_float64(c: DecoderConfig, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sparse MLP in float64 on the host: softmax, top-k renormalised, each chosen expert's SwiGLU."""
+    x, inter = w["x"].double(), c.moe_intermediate
+    top, chosen = torch.sort(torch.softmax(x @ w["router"].double().T, -1), dim=-1, descending=True, stable=True)
+    top = top[:, :c.top_k] / top[:, :c.top_k].sum(-1, keepdim=True)
+    y = torch.zeros_like(x)
+    for b in range(x.shape[0]):
+        for s_, e in enumerate(chosen[b, :c.top_k].tolist()):
+            gate, up = (w["gate_up"][e * 2 * inter:(e + 1) * 2 * inter].double() @ x[b]).split(inter)
+            y[b] += top[b, s_] * (w["down"][e * c.hidden:(e + 1) * c.hidden].double() @ (F.silu(gate) * up))
+    return y
+
+
+def _expert_parallel_job(s: Setup, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float]:
+    c = s.moe
+    g = mk.Graph()
+    held = Held.balanced(c.experts, g.rank, g.world_size)
+    mine = {"gate_up": 2 * c.moe_intermediate, "down": c.hidden}  # rows per expert
+    weights = {name: torch.cat([w[name][held.first * rows:(held.first + held.count) * rows],
+                                w[name].new_zeros((held.stacked - held.count) * rows, w[name].shape[1])])
+               for name, rows in mine.items()}
+    inputs = {name: g.input(name, t.shape, t.dtype) for name, t in {**w, **weights}.items()}
+    g.output("y", g.moe_mlp(inputs["x"], inputs["router"], inputs["gate_up"], inputs["down"], c.top_k, True,
+                            torch.float32, expert_parallel=True))
+    with mk.Megakernel(g, backend=s.backend, timeout=s.timeout) as kernel:
+        kernel.bind({**w, **weights})
+        y = kernel.run()["y"].cpu()
+        return y, median_launch(kernel, s.repeats)[0]
+
+
+def check_expert_parallel(s: Setup) -> list[Row]:
+    c = s.moe
+    w = expert_parallel_inputs(c)
+    ranks = mk.launch(functools.partial(_expert_parallel_job, s, w), world_size=2, virtual=True, backend=s.backend,
+                      timeout=600)
+    same = torch.equal(ranks[0][0], ranks[1][0])
+    error = relative_error(ranks[0][0], expert_parallel_float64(c, w))
+    unit, scale = ("ms", 1e3) if s.device == "cpu" else ("us", 1e6)
+    return [Row(f"expert parallel over 2 ranks: {c.experts} experts top-{c.top_k}, {EP_TOKENS} tokens, bf16, vs "
+                f"float64", f"max rel. error {error:.1e}", "<= 2e-2 (bf16)", error <= 2e-2),
+            Row("expert parallel: both ranks the same bits", "yes" if same else "NO", "", same),
+            Row("expert parallel: sparse MLP launch (slower rank)", f"{max(r[1] for r in ranks) * scale:.1f} {unit}")]
 
 
 SECTIONS = {"types": check_task_types, "decode": check_decode, "layer": check_layer, "dispatch": check_dispatch,

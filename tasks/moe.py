@@ -487,7 +487,7 @@ def _example(g):
     """Top-3 of 5 experts (expert intermediate 40, float32 weights renormalised) over two tokens, bf16: the
     grouped GEMV tiles, and the gate/up rows again a pass per slot (``expert_rows``); top-2 of the same
     experts over 20 tokens (the grouped ``tl.dot`` tiles, GeGLU); and a rank's part under expert
-    parallelism, combined (in a world of one: every expert, put into itself)."""
+    parallelism (in a world of one: every expert; ``expert_parallel``'s example combines parts)."""
     x = g.input("moe.x", (2, 64), torch.bfloat16)
     router, gate_up = g.input("moe.router", (5, 64), torch.bfloat16), g.input("moe.gate_up", (5 * 80, 64), torch.bfloat16)
     down = g.input("moe.down", (5 * 64, 40), torch.bfloat16)
