@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import smollm2_path  # noqa: E402  (the tests' checkpoint)
 
 from megakernel.serving import from_pretrained  # noqa: E402
-from megakernel.serving.engine import Scheduled  # noqa: E402
+from megakernel.serving.compiled import Scheduled  # noqa: E402
 
 PAGE = 16
 

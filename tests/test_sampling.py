@@ -7,7 +7,7 @@ import torch
 
 import megakernel as mk
 from megakernel.serving import SamplingParams, from_hf
-from megakernel.serving.engine import SMALLEST_NORMAL
+from megakernel.serving.sampling_params import SMALLEST_NORMAL
 from megakernel.tasks.sampling import PARAMS, drawn, kept, philox_uniform
 
 from test_decode import hf_model, prompt

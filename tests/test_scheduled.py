@@ -10,7 +10,7 @@ import torch
 
 from megakernel.errors import GraphError
 from megakernel.serving import from_hf
-from megakernel.serving.engine import Scheduled
+from megakernel.serving.compiled import Scheduled
 
 from helpers import assert_close, tolerance
 from test_decode import hf_model

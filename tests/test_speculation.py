@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import megakernel as mk
 from megakernel.serving import SamplingParams, from_hf
-from megakernel.serving.engine import GREEDY
+from megakernel.serving.sampling_params import GREEDY
 from megakernel.tasks.speculation import STATS, lookup
 
 pytestmark = pytest.mark.usefixtures("torch_backend")

@@ -1,196 +1,36 @@
-"""``DecodeModel``: one rank's share of a decoder model compiled into one megakernel, and the engine that
-serves it: greedy decoding on the device (``decode``, ``generate``) and continuous batching
-(``add`` / ``step`` / ``cancel``: sequences in slots of the batch, their KV cache in pages of a pool, their
-prompts prefilled in chunks). It knows the decode graph (``decode_step``) and its weights by input name
-(a ``models.ModelBuild``), not where they came from (``from_hf``, ``from_pretrained``)."""
+"""``DecodeModel``: decoding with a compiled model (``compiled.CompiledModel``): greedy or sampled tokens on
+the device for a fixed batch (``decode``, ``generate``), and continuous batching (``add`` / ``step`` /
+``cancel``: sequences in slots of the batch, their KV cache in pages of a pool, their prompts prefilled in
+chunks of the prefill rows). ``generate`` of a list of prompts runs on top of continuous batching."""
 from __future__ import annotations
 
-import functools
-import math
 import secrets
-import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from typing import Callable, TypeVar
+from dataclasses import replace
 
 import torch
 
-from ..backends import KINDS, resolve
-from ..errors import FaultError, GraphError, is_count, is_int, is_number
-from ..graph import Graph
+from ..errors import FaultError, GraphError, is_count, is_int
 from ..layout import NOT_FINITE
-from ..runtime import Megakernel
-from ..tasks.chunk_attention import BLOCK_ROWS
-from ..tasks.expert_parallel import expert_ranks
-from ..tasks.sampling import PARAMS
-from ..tasks.speculation import STATS
-from ..models.decoder import decode_step
 from ..models.hf import ModelBuild
-from .pages import KVCacheFull, PagePool, waves
+from .compiled import CompiledModel, Scheduled, serialized
+from .pages import KVCacheFull
+from .sampling_params import GREEDY, SEED_BITS, SamplingParams
+from .sequences import Chunk, Sequence, SequenceFault, plan_prefill
 
 
-Method = TypeVar("Method", bound=Callable)
-
-
-def serialized(method: Method) -> Method:
-    """Run ``method`` under the model's lock: a server calls the engine from several threads, and a step
-    that read the slots must not see them change under it (one call at a time; reentrant, for ``generate``
-    runs ``add`` and ``step``)."""
-    @functools.wraps(method)
-    def locked(self: "DecodeModel", *args, **kwargs):
-        with self.lock:
-            if self.closed:
-                raise GraphError(f"{method.__name__}: the model is closed")
-            return method(self, *args, **kwargs)
-    return locked  # type: ignore[return-value]
-
-
-class SequenceFault(GraphError):
-    """A step whose launch met data it cannot use in some sequences (``runtime.FaultError``: logits that
-    are not finite, an index out of range): those sequences ended, their slots and pages free, and
-    ``sequences`` maps each one's id to what it met; the others' tokens of the step are theirs as usual
-    (an index fault, whose clamped data may be anywhere, ends every sequence of the step)."""
-
-    def __init__(self, message: str, sequences: dict[int, str]):
-        super().__init__(message, sequences)
-        self.message, self.sequences = message, sequences
-
-    def __str__(self) -> str:
-        return self.message
-
-
-SEED_BITS = 63  # a seed is an int64 on the device's heap
-# the least positive float parameter: float32's smallest normal number (GPUs flush the subnormal ones to 0,
-# where a temperature would divide by zero and a min-p would keep everything)
-SMALLEST_NORMAL = float(torch.finfo(torch.float32).tiny)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How a sequence's tokens are drawn on the device (``tasks.sampling``): ``temperature`` 0 is greedy
-    (the argmax); above it, softmax(logits / temperature) over the tokens that ``top_k`` (0: all), ``top_p``
-    (1: all) and ``min_p`` (0: all) keep. ``seed``: the key of the sequence's random stream, which with
-    the position alone decides its draws (None: one drawn for it, the same on every rank). A positive
-    float parameter is at least ``SMALLEST_NORMAL`` (1.18e-38): at the least temperature the draw is the
-    argmax (among equal logits, one of them at random)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-
-    def __post_init__(self):
-        def zero_or_normal(x) -> bool:
-            return x == 0 or x >= SMALLEST_NORMAL
-
-        checks = (("temperature", is_number(self.temperature) and 0 <= self.temperature < math.inf
-                   and zero_or_normal(self.temperature), f"0 or a finite number >= {SMALLEST_NORMAL:.8g}"),
-                  ("top_k", is_int(self.top_k) and 0 <= self.top_k < 1 << 24, "an int in [0, 2^24) (0: off)"),
-                  ("top_p", is_number(self.top_p) and SMALLEST_NORMAL <= self.top_p <= 1,
-                   f"a number in [{SMALLEST_NORMAL:.8g}, 1]"),
-                  ("min_p", is_number(self.min_p) and 0 <= self.min_p <= 1 and zero_or_normal(self.min_p),
-                   f"0 or a number in [{SMALLEST_NORMAL:.8g}, 1]"),
-                  ("seed", self.seed is None or is_int(self.seed), "an int or None"))
-        for name, good, what in checks:
-            if not good:
-                raise GraphError(f"sampling: {name} must be {what}, got {getattr(self, name)!r}")
-
-    @property
-    def row(self) -> list[float]:
-        """The sampling tile's float32 params (``tasks.sampling.PARAMS``)."""
-        return [float(getattr(self, name)) for name in PARAMS]
-
-
-GREEDY = SamplingParams()
-
-
-@dataclass
-class Sequence:
-    """A sequence of continuous batching (``DecodeModel.add``): its batch row, prompt and new tokens, and
-    the log-probability of each (with the ``max_logprobs`` most likely tokens' ids and log-probabilities)."""
-
-    id: int
-    slot: int
-    prompt: torch.Tensor
-    max_new: int
-    stop: frozenset[int]                           # token ids that end it (included in its tokens)
-    sampling: SamplingParams = GREEDY              # its seed set: the one drawn for it where it brought none
-    pos: int = 0                                   # the position its row is at (the device's, mirrored)
-    prefilled: int = 0                             # prompt positions whose KV the prefill rows wrote
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top: list[list[tuple[int, float]]] = field(default_factory=list)
-    done: bool = False
-
-    @property
-    def prefilling(self) -> bool:
-        """Its prompt still has positions before the last for prefill rows (its batch row waits)."""
-        return self.prefilled < self.prompt.numel() - 1
-
-    @property
-    def last_position(self) -> int:
-        """The position of its last step (which samples its last token)."""
-        return self.prompt.numel() + self.max_new - 2
-
-
-class DecodeModel:
-    """One rank's share of a model, compiled into one megakernel: one launch per decode step."""
+class DecodeModel(CompiledModel):
+    """A compiled model that decodes: a fixed batch of prompts at once (``generate``), or sequences that come
+    and go in the batch's slots (``add`` / ``step`` / ``cancel``)."""
 
     def __init__(self, build: ModelBuild, parallelism: int | str = "auto", **kernel_options):
-        """Compile ``build`` (its frequencies rebound when ``build.rope_at`` changes them). ``parallelism``:
-        the workers the step's tiles are sized for (``Graph.parallelism``); "auto": what suits the backend
-        (``BackendKind.tile_parallelism``: on a GPU every worker the kernel holds, found by building once; on
-        the cpu backend 1, few large tiles for the interpreter; on torch the workers, at least 2).
-        ``kernel_options``: ``Megakernel``'s."""
-        config, weights, rope_at = build.config, build.weights, build.rope_at
-        if config.draft_tokens and rope_at is not None:
-            raise GraphError("draft_tokens: rope types whose frequencies follow the position (dynamic, longrope) "
-                             "need one position per launch; a step with drafts advances each row by its own count")
-        self.config = config
-        self.rope_at = rope_at
-        self.bytes_read = build.bytes_read  # of a checkpoint, by this rank (from_pretrained)
-        # the bytes of weights this rank holds on its heap, as bound: packed ones as they are stored
-        self.weight_bytes = sum(t.numel() * t.element_size() for name, t in weights.items() if name != "inv_freq")
-        self.inv_freq = weights["inv_freq"].clone()  # the frequencies bound now (the model may update its own)
-        learn = False  # size the tiles for the workers the kernel turns out to hold
-        kind = KINDS[resolve(kernel_options.get("backend", "auto"))]
-        if parallelism == "auto":
-            workers = kernel_options.get("workers")  # a bad value is Megakernel's to refuse
-            parallelism = kind.tile_parallelism(workers if is_count(workers) else None)
-            learn, parallelism = parallelism is None, parallelism or 1
-        self.graph = decode_step(config, Graph(parallelism=parallelism, few_tiles=kind.few_tiles))
-        self.kernel = Megakernel(self.graph, **kernel_options)
-        if learn and self.kernel.workers > 1:
-            self.kernel.close()
-            self.graph = decode_step(config, Graph(parallelism=self.kernel.workers, few_tiles=kind.few_tiles))
-            self.kernel = Megakernel(self.graph, **kernel_options)
-        self.kernel.bind(weights)
-        self.pool = PagePool(config.pool_pages, config.page_size, config.table_rows, config.max_pages)
-        self.kernel.bind({"history": torch.zeros(config.batch, config.max_seq_len, dtype=torch.int64),
-                          "pos": torch.full((config.batch,), -1), "prompt_len": torch.zeros(config.batch, dtype=torch.int64),
-                          "block_table": self.pool.table})
-        self.kernel.bind({"sampling": torch.zeros(config.batch, len(PARAMS)),  # temperature 0: greedy
-                          "seed": torch.zeros(config.batch, dtype=torch.int64)})
+        """``CompiledModel``'s arguments; the batch's slots empty."""
+        super().__init__(build, parallelism, **kernel_options)
         # seeds for sequences that bring none: from rank 0's base, so that every rank draws the same tokens
         self._seed_base, self._seeds_drawn = self.kernel.group.all_gather(secrets.randbits(SEED_BITS))[0], 0
-        if config.draft_tokens:  # every row off until it is given an end; the counters from zero
-            self.kernel.bind({"end": torch.zeros(config.batch, dtype=torch.int64),
-                              "draft_stats": torch.zeros(len(STATS), dtype=torch.int64)})
-        if "expert_passes" in self.graph.inputs:
-            self.kernel.bind({"expert_passes": torch.zeros(2 * config.layers, config.experts, dtype=torch.int64)})
-        self._steps_launched = 0
-        if config.prefill_chunk:
-            self.kernel.bind({"prefill_pos": torch.full((config.prefill_chunk,), -1),
-                              "prefill_tokens": torch.zeros(config.prefill_chunk, dtype=torch.int64)})
-        self.slots: list[Sequence | None] = [None] * config.batch  # the sequences of add(), by batch row
+        self.slots: list[Sequence | None] = [None] * self.config.batch  # the sequences of add(), by batch row
         self.finished: dict[int, torch.Tensor] = {}  # sequence id -> prompt + new tokens, once it ended
-        # float32 [batch, vocab]: the last step's (of ``step``, by slot, or of ``generate``, by row); with
-        # drafts [batch * (draft_tokens + 1), vocab], each slot's verification rows
-        self.logits: torch.Tensor | None = None
         self._next_id = 0
-        self.lock = threading.RLock()  # held by every public method (``serialized``)
-        self.closed = False
 
     @serialized
     def decode(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
@@ -362,7 +202,7 @@ class DecodeModel:
         active = [s for s in self.slots if s is not None]
         if not active:
             return {}
-        chunk = self._plan_prefill(active)
+        chunk = plan_prefill(active, self.config.prefill_chunk)
         running = [s for s in active if not s.prefilling or s.id in chunk.finishing]
         # steps past the longest remaining sequence would only run rows that sample nothing anyone keeps
         # (one step when the launch only prefills: its prefill rows are off after the first)
@@ -413,102 +253,6 @@ class DecodeModel:
             raise SequenceFault("step: " + "; ".join(f"sequence {i} ended: {why}" for i, why in faulted.items())
                                 + f" (the others' tokens are theirs: {new})", faulted)
         return new
-
-    # -- steps scheduled from outside (vLLM) -----------------------------------------------------------
-    @serialized
-    def run_scheduled(self, requests: list["Scheduled"]) -> torch.Tensor:
-        """Run a step that another scheduler planned (``serving.vllm``: vLLM's): each request's tokens at
-        their positions, its KV cache in the pool pages it names (that scheduler's block ids: it owns the
-        pool, this model's page allocator stays out of it). Returns float32 logits [len(requests), vocab] of
-        each request's last token; no token is sampled into the history.
-
-        A request's tokens but the last go through the prefill rows (several launches of one step, each
-        prefill-only but the last, where the chunk cannot hold them all), its last through a batch row, in
-        the last launch, after its prefill rows wrote their keys. A request that reads a position another
-        request of the step writes (a page a prefix cache hands out in the step that computes it) runs
-        after it, in a step of its own (``pages.waves``); more requests than the batch has rows run in
-        steps of ``batch`` requests."""
-        c = self.config
-        self._require_no_sequences("run_scheduled")
-        if c.draft_tokens or not c.prefill_chunk or self.rope_at is not None:
-            raise GraphError("run_scheduled: the model must be built with prefill rows (prefill_chunk > 0), "
-                             "without drafts (draft_tokens=0) and with RoPE frequencies that stay fixed")
-        if not requests:
-            raise GraphError("run_scheduled: no requests")
-        checked = [self._checked_request(row, r) for row, r in enumerate(requests)]
-        logits = torch.empty(len(requests), c.vocab)
-        for wave in waves([(r.start, r.start + ids.numel() - 1, pages) for ids, r, pages in checked], c.page_size):
-            for group in range(0, len(wave), c.batch):
-                rows = wave[group:group + c.batch]
-                logits[rows] = self._run_wave([checked[i] for i in rows])
-        return logits
-
-    def _checked_request(self, row: int, r: "Scheduled") -> tuple[torch.Tensor, "Scheduled", torch.Tensor]:
-        """Request ``row`` of ``run_scheduled``'s as (token ids, the request, its pages), or a ``GraphError``
-        naming what is wrong with it."""
-        c = self.config
-        ids = self._token_ids(r.tokens, "run_scheduled", f"requests[{row}].tokens").reshape(-1)
-        last = r.start + ids.numel() - 1
-        pages = torch.as_tensor(r.pages, dtype=torch.int64).reshape(-1)
-        if ids.numel() == 0:
-            raise GraphError(f"run_scheduled: request {row} has no tokens")
-        if r.start < 0 or last >= c.max_seq_len:
-            raise GraphError(f"run_scheduled: request {row}'s {ids.numel()} tokens from position {r.start} "
-                             f"are not inside [0, {c.max_seq_len}) (max_seq_len)")
-        if pages.numel() < self.pool.pages_for(last + 1) or pages.numel() > c.max_pages or (
-                pages.numel() and not (0 <= int(pages.min()) and int(pages.max()) < self.pool.pages)):
-            raise GraphError(f"run_scheduled: request {row} reaches position {last}: it needs "
-                             f"{self.pool.pages_for(last + 1)} to {c.max_pages} pages of [0, {self.pool.pages}),"
-                             f" got {pages.tolist()}")
-        return ids, r, pages
-
-    def _run_wave(self, requests: list[tuple[torch.Tensor, "Scheduled", torch.Tensor]]) -> torch.Tensor:
-        """``run_scheduled``'s step for at most ``batch`` requests none of which reads what another writes:
-        request i in batch row i; their logits."""
-        c = self.config
-        table = torch.full_like(self.pool.table, self.pool.pages)  # unnamed pages: the spill page
-        history, pos = self.kernel.tensor(self.graph.inputs["history"]), torch.full((c.batch,), -1)
-        prefill: list[tuple[int, int, torch.Tensor]] = []  # (batch row, first position, tokens)
-        for row, (ids, r, pages) in enumerate(requests):
-            table[row, :pages.numel()] = pages
-            history[row, r.start + ids.numel() - 1] = ids[-1]  # between launches
-            pos[row] = r.start + ids.numel() - 1
-            if ids.numel() > 1:
-                prefill.append((row, r.start, ids[:-1]))
-        self.kernel.bind({"prompt_len": torch.full((c.batch,), c.max_seq_len), "pos": torch.full((c.batch,), -1)})
-        launches = self._packed(prefill)
-        for index, chunk in enumerate(launches):
-            tokens, positions = torch.zeros(c.prefill_chunk, dtype=torch.int64), torch.full((c.prefill_chunk,), -1)
-            table[c.batch:] = self.pool.pages
-            for row, first, part, at in chunk:
-                tokens[at:at + part.numel()] = part
-                positions[at:at + part.numel()] = torch.arange(first, first + part.numel())
-                table[c.batch + at:c.batch + at + part.numel()] = table[row]
-            self.kernel.bind({"prefill_tokens": tokens, "prefill_pos": positions, "block_table": table})
-            if index < len(launches) - 1:  # the last chunk runs in the launch of the batch rows
-                self._launch({}, 1)
-        try:
-            self._launch({"pos": pos, "block_table": table}, 1)
-        finally:
-            self.kernel.bind({"pos": torch.full((c.batch,), -1)})  # every row free again
-        return self.logits[:len(requests)]
-
-    def _packed(self, prefill: list[tuple[int, int, torch.Tensor]]) -> list[list[tuple[int, int, torch.Tensor, int]]]:
-        """The prefill rows of ``run_scheduled``'s launches: (batch row, first position, tokens, first chunk
-        row) parts, each from a multiple of ``BLOCK_ROWS`` rows; a request that does not fit in a launch's
-        rows goes on in the next one's (at least one launch, maybe with no parts)."""
-        launches: list[list[tuple[int, int, torch.Tensor, int]]] = [[]]
-        at = 0
-        for row, first, tokens in prefill:
-            while tokens.numel():
-                if at >= self.config.prefill_chunk:
-                    launches.append([])
-                    at = 0
-                part = tokens[:self.config.prefill_chunk - at]
-                launches[-1].append((row, first, part, at))
-                at += -(-part.numel() // BLOCK_ROWS) * BLOCK_ROWS
-                first, tokens = first + part.numel(), tokens[part.numel():]
-        return launches
 
     def _faulted(self, error: FaultError, running: list[Sequence]) -> dict[int, str]:
         """The sequences of ``running`` that ``error``'s faults make invalid, with what each met."""
@@ -562,22 +306,7 @@ class DecodeModel:
         self.pool.release(s.slot)
         self.kernel.tensor(self.graph.inputs["pos"])[s.slot] = -1  # no sequence: no work
 
-    def _plan_prefill(self, active: list[Sequence]) -> "Chunk":
-        """The prompt positions the prefill rows take in the next launch: each prefilling sequence in turn
-        (oldest first), from a row at a multiple of ``BLOCK_ROWS`` (a block of rows holds one sequence's),
-        up to ``prefill_chunk`` rows in all."""
-        chunk, row = Chunk(), 0
-        for s in sorted((s for s in active if s.prefilling), key=lambda s: s.id):
-            count = min(self.config.prefill_chunk - row, s.prompt.numel() - 1 - s.prefilled)
-            if count <= 0:
-                break
-            chunk.parts.append((s, s.prefilled, count, row))
-            row += -(-count // BLOCK_ROWS) * BLOCK_ROWS
-            if s.prefilled + count == s.prompt.numel() - 1:
-                chunk.finishing.add(s.id)
-        return chunk
-
-    def _bind_prefill(self, chunk: "Chunk") -> None:
+    def _bind_prefill(self, chunk: Chunk) -> None:
         """Write the chunk's tokens, positions and block table rows (between launches)."""
         c = self.config
         if not c.prefill_chunk:
@@ -605,7 +334,7 @@ class DecodeModel:
             return 0
         rows = [Sequence(row, row, ids[row], 1, frozenset()) for row in range(c.batch)]
         while True:
-            chunk = self._plan_prefill(rows)
+            chunk = plan_prefill(rows, self.config.prefill_chunk)
             self._bind_prefill(chunk)
             for s, first, count, _ in chunk.parts:
                 s.prefilled = first + count
@@ -667,24 +396,6 @@ class DecodeModel:
                              "one position for the whole batch: generate a [batch, T] tensor of prompts")
         return ids
 
-    def _token_ids(self, value, what: str, argument: str) -> torch.Tensor:
-        """``value`` (a tensor or nested lists) as int64 token ids, or a ``GraphError`` naming ``argument``:
-        floats and bools are refused, not truncated, and so are ids outside the vocabulary (the embedding
-        would read past its rows)."""
-        refused = f"{what}: {argument} must be integer token ids, got"
-        try:
-            ids = torch.as_tensor(value)
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise GraphError(f"{refused} {type(value).__name__} ({error})") from error
-        # an empty list is a float tensor: it holds nothing to truncate (the caller says what is wrong with it)
-        if ids.numel() and (ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex()):
-            raise GraphError(f"{refused} {ids.dtype}")
-        ids = ids.to(torch.int64)
-        outside = ids[(ids < 0) | (ids >= self.config.vocab)]
-        if outside.numel():
-            raise GraphError(f"{what}: token id {int(outside[0])} is outside the vocabulary [0, {self.config.vocab})")
-        return ids
-
     def _stop_ids(self, eos_token_id, what: str) -> torch.Tensor:
         """``eos_token_id`` (None, an id or several) as a 1-D int64 tensor of ids in the vocabulary."""
         if eos_token_id is None:
@@ -714,21 +425,6 @@ class DecodeModel:
         self.kernel.tensor(self.graph.inputs["seed"])[row] = (params.seed + (1 << 63)) % (1 << 64) - (1 << 63)
         return params
 
-    def _launch(self, inputs: dict[str, torch.Tensor], steps: int) -> dict[str, torch.Tensor]:
-        """One launch of ``steps`` steps; keeps the last step's logits (float32, the vocabulary's). A launch
-        that faulted (``FaultError``) ran all its steps: they count, and its outputs are on the heap."""
-        try:
-            out = self.kernel.run(inputs, steps=steps)
-        except FaultError as error:
-            self._ran(steps, error.outputs)
-            raise
-        return self._ran(steps, out)
-
-    def _ran(self, steps: int, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        self._steps_launched += steps
-        self.logits = out["logits"][:, :self.config.vocab].float()
-        return out
-
     def _ends(self, end: int) -> dict[str, torch.Tensor]:
         """With drafts, the input that ends every batch row at position ``end``."""
         return {"end": torch.full((self.config.batch,), end)} if self.config.draft_tokens else {}
@@ -739,95 +435,13 @@ class DecodeModel:
         device = self.kernel.tensor(self.graph.inputs["pos"]).tolist()
         return [device[row] if device[row] >= 0 else end for row, end in zip(rows, ended)]
 
-    @property
-    def steps_run(self) -> int:
-        """Device steps since the model was built: those of every launch; with drafts, the steps in which a
-        batch row ran (a step whose batch rows had all ended, or that only prefilled, is not counted: its
-        batch-row tasks skip their work)."""
-        return self.statistics().steps if self.config.draft_tokens else self._steps_launched
-
-    def statistics(self) -> "Statistics":
-        """The counters of decoding with drafts since the model was built (``Statistics``)."""
-        if not self.config.draft_tokens:
-            return Statistics(self._steps_launched, 0, 0, 0, 0)
-        return Statistics(*self.kernel.tensor(self.graph.inputs["draft_stats"]).tolist())
-
-    @property
-    def expert_passes(self) -> int:
-        """The (layer, expert) weight passes this rank's sparse MLPs have run since the model was built: one
-        per expert that some row chose in a layer-step, however many rows chose it (0 for a dense model)."""
-        if "expert_passes" not in self.graph.inputs:
-            return 0
-        return int(self.kernel.tensor(self.graph.inputs["expert_passes"]).sum())
-
-    @property
-    def expert_ranks(self) -> tuple[int, ...]:
-        """The rank that holds each expert whole (``expert_parallel``; the same on every rank), or () where
-        every rank holds a share of every expert (tensor parallelism, one rank, a dense model)."""
-        if not (self.config.expert_parallel and self.config.experts):
-            return ()
-        return expert_ranks(self.config.experts, self.graph.world_size)
-
     def _require_no_sequences(self, what: str) -> None:
         busy = [s.id for s in self.slots if s is not None]
         if busy:
             raise GraphError(f"{what}: sequences {busy} of add() are running in the batch; step until they finish")
 
-    def _frequencies(self, pos: int) -> dict[str, torch.Tensor]:
-        """The RoPE frequencies to bind for a launch starting at ``pos`` (none when they did not change)."""
-        if self.rope_at is None:
-            return {}
-        inv_freq = self.rope_at(pos)
-        if torch.equal(inv_freq, self.inv_freq):
-            return {}
-        self.inv_freq = inv_freq
-        return {"inv_freq": inv_freq}
-
-    def close(self) -> None:
-        """Release the kernel, once a step of another thread has ended; the model refuses any call after."""
-        with self.lock:
-            self.closed = True
-            self.kernel.close()
-
-
-@dataclass(frozen=True)
-class Scheduled:
-    """A request's share of a step another scheduler planned (``DecodeModel.run_scheduled``): its tokens
-    (int64 [q]) at positions ``start`` .. ``start + q - 1``, its KV cache in pool pages ``pages`` (in order:
-    page j holds positions j * page_size ..; every page up to its last position)."""
-
-    tokens: torch.Tensor
-    start: int
-    pages: torch.Tensor
-
-
-@dataclass
-class Chunk:
-    """The prefill rows of a launch: (sequence, first position, positions, first row) parts, and the
-    sequences whose prompt they finish."""
-
-    parts: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
-    finishing: set[int] = field(default_factory=set)
-
-
-@dataclass(frozen=True)
-class Statistics:
-    """Counters of decoding on the device (``DecodeModel.statistics``): ``steps`` run, and with drafts
-    (``tasks.speculation``) the batch rows' steps (``row_steps``), the tokens they made, the drafted
-    tokens they verified and those accepted."""
-
-    steps: int
-    row_steps: int
-    tokens: int
-    drafted: int
-    accepted: int
-
-    @property
-    def tokens_per_row_step(self) -> float:
-        """Tokens a running sequence made per step: 1 without drafts, up to ``draft_tokens + 1``."""
-        return self.tokens / self.row_steps if self.row_steps else 0.0
-
-    @property
-    def acceptance(self) -> float:
-        """The share of drafted tokens the model agreed with."""
-        return self.accepted / self.drafted if self.drafted else 0.0
+    @serialized
+    def run_scheduled(self, requests: list[Scheduled]) -> torch.Tensor:
+        """``CompiledModel.run_scheduled``, refused while sequences of ``add`` hold the batch's rows."""
+        self._require_no_sequences("run_scheduled")
+        return super().run_scheduled(requests)

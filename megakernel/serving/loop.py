@@ -22,7 +22,9 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..bootstrap import Group
-from .engine import SEED_BITS, DecodeModel, SamplingParams, Sequence, SequenceFault
+from .engine import DecodeModel
+from .sequences import Sequence, SequenceFault
+from .sampling_params import SEED_BITS, SamplingParams
 from .text import Streamer, Text
 
 HEARTBEAT = 1.0  # seconds an idle loop waits before it sends the followers an empty turn

@@ -77,7 +77,7 @@ class PagePool:
 
 
 def waves(requests: list[tuple[int, int, torch.Tensor]], page_size: int) -> list[list[int]]:
-    """The requests of one step that another scheduler planned (``DecodeModel.run_scheduled``), each
+    """The requests of one step that another scheduler planned (``CompiledModel.run_scheduled``), each
     ``(first, last, pages)`` (it writes positions ``first ..= last`` and reads ``0 ..= last`` through its
     ``pages``), in waves: a request that reads a pool position another request of the step writes (a
     prefix cache handing out a page in the step that computes it) comes in a later wave than that writer.

@@ -8,7 +8,7 @@ vLLM process (``register``), and it does nothing unless vLLM loads it.
 
 A vLLM step is a flat batch: request i's tokens are ``input_ids[query_start_loc[i]:query_start_loc[i+1]]``
 at consecutive positions, its KV cache in the blocks of ``block_table[i]`` (the attention metadata vLLM
-builds for the attention layers this class declares). ``DecodeModel.run_scheduled`` runs it: each
+builds for the attention layers this class declares). ``CompiledModel.run_scheduled`` runs it: each
 request's last token in a batch row (its logits), the tokens before it in the prefill rows, the KV cache
 in the megakernel's heap at vLLM's block ids, so that vLLM's block manager, preemption and prefix cache
 stay right. With tensor parallelism vLLM's ranks are the megakernel's (the process group vLLM made).
@@ -44,7 +44,7 @@ from ..models.architectures import ARCHITECTURES
 from ..models.checkpoint import build_pretrained
 from ..models.hf import DTYPES, ModelBuild
 from ..models.serving_config import PREFILL_CHUNK, ServingConfig
-from .engine import DecodeModel, Scheduled
+from .compiled import CompiledModel, Scheduled
 
 ARCHITECTURE = "MegakernelForCausalLM"
 # batch rows of the megakernel's step: vLLM may schedule more requests (max_num_seqs, 256 by default), which
@@ -105,7 +105,7 @@ class MegakernelForCausalLM(nn.Module):
                       prefix=f"{prefix}.model.layers.{i}.self_attn.attn".lstrip("."))
             for i in range(layers))
         self.build: ModelBuild | None = None  # read by load_weights, compiled at the first forward
-        self.engine: DecodeModel | None = None
+        self.engine: CompiledModel | None = None
         self.logits: torch.Tensor | None = None  # the last forward's, of its requests' last tokens
         self.logits_row = torch.zeros(0, dtype=torch.int64)  # per token of it: its row of logits, or -1
 
@@ -166,7 +166,7 @@ class MegakernelForCausalLM(nn.Module):
                              "logprobs are not supported")
         return self.logits[rows]
 
-    def _engine(self) -> DecodeModel:
+    def _engine(self) -> CompiledModel:
         """The step, compiled at the first real forward: the KV pool holds vLLM's blocks (known only after
         vLLM sized its cache)."""
         if self.engine is None:
@@ -180,7 +180,7 @@ class MegakernelForCausalLM(nn.Module):
             if workers is None and self.backend == "torch":
                 workers = torch_workers(self.vllm_config.parallel_config.tensor_parallel_size)
             workers = {} if workers is None else {"workers": workers}  # (a bad value is Megakernel's to refuse)
-            self.build, self.engine = None, DecodeModel(build, backend=self.backend, **workers)
+            self.build, self.engine = None, CompiledModel(build, backend=self.backend, **workers)
         return self.engine
 
 

@@ -34,7 +34,8 @@ from starlette.exceptions import HTTPException
 
 from ...errors import GraphError
 from ...models.serving_config import SERVER, ServingConfig
-from ..engine import DecodeModel, SamplingParams
+from ..engine import DecodeModel
+from ..sampling_params import SamplingParams
 from .. import loop
 from ..loop import LATENCY_BUCKETS, ServingLoop
 from ..text import Text
