@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
-from megakernel.models import DecoderConfig
+from megakernel.models import DecoderConfig, ServingConfig
 from megakernel.serving import from_hf
 from megakernel.tools.demo import random_llama
 
 LLAMA3_8B = DecoderConfig(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, layers=1,
-                          vocab=128256, eps=1e-5, qk_norm=False, max_seq_len=4096, dtype=torch.bfloat16)
+                          vocab=128256, eps=1e-5, qk_norm=False, serving=ServingConfig(max_seq_len=4096, prefill_chunk=0),
+                          dtype=torch.bfloat16)
 
 
 def weight_bytes(c: DecoderConfig, lm_head: bool = True) -> int:
@@ -45,7 +47,7 @@ def layer_floor_bytes(c: DecoderConfig, context: int) -> int:
     activations it must read and write (negligible next to the weights at batch 1)."""
     size = torch.empty((), dtype=c.dtype).element_size()
     cache = 2 * context * c.kv_heads * c.head_dim * size
-    return weight_bytes(DecoderConfig(**{**c.__dict__, "layers": 1}), lm_head=False) - c.hidden * size + cache
+    return weight_bytes(replace(c, layers=1), lm_head=False) - c.hidden * size + cache
 
 
 def cpu_steps(steps: int = 6) -> None:
@@ -98,7 +100,8 @@ def host_per_token(prompt: int = 4, new_tokens: int = 12) -> None:
 
 
 QWEN3_30B_A3B = DecoderConfig(hidden=2048, heads=32, kv_heads=4, head_dim=128, intermediate=6144, layers=48,
-                              vocab=151936, eps=1e-6, qk_norm=True, max_seq_len=4096, dtype=torch.bfloat16,
+                              vocab=151936, eps=1e-6, qk_norm=True, serving=ServingConfig(max_seq_len=4096, prefill_chunk=0),
+                              dtype=torch.bfloat16,
                               moe=(True,) * 48, experts=128, top_k=8, moe_intermediate=768, norm_topk=True,
                               router_weight_dtype=torch.bfloat16)
 
@@ -110,7 +113,7 @@ def moe_layer(c: DecoderConfig, tokens: int) -> list[tuple[int, int]]:
     from megakernel.models.decoder import Shard, decoder_layer
     from megakernel.tasks.moe import GROUPED_EXPERT
 
-    one = DecoderConfig(**{**c.__dict__, "layers": 1, "moe": (True,), "batch": tokens})
+    one = replace(c, layers=1, moe=(True,), serving=replace(c.serving, max_batch=tokens))
     g = Graph(world_size=1, rank=0)
     decoder_layer(g, one, Shard.of(one, 0, 1), g.input("x", (tokens, c.hidden), c.dtype),
                   g.input("pos", (tokens,), torch.int64), g.input("inv_freq", (c.head_dim // 2,), torch.float32), 0)
@@ -128,8 +131,8 @@ def moe_bytes(c: DecoderConfig) -> tuple[int, int]:
     size = c.dtype.itemsize
     streamed = sum(elements for _, elements in moe_layer(c, 1)) * size
     every_expert = c.experts * 3 * c.moe_intermediate * c.hidden * size
-    one = DecoderConfig(**{**c.__dict__, "layers": 1, "moe": (True,)})
-    others = weight_bytes(DecoderConfig(**{**one.__dict__, "intermediate": 0}), lm_head=False) - c.hidden * size
+    one = replace(c, layers=1, moe=(True,))
+    others = weight_bytes(replace(one, intermediate=0), lm_head=False) - c.hidden * size
     others += c.experts * c.hidden * size  # the router
     return c.layers * (others + streamed) + c.vocab * c.hidden * size, \
         c.layers * (others + every_expert) + c.vocab * c.hidden * size
@@ -190,7 +193,7 @@ def expert_parallel_traffic(c: DecoderConfig, worlds=(2, 4, 8), batches=(1, 8, 6
 
 def moe_fraction() -> None:
     small = DecoderConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=96, layers=2, vocab=100,
-                          eps=1e-6, qk_norm=True, max_seq_len=16, moe=(True, True), experts=8, top_k=2,
+                          eps=1e-6, qk_norm=True, serving=ServingConfig(max_seq_len=16, prefill_chunk=0), moe=(True, True), experts=8, top_k=2,
                           moe_intermediate=44, norm_topk=True)
     print("mixture of experts, weights one decode step reads (batch 1), from the graph's expert tiles:")
     for name, c in (("Qwen3-30B-A3B shape (48 layers, 128 experts, top-8, bf16)", QWEN3_30B_A3B),
@@ -202,7 +205,7 @@ def moe_fraction() -> None:
     expert_parallel_traffic(QWEN3_30B_A3B)
 
 
-LLAMA31_8B = DecoderConfig(**{**LLAMA3_8B.__dict__, "layers": 32})
+LLAMA31_8B = replace(LLAMA3_8B, layers=32)
 # weight formats for the 8B shapes: each as a checkpoint of that kind keeps its weights (FP8 checkpoints leave
 # the embedding and the LM head in bfloat16; GGUF quantizes them too)
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -219,7 +222,7 @@ def step_weight_bytes(c: DecoderConfig, format: str | tuple, embeddings: bool) -
     from megakernel.models.decoder import decode_step
 
     layers = [f"layers.0.{name}" for name in PROJECTIONS] + (["embed", "lm_head"] if embeddings else [])
-    one = DecoderConfig(**{**c.__dict__, "layers": 1, "formats": tuple((n, format) for n in layers if format)})
+    one = replace(c, layers=1, formats=tuple((n, format) for n in layers if format))
     g = decode_step(one, Graph(world_size=1, rank=0))
     inputs = {t.buffer.index: name for name, t in g.inputs.items()}
     weights = {index for index, name in inputs.items() if name.split(".scales")[0].removeprefix("layers.0.")

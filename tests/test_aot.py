@@ -29,7 +29,7 @@ from megakernel.aot import (TARGETS, amdgcn_spilled, compile_kernel, ptxas_spill
                             unsupported_reason)
 from megakernel.errors import BackendError
 from megakernel.backends.gpu import MAX_REGISTERS
-from megakernel.models import DecoderConfig, decode_step
+from megakernel.models import DecoderConfig, ServingConfig, decode_step
 from megakernel.occupancy import (LIMITS, binary_resources, check_grid, cubin_code, cubin_resources, max_grid,
                                   programs_per_unit)
 from megakernel.tasks import TASK_TYPES
@@ -77,13 +77,14 @@ def graph(kernel: str) -> tuple[mk.Graph, int]:
     if kernel == "every task type":
         return every_task_type(), 32
     config = DecoderConfig(hidden=96, heads=4, kv_heads=2, head_dim=48, intermediate=200, layers=1, vocab=128,
-                           eps=1e-6, qk_norm=True, max_seq_len=80, batch=2, dtype=torch.bfloat16)
+                           eps=1e-6, qk_norm=True, serving=ServingConfig(max_seq_len=80, max_batch=2, prefill_chunk=0),
+                           dtype=torch.bfloat16)
     if kernel == "few tiles":
-        config = replace(config, prefill_chunk=16)
+        config = replace(config, serving=replace(config.serving, prefill_chunk=16))
         return decode_step(config, mk.Graph(world_size=1, rank=0, parallelism=2, few_tiles=True)), 16
     if kernel == "serving step":  # rank 0 of 2, its experts whole: the all-reduces' and combine's puts too
-        config = replace(config, prefill_chunk=16, draft_tokens=2, moe=(True,), experts=4, top_k=2,
-                         moe_intermediate=64, norm_topk=True, expert_parallel=True)
+        config = replace(config, serving=replace(config.serving, prefill_chunk=16, draft_tokens=2, expert_parallel=True),
+                         moe=(True,), experts=4, top_k=2, moe_intermediate=64, norm_topk=True)
         return decode_step(config, mk.Graph(world_size=2, rank=0)), 16
     return decode_step(config, mk.Graph(world_size=1, rank=0)), 16
 

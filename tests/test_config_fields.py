@@ -9,7 +9,7 @@ from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCa
                           MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 from megakernel.errors import GraphError
-from megakernel.models import ServingConfig
+from megakernel.models import DecoderConfig, ServingConfig
 from megakernel.models.hf import config_of
 from megakernel.serving import from_hf, from_pretrained
 
@@ -66,16 +66,16 @@ def test_phi3_longrope_past_the_original_context_is_refused():
 def test_windows_and_mlp_biases_are_read_where_transformers_reads_them():
     layers = dict(num_hidden_layers=2, sliding_window=4)
     # Llama and Gemma read no sliding_window: a stray one changes nothing in transformers
-    assert config_of(tiny(LlamaConfig, LlamaForCausalLM, **layers), ServingConfig(32, 1)).windows == ()
-    assert config_of(tiny(GemmaConfig, GemmaForCausalLM, **layers), ServingConfig(32, 1)).windows == ()
+    assert config_of(tiny(LlamaConfig, LlamaForCausalLM, **layers), ServingConfig(max_seq_len=32)).windows == ()
+    assert config_of(tiny(GemmaConfig, GemmaForCausalLM, **layers), ServingConfig(max_seq_len=32)).windows == ()
     # Mistral windows every layer whatever layer_types says; Qwen2 the layers layer_types marks
     mistral = tiny(MistralConfig, MistralForCausalLM, **layers, layer_types=["full_attention", "sliding_attention"])
-    assert config_of(mistral, ServingConfig(32, 1)).windows == (4, 4)
+    assert config_of(mistral, ServingConfig(max_seq_len=32)).windows == (4, 4)
     qwen2 = tiny(Qwen2Config, Qwen2ForCausalLM, **layers, use_sliding_window=True, max_window_layers=1)
-    assert config_of(qwen2, ServingConfig(32, 1)).windows == (None, 4)
+    assert config_of(qwen2, ServingConfig(max_seq_len=32)).windows == (None, 4)
     # mlp_bias makes biases in Llama's MLP only
-    assert config_of(tiny(LlamaConfig, LlamaForCausalLM, mlp_bias=True), ServingConfig(32, 1)).mlp_bias
-    assert not config_of(tiny(MistralConfig, MistralForCausalLM, mlp_bias=True), ServingConfig(32, 1)).mlp_bias
+    assert config_of(tiny(LlamaConfig, LlamaForCausalLM, mlp_bias=True), ServingConfig(max_seq_len=32)).mlp_bias
+    assert not config_of(tiny(MistralConfig, MistralForCausalLM, mlp_bias=True), ServingConfig(max_seq_len=32)).mlp_bias
 
 
 def test_a_checkpoint_is_refused_by_name_too(tmp_path):
@@ -98,3 +98,22 @@ def test_sizes_past_what_a_step_can_hold_are_refused_before_anything_is_built(si
     with pytest.raises(GraphError, match=message):
         from_hf(model, **sizes)
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(serving=ServingConfig(max_seq_len=32)), r"serving must be a ServingConfig whose prefill_chunk is resolved"),
+    (dict(heads=3), "3 query heads do not divide into groups of 2 KV heads"),
+    (dict(vocab=4, serving=ServingConfig(max_seq_len=32, prefill_chunk=0, max_logprobs=5)),
+     r"max_logprobs must be an int in \[0, 4\]"),
+    (dict(windows=(4, 4)), "windows has 2 entries for 1 layers"),
+    (dict(moe=(True,), experts=2, top_k=3), "a sparse MLP needs 1 <= top_k <= experts"),
+])
+def test_a_decoder_config_is_checked_where_it_is_made(fields, message):
+    """``DecoderConfig`` holds the ``ServingConfig`` its step serves (no copied fields) and refuses what no
+    step could be built from, by name, before any graph."""
+    base = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, layers=1, vocab=128, eps=1e-6,
+                qk_norm=False, serving=ServingConfig(max_seq_len=32, max_batch=2, prefill_chunk=0))
+    config = DecoderConfig(**base)
+    assert (config.batch, config.max_seq_len, config.prefill_chunk) == (2, 32, 0)  # the serving fields, read there
+    with pytest.raises(GraphError, match=message):
+        DecoderConfig(**{**base, **fields})

@@ -24,7 +24,7 @@ def ask(scheduler: ServingLoop, ids: list[int], new: int, **options) -> tuple[Re
         updates.append(update)
         if update.finish or update.error:
             ended.set()
-    request = Request(ids, new, emit, **options)
+    request = Request(prompt=ids, max_tokens=new, emit=emit, **options)
     scheduler.submit(request)
     return request, updates, ended
 

@@ -15,7 +15,7 @@ import torch
 import megakernel as mk
 from megakernel.files import reports_dir
 from megakernel.image import load
-from megakernel.models import DecoderConfig, decode_step
+from megakernel.models import DecoderConfig, ServingConfig, decode_step
 from megakernel.scheduler import WAIT_EVENT, deserialize, infer_dependencies, schedule, serialize
 from megakernel.tools.cli import main as cli
 from megakernel.tools.dot import select, task_dag, to_dot
@@ -174,7 +174,7 @@ def _table_file(g: mk.Graph, path: Path) -> Path:
 def decode30(tmp_path_factory):
     """A 30-layer decode step (layers scoped ``layer{i}``), scheduled but not run, and its table file."""
     c = DecoderConfig(hidden=96, heads=4, kv_heads=2, head_dim=48, intermediate=200, layers=30, vocab=128, eps=1e-6,
-                      qk_norm=False, max_seq_len=64)
+                      qk_norm=False, serving=ServingConfig(max_seq_len=64, prefill_chunk=0))
     g = decode_step(c, mk.Graph(world_size=1, rank=0))
     return g, _table_file(g, tmp_path_factory.mktemp("decode") / "decode.mkt")
 

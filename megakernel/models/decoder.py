@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import GraphError
+from ..errors import GraphError, is_count
 from ..graph import Graph, Tensor
 from ..tasks.formats import FORMATS, Format, Quantized, quantized_input, rows_of
 from ..tasks.expert_parallel import Held
@@ -26,11 +26,16 @@ from ..tasks.sampling import PARAMS
 from ..tasks.speculation import STATS
 from .packed import concat
 from .schema import EMBED, HEAD, NORM, Packing, Stored, Weight, head_in_embedding, layer_weights, part_name
-from .serving_config import ServingConfig
+from .serving_config import MAX_LOGPROBS, ServingConfig
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
+    """A decoder's architecture (its shapes and what its class decides) and what its decode step serves
+    (``serving``: context, batch rows, KV pages, prefill rows, log-probabilities, drafts, expert
+    parallelism), checked where it is made. The serving fields it reads are ``serving``'s, by the names
+    below (``batch`` is ``serving.max_batch``)."""
+
     hidden: int
     heads: int
     kv_heads: int
@@ -40,8 +45,7 @@ class DecoderConfig:
     vocab: int
     eps: float
     qk_norm: bool          # Qwen3: RMSNorm of every q and k head before RoPE
-    max_seq_len: int
-    batch: int = ServingConfig.max_batch  # the serving fields' defaults are ServingConfig's
+    serving: ServingConfig  # its prefill_chunk resolved (``ServingConfig.for_backend``), not None
     dtype: torch.dtype = torch.float32
     rope_scaling: float = 1.0  # multiplies RoPE's cos and sin (YaRN's and LongRoPE's attention factor)
     qkv_bias: bool = False     # Qwen2, Llama's attention_bias: biases on the q, k and v projections
@@ -53,22 +57,62 @@ class DecoderConfig:
     norm_unit_offset: bool = False  # RMSNorms scale by 1 + w
     embed_scaled: bool = False  # embeddings multiplied by sqrt(hidden), as the dtype holds it (the input embed_scale)
     moe: tuple[bool, ...] = ()  # per layer: a sparse (mixture-of-experts) MLP instead of the dense one
-    expert_parallel: bool = False  # each expert whole on one rank (``Shard.experts``), not a share of every one
     experts: int = 0           # experts per sparse MLP, each of ``moe_intermediate`` columns
     top_k: int = 0             # experts chosen per token
     moe_intermediate: int = 0
     norm_topk: bool = False    # the k weights divided by their sum (Qwen3-MoE's norm_topk_prob, Mixtral)
     router_weight_dtype: torch.dtype = torch.float32  # the dtype the weights are applied in (Qwen3-MoE: the model's)
-    page_size: int = ServingConfig.page_size  # KV cache positions per page
-    kv_pages: int = 0          # pages in the pool (0: every batch row at max_seq_len); one more is the spill page
-    prefill_chunk: int = 0     # prompt tokens a step can prefill besides its batch rows
-    max_logprobs: int = ServingConfig.max_logprobs  # the most likely tokens whose log-probabilities a step writes
-    # per row (0: none)
     formats: tuple[tuple[str, str], ...] = ()  # (weight input, format) of the weights kept quantized (tasks.formats)
     tied: bool = False         # the LM head is the embedding: read from its rows where a rank's share allows
     packings: tuple[Packing, ...] = ()  # other ways a state dict may keep the weights (Phi-3's fused projections, ...)
-    # tokens drafted per batch row and step, verified in it (tasks.speculation; 0: none)
-    draft_tokens: int = ServingConfig.draft_tokens
+
+    def __post_init__(self):
+        for name in ("hidden", "heads", "kv_heads", "head_dim", "layers", "vocab"):
+            if not is_count(getattr(self, name)):
+                raise GraphError(f"DecoderConfig: {name} must be a positive int, got {getattr(self, name)!r}")
+        if self.heads % self.kv_heads:
+            raise GraphError(f"DecoderConfig: {self.heads} query heads do not divide into groups of {self.kv_heads} "
+                             "KV heads")
+        if not isinstance(self.serving, ServingConfig) or self.serving.prefill_chunk is None:
+            raise GraphError(f"DecoderConfig: serving must be a ServingConfig whose prefill_chunk is resolved "
+                             f"(ServingConfig.for_backend), got {self.serving!r}")
+        for name, per_layer in (("windows", self.windows), ("moe", self.moe)):
+            if len(per_layer) not in (0, self.layers):
+                raise GraphError(f"DecoderConfig: {name} has {len(per_layer)} entries for {self.layers} layers")
+        if any(self.moe) and not (is_count(self.experts) and is_count(self.top_k) and self.top_k <= self.experts):
+            raise GraphError(f"DecoderConfig: a sparse MLP needs 1 <= top_k <= experts, got top_k={self.top_k!r}, "
+                             f"experts={self.experts!r}")
+        self.serving.check_logprobs(min(MAX_LOGPROBS, self.vocab))
+
+    # the serving fields the step reads
+    @property
+    def max_seq_len(self) -> int:
+        return self.serving.max_seq_len
+
+    @property
+    def batch(self) -> int:
+        """Sequences a step decodes (``serving.max_batch``)."""
+        return self.serving.max_batch
+
+    @property
+    def page_size(self) -> int:
+        return self.serving.page_size
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.serving.prefill_chunk
+
+    @property
+    def max_logprobs(self) -> int:
+        return self.serving.max_logprobs
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.serving.draft_tokens
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.serving.expert_parallel
 
     def format_of(self, name: str) -> Format | None:
         """The format weight input ``name`` is kept in on the heap; None: elements of ``dtype``."""
@@ -82,17 +126,17 @@ class DecoderConfig:
     @property
     def pool_pages(self) -> int:
         """The pages sequences get (``kv_pages``, or every batch row at ``max_seq_len``)."""
-        return self.kv_pages or self.batch * self.max_pages
+        return self.serving.kv_pages or self.batch * self.max_pages
 
     @property
     def rows_per_sequence(self) -> int:
         """Rows a sequence takes in a step: its batch row, or ``draft_tokens + 1`` verification rows."""
-        return self.draft_tokens + 1
+        return self.serving.rows_per_sequence
 
     @property
     def batch_rows(self) -> int:
         """Rows a step runs for its batch."""
-        return self.batch * self.rows_per_sequence
+        return self.serving.batch_rows
 
     @property
     def rows(self) -> int:
@@ -318,17 +362,15 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     input "end", [batch]) ends (-1), and a step where no batch row runs skips all but its draft and
     prefill tasks. The int64 input "draft_stats" counts (``speculation.STATS``).
 
-    Built in parts, each a function below: the inputs (``_step_inputs``), the drafts (``_batch_rows``),
-    the embeddings, the layers, the head and the sampling. Built into ``g``, or a new ``Graph(parallelism=parallelism)``: the number of workers the step is
+    Built in parts by a ``Step``: the inputs and the drafts (``Step.begun``), the embeddings, the layers,
+    the head and the sampling. Built into ``g``, or a new ``Graph(parallelism=parallelism)``: the number of workers the step is
     meant for, which sizes its tiles (split-K linears, attention splits).
     """
     g = g or Graph(parallelism=parallelism)
-    inputs = _step_inputs(g, c)
-    rows = _batch_rows(g, c, inputs)
-    x, prefill = _embeddings(g, c, inputs, rows)
-    x = _layers(g, c, inputs, rows, x, prefill)
-    logits = _head(g, c, inputs, rows, x)
-    _sampling(g, c, inputs, rows, logits, prefill)
+    step = Step.begun(g, c)
+    x, prefill = step.embeddings()
+    x = step.layers(x, prefill)
+    step.sampling(step.head(x), prefill)
     return g
 
 
@@ -371,120 +413,133 @@ class Prefill:
     x: Tensor
 
 
-def _step_inputs(g: Graph, c: DecoderConfig) -> StepInputs:
-    """The inputs every step reads, and the embedding's (``embed_scale``: sqrt(hidden) in the dtype, for
-    every row, where the class scales embeddings)."""
-    s = Shard.of(c, g.rank, g.world_size)
-    history = g.input("history", (c.batch, c.max_seq_len), torch.int64)
-    pos = g.input("pos", (c.batch,), torch.int64)
-    prompt_len = g.input("prompt_len", (c.batch,), torch.int64)
-    table = g.input("block_table", (c.table_rows, c.max_pages), torch.int64)
-    inv_freq = g.input("inv_freq", (c.head_dim // 2,), torch.float32)
-    embed = weight_input(g, c, s, EMBED)
-    scale = g.input("embed_scale", (c.rows, c.hidden), c.dtype) if c.embed_scaled else None
-    return StepInputs(s, history, pos, prompt_len, table, inv_freq, embed, scale)
+class Step:
+    """A decode step being built into graph ``g`` for config ``c``: its inputs and its batch rows, which
+    every part reads; one method per part, in the order ``decode_step`` builds them."""
 
+    def __init__(self, g: Graph, c: DecoderConfig, inputs: StepInputs, rows: BatchRows):
+        self.g, self.c, self.inputs, self.rows = g, c, inputs, rows
 
-def _batch_rows(g: Graph, c: DecoderConfig, inputs: StepInputs) -> BatchRows:
-    """The drafts: without them, a row per sequence at its position, unguarded; with ``draft_tokens`` K,
-    ``draft``'s K + 1 verification rows per sequence (positions ``pos_b ..``, the known or drafted tokens),
-    whose tasks are skipped once every row ended."""
-    if not c.draft_tokens:
-        return BatchRows(inputs.pos, contextlib.nullcontext)
-    end = g.input("end", (c.batch,), torch.int64)
-    with g.scope("draft"):
-        tokens, pos, live = g.draft(inputs.history, inputs.pos, inputs.prompt_len, end, c.rows_per_sequence)
-    return BatchRows(pos, functools.partial(g.guarded, live), tokens, end)
+    @classmethod
+    def begun(cls, g: Graph, c: DecoderConfig) -> "Step":
+        """The step's inputs and its batch rows (the drafts) built into ``g``: the parts after them read both."""
+        inputs = cls._inputs(g, c)
+        return cls(g, c, inputs, cls._rows(g, c, inputs))
 
+    @staticmethod
+    def _inputs(g: Graph, c: DecoderConfig) -> StepInputs:
+        """The inputs every step reads, and the embedding's (``embed_scale``: sqrt(hidden) in the dtype, for
+        every row, where the class scales embeddings)."""
+        s = Shard.of(c, g.rank, g.world_size)
+        history = g.input("history", (c.batch, c.max_seq_len), torch.int64)
+        pos = g.input("pos", (c.batch,), torch.int64)
+        prompt_len = g.input("prompt_len", (c.batch,), torch.int64)
+        table = g.input("block_table", (c.table_rows, c.max_pages), torch.int64)
+        inv_freq = g.input("inv_freq", (c.head_dim // 2,), torch.float32)
+        embed = weight_input(g, c, s, EMBED)
+        scale = g.input("embed_scale", (c.rows, c.hidden), c.dtype) if c.embed_scaled else None
+        return StepInputs(s, history, pos, prompt_len, table, inv_freq, embed, scale)
 
-def _embeddings(g: Graph, c: DecoderConfig, inputs: StepInputs, rows: BatchRows) -> tuple[Tensor, Prefill | None]:
-    """The batch rows' tokens embedded (``history[pos]``, or the verification rows' tokens), then the
-    prefill chunk's (the input "prefill_tokens"; None without a chunk), scaled where the class scales
-    embeddings."""
-    with rows.guard():
-        x = (g.embedding(rows.tokens, inputs.embed) if c.draft_tokens
-             else g.embedding(inputs.history, inputs.embed, pos=inputs.pos))
-        if inputs.scale is not None:
-            x = g.mul(x, inputs.scale[:c.batch_rows])
-    if not c.prefill_chunk:
-        return x, None
-    prefill_pos = g.input("prefill_pos", (c.prefill_chunk,), torch.int64)
-    with g.guarded(prefill_pos[0]):
-        chunk = g.embedding(g.input("prefill_tokens", (c.prefill_chunk,), torch.int64), inputs.embed)
-        if inputs.scale is not None:
-            chunk = g.mul(chunk, inputs.scale[c.batch_rows:])
-    return x, Prefill(prefill_pos, chunk)
+    @staticmethod
+    def _rows(g: Graph, c: DecoderConfig, inputs: StepInputs) -> BatchRows:
+        """The drafts: without them, a row per sequence at its position, unguarded; with ``draft_tokens`` K,
+        ``draft``'s K + 1 verification rows per sequence (positions ``pos_b ..``, the known or drafted tokens),
+        whose tasks are skipped once every row ended."""
+        if not c.draft_tokens:
+            return BatchRows(inputs.pos, contextlib.nullcontext)
+        end = g.input("end", (c.batch,), torch.int64)
+        with g.scope("draft"):
+            tokens, pos, live = g.draft(inputs.history, inputs.pos, inputs.prompt_len, end, c.rows_per_sequence)
+        return BatchRows(pos, functools.partial(g.guarded, live), tokens, end)
 
+    def embeddings(self) -> tuple[Tensor, Prefill | None]:
+        """The batch rows' tokens embedded (``history[pos]``, or the verification rows' tokens), then the
+        prefill chunk's (the input "prefill_tokens"; None without a chunk), scaled where the class scales
+        embeddings."""
+        g, c, inputs, rows = self.g, self.c, self.inputs, self.rows
+        with rows.guard():
+            x = (g.embedding(rows.tokens, inputs.embed) if c.draft_tokens
+                 else g.embedding(inputs.history, inputs.embed, pos=inputs.pos))
+            if inputs.scale is not None:
+                x = g.mul(x, inputs.scale[:c.batch_rows])
+        if not c.prefill_chunk:
+            return x, None
+        prefill_pos = g.input("prefill_pos", (c.prefill_chunk,), torch.int64)
+        with g.guarded(prefill_pos[0]):
+            chunk = g.embedding(g.input("prefill_tokens", (c.prefill_chunk,), torch.int64), inputs.embed)
+            if inputs.scale is not None:
+                chunk = g.mul(chunk, inputs.scale[c.batch_rows:])
+        return x, Prefill(prefill_pos, chunk)
 
-def _layers(g: Graph, c: DecoderConfig, inputs: StepInputs, rows: BatchRows, x: Tensor, prefill: Prefill | None
-            ) -> Tensor:
-    """Every decoder layer over the batch rows' stream ``x``, with the layer's paged KV cache (a pool of
-    ``kv_pages + 1`` pages); a prefill chunk's rows go through each layer first, so that they write the
-    cache that the batch rows' attention of the layer reads (in the last layer they stop there)."""
-    s, table = inputs.s, inputs.table
-    pool_rows = (c.pool_pages + 1) * c.page_size
-    chunk = prefill.x if prefill is not None else None
-    # the (layer, expert) weight passes of the batch rows (row 2i) and of the prefill chunk (2i + 1)
-    passes = g.input("expert_passes", (2 * c.layers, c.experts), torch.int64) if any(c.moe) else None
-    for i in range(c.layers):
-        with g.scope(f"layer{i}"):
-            w = layer_inputs(g, c, s, i)
-            k, v = (g.new_tensor((pool_rows, s.kv.size * c.head_dim), c.dtype, name=f"layers.{i}.{name}")
-                    for name in ("k_cache", "v_cache"))
+    def layers(self, x: Tensor, prefill: Prefill | None) -> Tensor:
+        """Every decoder layer over the batch rows' stream ``x``, with the layer's paged KV cache (a pool of
+        ``kv_pages + 1`` pages); a prefill chunk's rows go through each layer first, so that they write the
+        cache that the batch rows' attention of the layer reads (in the last layer they stop there)."""
+        g, c, inputs, rows = self.g, self.c, self.inputs, self.rows
+        s, table = inputs.s, inputs.table
+        pool_rows = (c.pool_pages + 1) * c.page_size
+        chunk = prefill.x if prefill is not None else None
+        # the (layer, expert) weight passes of the batch rows (row 2i) and of the prefill chunk (2i + 1)
+        passes = g.input("expert_passes", (2 * c.layers, c.experts), torch.int64) if any(c.moe) else None
+        for i in range(c.layers):
+            with g.scope(f"layer{i}"):
+                w = layer_inputs(g, c, s, i)
+                k, v = (g.new_tensor((pool_rows, s.kv.size * c.head_dim), c.dtype, name=f"layers.{i}.{name}")
+                        for name in ("k_cache", "v_cache"))
+                if prefill is not None:
+                    with g.scope("prefill"), g.guarded(prefill.pos[0]):
+                        chunk = decoder_layer(g, c, s, chunk, prefill.pos, inputs.inv_freq, i, w,
+                                              KVCache(k, v, table[c.batch:], c.page_size), row0=c.batch_rows,
+                                              consecutive=True, kv_only=i == c.layers - 1,
+                                              expert_passes=None if passes is None else passes[2 * i + 1])
+                with rows.guard():
+                    x = decoder_layer(g, c, s, x, rows.pos, inputs.inv_freq, i, w,
+                                      KVCache(k, v, table[:c.batch], c.page_size, c.rows_per_sequence),
+                                      consecutive=bool(c.draft_tokens),
+                                      expert_passes=None if passes is None else passes[2 * i])
+        return x
+
+    def head(self, x: Tensor) -> Tensor:
+        """The final norm and the LM head (the embedding's rows where the model ties them and the ranks' shares
+        allow): this rank's vocabulary columns of the logits, all-gathered into the output "logits"."""
+        g, c, inputs, rows = self.g, self.c, self.inputs, self.rows
+        s = inputs.s
+        with g.scope("head"), rows.guard():
+            h = g.rms_norm(x, weight_input(g, c, s, NORM), c.eps, unit_offset=c.norm_unit_offset)
+            head = rows_of(inputs.embed, s.lm.start, s.lm.size) if head_in_embedding(c, s) else weight_input(g, c, s, HEAD)
+            logits = g.linear(h, head)
+            logits = g.all_gather(logits, dim=1) if s.world > 1 else logits
+            g.output("logits", logits)
+        return logits
+
+    def sampling(self, logits: Tensor, prefill: Prefill | None) -> None:
+        """A token drawn from each row's logits into the history and the position advanced (with drafts: into
+        "verified", and the run the model agrees with accepted), its log-probabilities into the outputs
+        "logprobs" (and "top_ids", "top_logprobs"); the prefill chunk turned off once done."""
+        g, c, inputs, rows = self.g, self.c, self.inputs, self.rows
+        with g.scope("sample"):
+            sampling = g.input("sampling", (c.batch, len(PARAMS)), torch.float32)
+            seed = g.input("seed", (c.batch,), torch.int64)
+            logprobs = g.new_tensor((c.batch, c.max_seq_len), torch.float32, name="logprobs")
+            top = tuple(g.new_tensor((c.batch, c.max_seq_len * c.max_logprobs), dtype, name=name)
+                        for name, dtype in (("top_ids", torch.int64), ("top_logprobs", torch.float32))) \
+                if c.max_logprobs else None
+            if c.draft_tokens:
+                verified = g.new_tensor((c.batch, c.max_seq_len), torch.int64, name="verified")
+                stats = g.input("draft_stats", (len(STATS),), torch.int64)
+                with rows.guard():
+                    g.sample(logits, verified, rows.pos, inputs.prompt_len, sampling, seed, logprobs, top, vocab=c.vocab,
+                             rows_per_sequence=c.rows_per_sequence)
+                    g.output("history", g.accept(inputs.history, verified, rows.tokens, rows.pos, inputs.pos,
+                                                 inputs.prompt_len, rows.end, stats))
+            else:
+                g.output("history", g.sample(logits, inputs.history, inputs.pos, inputs.prompt_len, sampling, seed,
+                                             logprobs, top, vocab=c.vocab))
+                g.advance(inputs.pos, limit=c.max_seq_len)
+            g.output("logprobs", logprobs)
+            if top is not None:
+                g.output("top_ids", top[0])
+                g.output("top_logprobs", top[1])
             if prefill is not None:
-                with g.scope("prefill"), g.guarded(prefill.pos[0]):
-                    chunk = decoder_layer(g, c, s, chunk, prefill.pos, inputs.inv_freq, i, w,
-                                          KVCache(k, v, table[c.batch:], c.page_size), row0=c.batch_rows,
-                                          consecutive=True, kv_only=i == c.layers - 1,
-                                          expert_passes=None if passes is None else passes[2 * i + 1])
-            with rows.guard():
-                x = decoder_layer(g, c, s, x, rows.pos, inputs.inv_freq, i, w,
-                                  KVCache(k, v, table[:c.batch], c.page_size, c.rows_per_sequence),
-                                  consecutive=bool(c.draft_tokens),
-                                  expert_passes=None if passes is None else passes[2 * i])
-    return x
+                g.advance(prefill.pos, limit=0)  # the chunk is done: off until the host gives another
 
-
-def _head(g: Graph, c: DecoderConfig, inputs: StepInputs, rows: BatchRows, x: Tensor) -> Tensor:
-    """The final norm and the LM head (the embedding's rows where the model ties them and the ranks' shares
-    allow): this rank's vocabulary columns of the logits, all-gathered into the output "logits"."""
-    s = inputs.s
-    with g.scope("head"), rows.guard():
-        h = g.rms_norm(x, weight_input(g, c, s, NORM), c.eps, unit_offset=c.norm_unit_offset)
-        head = rows_of(inputs.embed, s.lm.start, s.lm.size) if head_in_embedding(c, s) else weight_input(g, c, s, HEAD)
-        logits = g.linear(h, head)
-        logits = g.all_gather(logits, dim=1) if s.world > 1 else logits
-        g.output("logits", logits)
-    return logits
-
-
-def _sampling(g: Graph, c: DecoderConfig, inputs: StepInputs, rows: BatchRows, logits: Tensor,
-              prefill: Prefill | None) -> None:
-    """A token drawn from each row's logits into the history and the position advanced (with drafts: into
-    "verified", and the run the model agrees with accepted), its log-probabilities into the outputs
-    "logprobs" (and "top_ids", "top_logprobs"); the prefill chunk turned off once done."""
-    with g.scope("sample"):
-        sampling = g.input("sampling", (c.batch, len(PARAMS)), torch.float32)
-        seed = g.input("seed", (c.batch,), torch.int64)
-        logprobs = g.new_tensor((c.batch, c.max_seq_len), torch.float32, name="logprobs")
-        top = tuple(g.new_tensor((c.batch, c.max_seq_len * c.max_logprobs), dtype, name=name)
-                    for name, dtype in (("top_ids", torch.int64), ("top_logprobs", torch.float32))) \
-            if c.max_logprobs else None
-        if c.draft_tokens:
-            verified = g.new_tensor((c.batch, c.max_seq_len), torch.int64, name="verified")
-            stats = g.input("draft_stats", (len(STATS),), torch.int64)
-            with rows.guard():
-                g.sample(logits, verified, rows.pos, inputs.prompt_len, sampling, seed, logprobs, top, vocab=c.vocab,
-                         rows_per_sequence=c.rows_per_sequence)
-                g.output("history", g.accept(inputs.history, verified, rows.tokens, rows.pos, inputs.pos,
-                                             inputs.prompt_len, rows.end, stats))
-        else:
-            g.output("history", g.sample(logits, inputs.history, inputs.pos, inputs.prompt_len, sampling, seed,
-                                         logprobs, top, vocab=c.vocab))
-            g.advance(inputs.pos, limit=c.max_seq_len)
-        g.output("logprobs", logprobs)
-        if top is not None:
-            g.output("top_ids", top[0])
-            g.output("top_logprobs", top[1])
-        if prefill is not None:
-            g.advance(prefill.pos, limit=0)  # the chunk is done: off until the host gives another

@@ -98,8 +98,7 @@ def config_of(model, serving: ServingConfig) -> DecoderConfig:
                          **arch.decoder_fields(), dtype=model.dtype,
                          rope_scaling=float(model.model.rotary_emb.attention_scaling),
                          qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
-                         windows=windows if any(windows) else (),
-                         **serving.decoder_fields(cfg.vocab_size))
+                         windows=windows if any(windows) else (), serving=serving.for_backend(True))
 
 
 def config_of_file(where, model, serving: ServingConfig) -> DecoderConfig:

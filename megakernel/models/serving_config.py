@@ -3,9 +3,9 @@ prefill rows, reported log-probabilities and drafts) and how its ranks split the
 declared here once and every value checked here once, before anything is built (the graph's tiles grow
 with the batch rows and the prefill chunk, its buffers with the rest).
 
-The loaders (``hf.build_hf``, ``checkpoint.build_pretrained``, ``gguf.build_gguf``) take one, and
-``ServingConfig.decoder_fields`` turns it into the ``DecoderConfig``'s fields; ``megakernel serve``'s
-flags are its fields, with the defaults of ``SERVER``.
+The loaders (``hf.build_hf``, ``checkpoint.build_pretrained``, ``gguf.build_gguf``) take one, and the
+``DecoderConfig`` they make holds it (its prefill chunk resolved); ``megakernel serve``'s flags are its
+fields, with the defaults of ``SERVER``.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class ServingConfig:
         if not (self.prefill_chunk is None or is_int(self.prefill_chunk) and self.prefill_chunk >= 0):
             raise GraphError(f"prefill_chunk must be a non-negative int or None (the backend's), got "
                              f"{self.prefill_chunk!r}")
-        self._check_logprobs(MAX_LOGPROBS)
+        self.check_logprobs(MAX_LOGPROBS)
         if not (is_int(self.draft_tokens) and 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS):
             raise GraphError(f"draft_tokens must be an int in [0, {MAX_DRAFT_TOKENS}] (0: no drafts), got "
                              f"{self.draft_tokens!r}")
@@ -69,7 +69,8 @@ class ServingConfig:
             raise GraphError(f"prefill_chunk={self.prefill_chunk:,} is more than a decode step holds; at most "
                              f"{MAX_PREFILL_CHUNK:,}")
 
-    def _check_logprobs(self, most: int) -> None:
+    def check_logprobs(self, most: int) -> None:
+        """``max_logprobs`` is at most ``most`` (a model's vocabulary bounds it too: ``DecoderConfig``)."""
         if not (is_int(self.max_logprobs) and 0 <= self.max_logprobs <= most):
             raise GraphError(f"max_logprobs must be an int in [0, {most}], got {self.max_logprobs!r}")
 
@@ -90,14 +91,6 @@ class ServingConfig:
         if self.prefill_chunk is not None:
             return self
         return replace(self, prefill_chunk=PREFILL_CHUNK if prefill_rows else 0)
-
-    def decoder_fields(self, vocab: int) -> dict[str, Any]:
-        """The ``DecoderConfig`` fields of a model of ``vocab`` tokens (which bounds ``max_logprobs`` too); a
-        ``prefill_chunk`` of None is PREFILL_CHUNK (the default of the backends it helps)."""
-        self._check_logprobs(min(MAX_LOGPROBS, vocab))
-        return dict(max_seq_len=self.max_seq_len, batch=self.max_batch, page_size=self.page_size,
-                    kv_pages=self.kv_pages or 0, prefill_chunk=self.for_backend(True).prefill_chunk,
-                    max_logprobs=self.max_logprobs, draft_tokens=self.draft_tokens, expert_parallel=self.expert_parallel)
 
     @classmethod
     def taken_from(cls, serving: ServingConfig | None, options: dict[str, Any]) -> tuple[ServingConfig, dict[str, Any]]:

@@ -175,7 +175,8 @@ class MegakernelForCausalLM(nn.Module):
             blocks = self.vllm_config.cache_config.num_gpu_blocks
             if not blocks:
                 raise GraphError(f"{ARCHITECTURE}: a forward with attention metadata before vLLM sized its KV cache")
-            build = replace(self.build, config=replace(self.build.config, kv_pages=blocks))
+            config = self.build.config
+            build = replace(self.build, config=replace(config, serving=replace(config.serving, kv_pages=blocks)))
             workers = getattr(self.vllm_config.model_config.hf_config, WORKERS_FIELD, None)
             if workers is None and self.backend == "torch":
                 workers = torch_workers(self.vllm_config.parallel_config.tensor_parallel_size)
