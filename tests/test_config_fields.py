@@ -117,3 +117,11 @@ def test_a_decoder_config_is_checked_where_it_is_made(fields, message):
     assert (config.batch, config.max_seq_len, config.prefill_chunk) == (2, 32, 0)  # the serving fields, read there
     with pytest.raises(GraphError, match=message):
         DecoderConfig(**{**base, **fields})
+
+
+def test_a_loader_refuses_an_option_that_is_neither_the_serving_configs_nor_the_kernels_by_name():
+    with pytest.raises(GraphError, match=r"unknown option wrokers: a loader takes the ServingConfig's fields and the "
+                                         r"kernel's \(backend, workers, policy, timeout, trace, pool\)"):
+        from_hf(tiny(LlamaConfig, LlamaForCausalLM), max_seq_len=32, wrokers=2)
+    with pytest.raises(GraphError, match="workers must be a positive integer, got 0"):
+        from_hf(tiny(LlamaConfig, LlamaForCausalLM), max_seq_len=32, workers=0)

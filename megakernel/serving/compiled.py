@@ -11,9 +11,9 @@ from typing import Callable, TypeVar
 
 import torch
 
-from ..backends import KINDS, resolve
-from ..errors import FaultError, GraphError, is_count
+from ..errors import FaultError, GraphError
 from ..graph import Graph
+from ..kernel_options import KernelOptions
 from ..runtime import Megakernel
 from ..tasks.chunk_attention import BLOCK_ROWS
 from ..tasks.expert_parallel import expert_ranks
@@ -43,12 +43,12 @@ def serialized(method: Method) -> Method:
 class CompiledModel:
     """One rank's share of a model, compiled into one megakernel: one launch per decode step."""
 
-    def __init__(self, build: ModelBuild, parallelism: int | str = "auto", **kernel_options):
-        """Compile ``build`` (its frequencies rebound when ``build.rope_at`` changes them). ``parallelism``:
-        the workers the step's tiles are sized for (``Graph.parallelism``); "auto": what suits the backend
-        (``BackendKind.tile_parallelism``: on a GPU every worker the kernel holds, found by building once; on
-        the cpu backend 1, few large tiles for the interpreter; on torch the workers, at least 2).
-        ``kernel_options``: ``Megakernel``'s."""
+    def __init__(self, build: ModelBuild, options: KernelOptions | None = None, parallelism: int | str = "auto"):
+        """Compile ``build`` (its frequencies rebound when ``build.rope_at`` changes them) into a
+        ``Megakernel`` of ``options`` (None: the defaults'). ``parallelism``: the workers the step's tiles are sized for
+        (``Graph.parallelism``); "auto": what suits the backend (``BackendKind.tile_parallelism``: on a GPU
+        every worker the kernel holds, found by building once; on the cpu backend 1, few large tiles for the
+        interpreter; on torch the workers, at least 2)."""
         config, weights, rope_at = build.config, build.weights, build.rope_at
         if config.draft_tokens and rope_at is not None:
             raise GraphError("draft_tokens: rope types whose frequencies follow the position (dynamic, longrope) "
@@ -60,17 +60,17 @@ class CompiledModel:
         self.weight_bytes = sum(t.numel() * t.element_size() for name, t in weights.items() if name != "inv_freq")
         self.inv_freq = weights["inv_freq"].clone()  # the frequencies bound now (the model may update its own)
         learn = False  # size the tiles for the workers the kernel turns out to hold
-        kind = KINDS[resolve(kernel_options.get("backend", "auto"))]
+        options = options or KernelOptions()
+        kind = options.kind
         if parallelism == "auto":
-            workers = kernel_options.get("workers")  # a bad value is Megakernel's to refuse
-            parallelism = kind.tile_parallelism(workers if is_count(workers) else None)
+            parallelism = kind.tile_parallelism(options.workers)
             learn, parallelism = parallelism is None, parallelism or 1
         self.graph = decode_step(config, Graph(parallelism=parallelism, few_tiles=kind.few_tiles))
-        self.kernel = Megakernel(self.graph, **kernel_options)
+        self.kernel = Megakernel(self.graph, **options.arguments())
         if learn and self.kernel.workers > 1:
             self.kernel.close()
             self.graph = decode_step(config, Graph(parallelism=self.kernel.workers, few_tiles=kind.few_tiles))
-            self.kernel = Megakernel(self.graph, **kernel_options)
+            self.kernel = Megakernel(self.graph, **options.arguments())
         self.kernel.bind(weights)
         self.pool = PagePool(config.pool_pages, config.page_size, config.table_rows, config.max_pages)
         self.kernel.bind({"history": torch.zeros(config.batch, config.max_seq_len, dtype=torch.int64),

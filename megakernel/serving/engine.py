@@ -12,6 +12,7 @@ import torch
 
 from ..errors import FaultError, GraphError, is_count, is_int
 from ..layout import NOT_FINITE
+from ..kernel_options import KernelOptions
 from ..models.hf import ModelBuild
 from .compiled import CompiledModel, Scheduled, serialized
 from .pages import KVCacheFull
@@ -23,9 +24,9 @@ class DecodeModel(CompiledModel):
     """A compiled model that decodes: a fixed batch of prompts at once (``generate``), or sequences that come
     and go in the batch's slots (``add`` / ``step`` / ``cancel``)."""
 
-    def __init__(self, build: ModelBuild, parallelism: int | str = "auto", **kernel_options):
+    def __init__(self, build: ModelBuild, options: KernelOptions | None = None, parallelism: int | str = "auto"):
         """``CompiledModel``'s arguments; the batch's slots empty."""
-        super().__init__(build, parallelism, **kernel_options)
+        super().__init__(build, options, parallelism)
         # seeds for sequences that bring none: from rank 0's base, so that every rank draws the same tokens
         self._seed_base, self._seeds_drawn = self.kernel.group.all_gather(secrets.randbits(SEED_BITS))[0], 0
         self.slots: list[Sequence | None] = [None] * self.config.batch  # the sequences of add(), by batch row

@@ -2,15 +2,15 @@
 (``megakernel.models``), compiled into a ``DecodeModel``.
 
 Each takes the serving config whole (``serving``) or its fields as keyword arguments (which, beside a
-``serving``, replace its own); the other keyword arguments are the kernel's (``Megakernel``'s: ``backend``,
-``workers``, ``trace``, ...)."""
+``serving``, replace its own); the other keyword arguments are the kernel's (``KernelOptions``, ``Megakernel``'s: ``backend``,
+``workers``, ``trace``, ...), its backend resolved once."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 
-from ..backends import KINDS, resolve
+from ..kernel_options import KernelOptions
 from ..models.checkpoint import build_pretrained
 from ..models.hf import build_hf, in_dtype
 from ..models.serving_config import ServingConfig
@@ -30,8 +30,8 @@ def from_hf(model, serving: ServingConfig | None = None, *, dtype: torch.dtype |
     tiles are sized for; "auto" (see ``DecodeModel``). ``dtype``: the weights and activations in that float
     dtype (``torch.bfloat16``, ``torch.float16``, ``torch.float32``; None: the model's), cast as transformers
     casts them."""
-    serving, kernel_options = _for_backend(serving, options)
-    return DecodeModel(in_dtype(build_hf(model, serving), dtype), parallelism, **kernel_options)
+    serving, kernel = _for_backend(serving, options)
+    return DecodeModel(in_dtype(build_hf(model, serving), dtype), kernel, parallelism)
 
 
 def from_pretrained(path, serving: ServingConfig | None = None, *, dequantize: bool = False,
@@ -40,12 +40,13 @@ def from_pretrained(path, serving: ServingConfig | None = None, *, dequantize: b
     heap (only its slices are read; nothing is downloaded) and compile its decode step
     (``models.build_pretrained``). ``dequantize``: a GGUF file's weights as float32 (``models.gguf``). The
     other arguments are ``from_hf``'s (``dtype`` None: as the checkpoint stores them, float32 for GGUF's)."""
-    serving, kernel_options = _for_backend(serving, options)
-    return DecodeModel(build_pretrained(path, serving, dequantize, dtype), parallelism, **kernel_options)
+    serving, kernel = _for_backend(serving, options)
+    return DecodeModel(build_pretrained(path, serving, dequantize, dtype), kernel, parallelism)
 
 
-def _for_backend(serving: ServingConfig | None, options: dict[str, Any]) -> tuple[ServingConfig, dict[str, Any]]:
+def _for_backend(serving: ServingConfig | None, options: dict[str, Any]) -> tuple[ServingConfig, KernelOptions]:
     """The loader's ``ServingConfig`` (``ServingConfig.taken_from``) with the defaults of the backend asked
-    for, and the kernel's options."""
-    serving, kernel_options = ServingConfig.taken_from(serving, options)
-    return serving.for_backend(KINDS[resolve(kernel_options.get("backend", "auto"))].prefill_rows), kernel_options
+    for, and the kernel's options (``KernelOptions.of`` the rest: an option that is neither is refused)."""
+    serving, rest = ServingConfig.taken_from(serving, options)
+    kernel = KernelOptions.of(rest)
+    return serving.for_backend(kernel.kind.prefill_rows), kernel

@@ -40,6 +40,7 @@ from vllm.sampling_params import SamplingParams
 from ..backends import gpu_flavour
 from ..backends.cpu import usable_cores
 from ..errors import GraphError
+from ..kernel_options import KernelOptions
 from ..models.architectures import ARCHITECTURES
 from ..models.checkpoint import build_pretrained
 from ..models.hf import DTYPES, ModelBuild
@@ -180,8 +181,7 @@ class MegakernelForCausalLM(nn.Module):
             workers = getattr(self.vllm_config.model_config.hf_config, WORKERS_FIELD, None)
             if workers is None and self.backend == "torch":
                 workers = torch_workers(self.vllm_config.parallel_config.tensor_parallel_size)
-            workers = {} if workers is None else {"workers": workers}  # (a bad value is Megakernel's to refuse)
-            self.build, self.engine = None, CompiledModel(build, backend=self.backend, **workers)
+            self.build, self.engine = None, CompiledModel(build, KernelOptions(backend=self.backend, workers=workers))
         return self.engine
 
 
