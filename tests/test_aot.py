@@ -2,8 +2,9 @@
 what one of its programs takes from an SM / CU, read from the binary, lets its workers be resident.
 
 Every target of ``megakernel.aot.TARGETS`` is tried; one the installed Triton cannot compile for is
-skipped, with Triton's own reason. Compiles are slow (seconds each, a minute for the kernel with every
-task type), so each kernel is compiled once per target for the whole module.
+skipped, with Triton's own reason. Compiles are slow (seconds each; every task type in one kernel took a
+minute a target, in ``EVERY_TASK_PARTS`` kernels 20 s), so each kernel is compiled once per target for the
+whole module.
 """
 import functools
 import os
@@ -34,15 +35,17 @@ from megakernel.occupancy import (LIMITS, binary_resources, check_grid, cubin_co
                                   programs_per_unit)
 from megakernel.tasks import TASK_TYPES
 from megakernel.tasks.common import rounded
-from megakernel.tools.examples import across_nodes, every_task_type
+from megakernel.tools.examples import EVERY_TASK_PARTS, across_nodes, every_task_type
 
 pytestmark = pytest.mark.aot  # compiled for the GPU targets: the interpreter accepts code the compiler rejects
 
-# the decode step as a GPU runs it, and as the torch backend cuts it (``Graph.few_tiles``: its tiles loop over
-# their blocks), with prefill rows (``tl.dot`` tiles of many blocks); a GPU may be given such a graph too; and the
-# step of a served mixture-of-experts model: prefill rows, drafts and their verification, sparse MLPs under expert
-# parallelism, sampling
-KERNELS = ["every task type", "decode step", "few tiles", "serving step"]
+# every task type (in EVERY_TASK_PARTS kernels: ``examples.every_task_type``); the decode step as a GPU runs it,
+# and as the torch backend cuts it (``Graph.few_tiles``: its tiles loop over their blocks), with prefill rows
+# (``tl.dot`` tiles of many blocks); a GPU may be given such a graph too; and the step of a served
+# mixture-of-experts model: prefill rows, drafts and their verification, sparse MLPs under expert parallelism,
+# sampling
+EVERY_TASK = [f"every task type {part + 1}/{EVERY_TASK_PARTS}" for part in range(EVERY_TASK_PARTS)]
+KERNELS = [*EVERY_TASK, "decode step", "few tiles", "serving step"]
 NVIDIA = [t for t, gpu in TARGETS.items() if gpu.backend == "cuda"]
 AMD = [t for t, gpu in TARGETS.items() if gpu.backend == "hip"]
 FAST = ("sm_90", "gfx942")  # one target of each vendor in the fast tier; the others with the slow tests
@@ -57,7 +60,7 @@ EVERY_TARGET = fast_first(sorted(TARGETS))
 
 def kernel_targets(targets=tuple(TARGETS)) -> list:
     """(kernel, target) pairs: every kernel for one target of each vendor; for the others the decode step's
-    (its tiles are those a model runs: the kernel with every task type takes a minute a target)."""
+    (its tiles are those a model runs: the kernels with every task type take 20 s a target)."""
     return [(kernel, target) for kernel in KERNELS for target in FAST if target in targets] + [
         pytest.param("decode step", target, marks=pytest.mark.slow) for target in sorted(targets) if target not in FAST]
 
@@ -74,8 +77,8 @@ def need(target: str) -> None:
 @functools.cache
 def graph(kernel: str) -> tuple[mk.Graph, int]:
     """The graph of ``kernel`` and its task-table row width."""
-    if kernel == "every task type":
-        return every_task_type(), 32
+    if kernel in EVERY_TASK:
+        return every_task_type(EVERY_TASK.index(kernel), EVERY_TASK_PARTS), 32
     config = DecoderConfig(hidden=96, heads=4, kv_heads=2, head_dim=48, intermediate=200, layers=1, vocab=128,
                            eps=1e-6, qk_norm=True, serving=ServingConfig(max_seq_len=80, max_batch=2, prefill_chunk=0),
                            dtype=torch.bfloat16)
@@ -92,24 +95,24 @@ def graph(kernel: str) -> tuple[mk.Graph, int]:
 @functools.cache
 def compiled(kernel: str, target: str, trace: bool = False, num_warps: int = 4):
     need(target)
-    if kernel == "every task type" and target in FAST and not trace and num_warps == 4:
-        return every_task_kernels()[target]
+    if kernel in EVERY_TASK and target in FAST and not trace and num_warps == 4:
+        return every_task_kernels()[kernel, target]
     g, row_words = graph(kernel)
     return compile_kernel(g.specs, target, row_words=row_words, trace=trace, num_warps=num_warps)
 
 
-def every_task_kernel(target: str):
-    g, row_words = graph("every task type")
-    return compile_kernel(g.specs, target, row_words=row_words)
+def every_task_kernel(kernel_target: tuple[str, str]):
+    g, row_words = graph(kernel_target[0])
+    return compile_kernel(g.specs, kernel_target[1], row_words=row_words)
 
 
 @functools.cache
 def every_task_kernels() -> dict:
-    """The kernel with every task type for each FAST target, compiled side by side in processes of their own:
-    a minute each on one core, the suite's longest wait, halved where two cores are free."""
-    targets = [target for target in FAST if unsupported_reason(target) is None]
-    with ProcessPoolExecutor(len(targets), mp_context=multiprocessing.get_context("spawn")) as pool:
-        return dict(zip(targets, pool.map(every_task_kernel, targets)))
+    """The kernels with every task type for each FAST target, compiled side by side in two processes: the
+    suite's longest wait, halved where two cores are free."""
+    pairs = [(kernel, target) for target in FAST if unsupported_reason(target) is None for kernel in EVERY_TASK]
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return dict(zip(pairs, pool.map(every_task_kernel, pairs)))
 
 
 def test_the_targets_every_triton_has_are_supported():
@@ -123,15 +126,16 @@ TRACED = ("sm_90", "gfx942")  # the traced loop compiled once a vendor
 @pytest.mark.parametrize("target,trace", [(target, False) for target in FAST] + [
     pytest.param(target, True, marks=pytest.mark.slow) for target in TRACED])
 def test_every_task_type_compiles_ahead_of_time(target, trace):
-    g, _ = graph("every task type")
-    assert {s.task_type for s in g.specs} == set(TASK_TYPES), "the example must use every task type"
-    assert any(dict(s.constexprs).get("USE_DOT") for s in g.specs)
-    assert any(dict(s.constexprs).get("USE_DOT") is False for s in g.specs)
+    specs = [s for kernel in EVERY_TASK for s in graph(kernel)[0].specs]
+    assert {s.task_type for s in specs} == set(TASK_TYPES), "the examples must use every task type"
+    assert any(dict(s.constexprs).get("USE_DOT") for s in specs)
+    assert any(dict(s.constexprs).get("USE_DOT") is False for s in specs)
     # trace: the GPU clocks and stamps around every tile, the same code whatever the tiles; compiled with the
-    # decode step's kernel (a third of the every-task kernel's compile time)
-    c = compiled("decode step" if trace else "every task type", target, trace)
-    assert c.binary == ("cubin" if target.startswith("sm") else "hsaco")
-    assert c.size > 10_000
+    # decode step's kernel
+    for kernel in ["decode step"] if trace else EVERY_TASK:
+        c = compiled(kernel, target, trace)
+        assert c.binary == ("cubin" if target.startswith("sm") else "hsaco")
+        assert c.size > 10_000
 
 
 @pytest.mark.parametrize("kernel,target", KERNEL_TARGETS)
@@ -174,15 +178,13 @@ def test_no_kernel_spills_a_register(kernel, target):
     (``device.persistent_loop``), no tile divides 64-bit integers (a subroutine call on NVIDIA, with
     registers saved around it), and the prefill ``chunk_attention`` tile loads rows as 16-byte vectors
     and multiplies bfloat16 on tensor cores (``tasks.common.dot``). The kernels models launch spill
-    nothing under 3.9, and under 3.6 but the step with drafts (``SPILLED_UNDER_TRITON_36``). The kernel with
-    every task type, a union no model launches, is held to no 64-bit division but to no spill count (issue 57
-    item 6): its size puts ptxas's allocation at the edge (3.9 spills 84 bytes of it since the grouped
-    expert tiles, which spill nothing in the MoE step models launch; 3.6 120 before them). Under 3.6 the
-    union is not compiled at all (its tiles' 3.6 compiles are the models' kernels')."""
-    if kernel == "every task type" and triton.__version__.startswith("3.6."):
-        pytest.skip("the union of every tile under triton 3.6: no model launches it")
+    nothing under 3.9, and under 3.6 but the step with drafts (``SPILLED_UNDER_TRITON_36``). The kernels with
+    every task type, unions no model launches, are held to no 64-bit division but to no spill count (issue 57
+    item 6): ptxas's allocation of such unions is at the edge (on sm_90, 3.9 spills 16 bytes of the part
+    with the grouped expert tiles, which spill nothing in the MoE step models launch; 3.6 152 and 408 bytes
+    of two parts)."""
     c = compiled(kernel, target)
-    if kernel != "every task type":
+    if kernel not in EVERY_TASK:
         assert c.spilled <= (SPILLED_UNDER_TRITON_36.get((kernel, target), 0) if triton.__version__.startswith("3.6.")
                              else 0)
     if target in NVIDIA:
@@ -209,7 +211,10 @@ def test_weights_and_caches_are_not_loaded_element_by_element(kernel, target):
     load their 16-byte-aligned rows in vectors, never one bfloat16 element at a time (what a hint lost on
     an argument word gives: ``tasks.common.row_offsets``)."""
     loads = loads_by_file(compiled(kernel, target).assembly)
-    assert any(re.search(r"\.v4\.|dwordx4", op) for op in loads["linear.py"])
+    # the every-task kernels' linear tiles together: a part may hold only small or unaligned ones, or none
+    linear = ([op for part in EVERY_TASK for op in loads_by_file(compiled(part, target).assembly).get("linear.py", {})]
+              if kernel in EVERY_TASK else loads["linear.py"])
+    assert any(re.search(r"\.v4\.|dwordx4", op) for op in linear)
     for source in ("linear.py", "attention.py", "chunk_attention.py"):
         assert not [op for op in loads.get(source, {}) if re.search(r"\.b16$|short", op)], (source, loads[source])
 
@@ -234,10 +239,10 @@ def test_every_weight_format_compiles_without_spills_and_aligned_ones_load_vecto
 
 @pytest.mark.parametrize("target", FAST)
 def test_16_bit_dots_run_on_tensor_cores_and_float32_ones_stay_ieee(target):
-    """The every-task kernel has bfloat16 ``tl.dot`` tiles (chunk attention) and float32 ones (a linear):
+    """The every-task kernels have bfloat16 ``tl.dot`` tiles (chunk attention) and float32 ones (a linear):
     the first are matrix-core instructions on bfloat16, none rounds float32 to tf32 / xf32 (on one target
-    of each vendor: the kernel with every task type, ``kernel_targets``)."""
-    asm = compiled("every task type", target).assembly
+    of each vendor: the kernels with every task type, ``kernel_targets``)."""
+    asm = "\n".join(compiled(kernel, target).assembly for kernel in EVERY_TASK)
     if target in NVIDIA:
         assert re.search(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32\b", asm)
         assert ".tf32" not in asm
@@ -450,7 +455,7 @@ def spins(loop: str, vendor: str) -> bool:
 def test_a_poll_is_one_thread_reading_relaxed_then_one_fence_and_one_barrier(target):
     need_poll()
     vendor = TARGETS[target].backend
-    for c in (protocol_kernel(target, "poll"), compiled("every task type", target)):  # the default protocol
+    for c in (protocol_kernel(target, "poll"), *(compiled(kernel, target) for kernel in EVERY_TASK)):  # the default
         loops = wait_loops(c.assembly, vendor)
         assert loops, "no wait loop found"
         for loop in loops:
@@ -485,8 +490,9 @@ def test_the_spin_protocol_spins_every_thread_and_releases_every_add_at_system_s
     assert not found(FENCE[vendor]["gpu"], spin)
     assert any(found(RELEASE[vendor]["sys"], loop) for loop in inner_loops(spin))  # a release per add
     if device.protocol() == "spin":
-        loops = wait_loops(compiled("every task type", target).assembly, vendor)
-        assert loops and all(spins(loop, vendor) for loop in loops)
+        for kernel in EVERY_TASK:
+            loops = wait_loops(compiled(kernel, target).assembly, vendor)
+            assert loops and all(spins(loop, vendor) for loop in loops)
 
 
 FENCE_CHOICE = """

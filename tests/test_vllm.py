@@ -89,20 +89,23 @@ def reference(environment, checkpoint) -> dict:
     return case(environment, "transformers", checkpoint, str(NEW_TOKENS))
 
 
-@pytest.mark.timeout(1500)  # the checkpoint, transformers and two vLLM runs, each bounded by case()
-def test_vllm_through_the_megakernel_at_tensor_parallel_3_gives_vllms_own_tokens_and_transformers(environment, checkpoint, reference):
+@pytest.mark.timeout(1500)  # the checkpoint, transformers, vLLM's own model's probe and a vLLM run, each bounded by case()
+def test_vllm_through_the_megakernel_at_tensor_parallel_3_gives_vllms_own_tokens_and_transformers(
+        environment, checkpoint, reference, probe_own):
+    """Greedy tokens (and those of a prompt whose block the prefix cache serves) are transformers'; seeded ones
+    are vLLM's own model's (from its probe run: a request's draws follow its seed alone, whatever else the
+    engine runs)."""
     assert max(reference["prompt_tokens"][:-2]) > 16 >= min(reference["prompt_tokens"])  # a prompt past a step's budget
     assert min(reference["prompt_tokens"][-2:]) > 128  # the cached prompts share a whole block
-    own = case(environment, "vllm", checkpoint, str(NEW_TOKENS), "own", "1")
     # vLLM binds each rank's threads to a NUMA node of its own unless told not to: this machine has one
     ours = case(environment | {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, "vllm", checkpoint, str(NEW_TOKENS),
                 "megakernel", str(TENSOR_PARALLEL))
-    assert ours["architectures"] == OVERRIDE["architectures"] and own["architectures"] == ["LlamaForCausalLM"]
+    assert ours["architectures"] == OVERRIDE["architectures"]
     assert ours["ranks"] == [[TENSOR_PARALLEL, rank] for rank in range(TENSOR_PARALLEL)]  # vLLM's ranks, the megakernel's
-    assert ours["greedy"] == own["greedy"] == reference["greedy"]
-    assert ours["cached"] == own["cached"] == reference["cached"]
+    assert ours["greedy"] == reference["greedy"]
+    assert ours["cached"] == reference["cached"]
     assert ours["cached_tokens"][0] == 0 and ours["cached_tokens"][1] >= 128  # the prefix cache served a block
-    assert ours["seeded"] == own["seeded"] and len(ours["seeded"]) == len(SEEDS)
+    assert ours["seeded"] == probe_own["seeded"] and len(ours["seeded"]) == len(SEEDS)
     assert len({tuple(tokens) for tokens in ours["seeded"]}) == len(SEEDS)  # the seeds draw different tokens
     assert any(len(tokens) == NEW_TOKENS for tokens in ours["greedy"])
 
@@ -174,6 +177,7 @@ def test_every_class_of_the_probe_gives_what_vllms_own_model_gives(probe_own, pr
             assert len(common) >= 5 and max(abs(step_ours[t] - step_own[t]) for t in common) < 1e-3
     assert ours["too_long"] == own["too_long"] == "VLLMValidationError"
     assert ours["n"] == own["n"] and len({tuple(sample) for sample in ours["n"]}) == 3
+    assert ours["seeded"] == own["seeded"]
     assert ours["stop"] == own["stop"] and ours["stop"][1] == "stop" and ours["stop"][0]
     assert ours["one"] == own["one"] and all(len(tokens) == 1 for tokens in ours["one"])
     prompt, tokens, reason = ours["to_the_end"]

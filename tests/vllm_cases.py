@@ -37,6 +37,7 @@ PROBE_LEN = 256             # the probe's max_model_len: two of vLLM's CPU block
 MAX_NUM_SEQS = 2            # requests queue behind the running ones
 MAX_NUM_BATCHED_TOKENS = 16  # a long prompt takes several steps, each mixing its chunk with the others' decodes
 SEEDS = (7, 8, 9)           # seeded sampling: one request per seed, the first prompt
+SEEDED_TOKENS = 16          # tokens of each seeded request (the probe's, compared with the tensor-parallel run's)
 OVERRIDE = {"architectures": ["MegakernelForCausalLM"]}
 RANKS = operator.attrgetter("engine.kernel.group.world_size", "engine.kernel.group.rank")  # of a worker's megakernel
 
@@ -76,7 +77,7 @@ def vllm_tokens(folder: str, new: int, which: str, tensor_parallel: int) -> None
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=new))
     cached = [llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new))[0] for prompt in CACHED_PROMPTS]
     seeded = llm.generate([PROMPTS[0]] * len(SEEDS), [SamplingParams(temperature=1.0, top_p=0.9, seed=seed,
-                                                                     max_tokens=new) for seed in SEEDS])
+                                                                     max_tokens=SEEDED_TOKENS) for seed in SEEDS])
     architecture = llm.llm_engine.model_config.hf_config.architectures
     result({"greedy": [list(o.outputs[0].token_ids) for o in greedy],
             "seeded": [list(o.outputs[0].token_ids) for o in seeded], "architectures": architecture,
@@ -130,8 +131,9 @@ def probe(folder: str, which: str, workers: int, classes: bool) -> None:
     emptied before each). Then a request for prompt logprobs (refused by the megakernel) and one more request.
     With ``classes``, the probe's classes: 16 requests of 1 to 100 tokens at once, greedy with top-5
     logprobs (their KV outgrows the blocks: vLLM preempts and recomputes), a prompt past max_model_len
-    (refused), n = 3 seeded samples, a stop string, max_tokens=1, and a generation to max_model_len; each
-    for the test to hold against vLLM's own model's. ``workers``: the megakernel's per rank."""
+    (refused), n = 3 seeded samples, a stop string, max_tokens=1, a generation to max_model_len, and the
+    first prompt sampled with each of SEEDS; each for the test to hold against vLLM's own model's (the seeded
+    tokens against the megakernel's at tensor parallelism too). ``workers``: the megakernel's per rank."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -179,11 +181,15 @@ def probe(folder: str, which: str, workers: int, classes: bool) -> None:
     samples = llm.generate([PROMPTS[0]], SamplingParams(n=3, temperature=0.8, top_p=0.95, seed=5, max_tokens=12),
                            use_tqdm=False)[0]
     out["n"] = sorted(list(c.token_ids) for c in samples.outputs)
+    seeded = llm.generate([PROMPTS[0]] * len(SEEDS), [SamplingParams(temperature=1.0, top_p=0.9, seed=seed,
+                                                                     max_tokens=SEEDED_TOKENS) for seed in SEEDS])
+    out["seeded"] = [list(o.outputs[0].token_ids) for o in seeded]
     stopped = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=40, stop=["\n"]), use_tqdm=False)[0]
     out["stop"] = [stopped.outputs[0].text, stopped.outputs[0].finish_reason]
     out["one"] = [list(o.outputs[0].token_ids)
                   for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)]
-    long = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    long = llm.generate([TokensPrompt(prompt_token_ids=tokens(PROBE_LEN - 24))],
+                        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
     out["to_the_end"] = [len(long.prompt_token_ids), list(long.outputs[0].token_ids), long.outputs[0].finish_reason]
     result(out)
 
