@@ -583,6 +583,11 @@ class Graph:
         finally:
             self._guard = None
 
+    @property
+    def is_guarded(self) -> bool:
+        """Whether the tasks built now are inside ``guarded`` (whose flag they skip on)."""
+        return self._guard is not None
+
     @contextmanager
     def scope(self, label: str) -> Iterator[None]:
         """Label the ops built inside: their names become ``label/op`` in tables, traces and reports."""

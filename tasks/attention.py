@@ -19,6 +19,7 @@ read only the splits that reach it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -415,6 +416,8 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
     The caches hold ``kv_heads`` heads; each KV head serves ``heads / kv_heads`` query heads. The
     sequence is cut into splits of ``split_size`` positions (one partial tile per batch row, KV head
     and split) and a combine tile per batch row and query head adds up the splits that reach ``*pos``.
+    A row's partial tiles are guarded by its position (``Graph.guarded``, unless built inside a guarded
+    part already): a row of no sequence skips them in the loop, not in the tile (its combine reads none).
     """
     heads, kv_heads = q.cols // head_dim, k_cache.cols // head_dim
     g.require(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0,
@@ -441,24 +444,25 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
     partial = g.opcode(PARTIAL, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, SCALE=1.0 / math.sqrt(head_dim),
                        BLOCK_D=block_d, BLOCK_S=paging.block(BLOCK_S), ALIGNED=aligned, PAGE=paging.page)
     for b, (position, position_region) in enumerate(positions):
-        for h in range(kv_heads):
-            q_rows = q.region(b, 1, h * group * head_dim, group * head_dim)
-            for s in range(splits):
-                slot = (b * kv_heads + h) * splits + s
-                cols = h * head_dim
-                g.add_task(partial, o=partial_o.addr(slot * group, 0), ml=partial_ml.addr(slot * 2, 0),
-                           q=q.addr(b, h * group * head_dim), k=k_cache.addr(paging.first_row(b), cols),
-                           v=v_cache.addr(paging.first_row(b), cols), pos=position, seq_len=max_seq,
-                           table=paging.table_row(b), pages=paging.pages,
-                           window=min(window or max_seq, max_seq), start=s * split, length=split,
-                           cache_stride=k_cache.row_stride,
-                           reads=(q_rows, position_region, *paging.table_region(b),
-                                  paging.readable(k_cache, b, cols, head_dim),
-                                  paging.readable(v_cache, b, cols, head_dim)),
-                           writes=(partial_o.region(slot * group, group, 0, head_dim),
-                                   partial_ml.region(slot * 2, 2, 0, group)),
-                           bytes=2 * min(split, max_seq) * head_dim * size,
-                           flops=4 * group * min(split, max_seq) * head_dim)
+        with _row_guard(g, pos, b):
+            for h in range(kv_heads):
+                q_rows = q.region(b, 1, h * group * head_dim, group * head_dim)
+                for s in range(splits):
+                    slot = (b * kv_heads + h) * splits + s
+                    cols = h * head_dim
+                    g.add_task(partial, o=partial_o.addr(slot * group, 0), ml=partial_ml.addr(slot * 2, 0),
+                               q=q.addr(b, h * group * head_dim), k=k_cache.addr(paging.first_row(b), cols),
+                               v=v_cache.addr(paging.first_row(b), cols), pos=position, seq_len=max_seq,
+                               table=paging.table_row(b), pages=paging.pages,
+                               window=min(window or max_seq, max_seq), start=s * split, length=split,
+                               cache_stride=k_cache.row_stride,
+                               reads=(q_rows, position_region, *paging.table_region(b),
+                                      paging.readable(k_cache, b, cols, head_dim),
+                                      paging.readable(v_cache, b, cols, head_dim)),
+                               writes=(partial_o.region(slot * group, group, 0, head_dim),
+                                       partial_ml.region(slot * 2, 2, 0, group)),
+                               bytes=2 * min(split, max_seq) * head_dim * size,
+                               flops=4 * group * min(split, max_seq) * head_dim)
     g.phase("decode_attention.combine")
     combine = g.opcode(COMBINE, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
                        BLOCK_P=min(COMBINE_SPLITS, next_power_of_2(splits)),
@@ -478,6 +482,14 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
                            bytes=heads_per_tile * splits * (head_dim + 2) * 4,
                            flops=2 * heads_per_tile * splits * head_dim)
     return out
+
+
+def _row_guard(g, pos, b: int):
+    """The guard of batch row ``b``'s partial tiles: its position (``pos``, one for every row or one per
+    row), so that a row of no sequence skips them; none inside a guarded part (its guard holds)."""
+    if g.is_guarded:
+        return contextlib.nullcontext()
+    return g.guarded(pos if pos.shape in ((1,), (1, 1)) else pos[b])
 
 
 def _example(g):
