@@ -21,11 +21,18 @@
 3. Where a decode step's time goes: the trace of one step (time per op, workers' busy share).
 4. Cores shared: transformers and the megakernel (2 workers) alone and beside one busy-loop process, and
    each one's slowdown (issue 58's target: at most 2x).
+
+With ``--one-core`` instead: the shape vLLM gives the megakernel (its worker pinned to one core, so one
+worker of one torch thread, batch rows for ``max_num_seqs`` 8): a step's time with one sequence and with
+eight, and batch 1's, each by task type from a trace; then torch's linear paths on that core at 1 and 8
+rows (``F.linear``, and weights prepacked for MKL and for oneDNN), over SmolLM2's weight shapes.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
+import functools
 import importlib.util
 import os
 import time
@@ -203,14 +210,77 @@ def task_overhead(tasks: int = 200, steps: int = 100) -> None:
         print(f"  {where}: {1e6 * seconds / (tasks * steps):.1f} us per task")
 
 
+def one_core(model, prompt: torch.Tensor, steps: int = 5) -> None:
+    """``--one-core``: see the module's docstring. Each step time is the best of ``steps`` launches of one step."""
+    ids = prompt[0]
+    print(f"\none core ({sorted(os.sched_getaffinity(0))}), 1 worker, float32: a step by task type")
+    for batch, active in ((8, 1), (8, 8), (1, 1)):
+        decoder = from_hf(model, max_seq_len=128, max_batch=batch, backend="torch", workers=1, trace=True)
+        try:
+            sequences = [decoder.add(ids, 60) for _ in range(active)]
+            while any(decoder.sequence(s).pos < ids.numel() for s in sequences):
+                decoder.step()
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                decoder.step()
+                times.append(time.perf_counter() - start)
+            spent, tasks = collections.Counter(), collections.Counter()
+            for span in decoder.kernel.trace.spans:
+                spent[span.task_type] += span.end - span.start
+                tasks[span.task_type] += 1
+        finally:
+            decoder.close()
+        print(f"  batch {batch}, {active} sequence(s): {min(times) * 1e3:.1f} ms a step, {sum(tasks.values()):,} "
+              f"tasks; " + ", ".join(f"{name} {ns / 1e6:.1f} ms ({tasks[name]})" for name, ns in spent.most_common(5)))
+    shapes = {(p.shape[0], p.shape[1]): 0 for p in model.parameters() if p.ndim == 2}
+    for p in model.parameters():
+        if p.ndim == 2:
+            shapes[tuple(p.shape)] += 1
+    print("  linear over SmolLM2's weights (each shape as many times as the model has it):")
+    for rows in (1, 8):
+        row = {}
+        for name in ("F.linear", "MKL prepacked", "oneDNN prepacked"):
+            seconds = weight_bytes = 0
+            for (n, k), count in shapes.items():
+                weights = [torch.randn(n, k) for _ in range(count)]
+                x = torch.randn(rows, k)
+                if name == "F.linear":
+                    calls = [functools.partial(torch.nn.functional.linear, x, w) for w in weights]
+                elif name == "MKL prepacked":
+                    calls = [functools.partial(torch.ops.mkl._mkl_linear, x,
+                                               torch.ops.mkl._mkl_reorder_linear_weight(w, rows), w, None, rows)
+                             for w in weights]
+                else:
+                    calls = [functools.partial(torch.ops.mkldnn._linear_pointwise, x,
+                                               torch.ops.mkldnn._reorder_linear_weight(w, rows), None, "none", [], "")
+                             for w in weights]
+                for call in calls:  # warm
+                    call()
+                start = time.perf_counter()
+                for call in calls:
+                    call()
+                seconds += time.perf_counter() - start
+                weight_bytes += sum(w.numel() * 4 for w in weights)
+            row[name] = f"{seconds * 1e3:.1f} ms ({weight_bytes / seconds / 1e9:.1f} GB/s)"
+        print(f"    {rows} row(s): " + ", ".join(f"{name} {value}" for name, value in row.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--one-core", action="store_true", help="the shape vLLM gives the megakernel (see above)")
     args = parser.parse_args()
+    if args.one_core:
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})  # before any worker starts: they inherit it
     print(f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} cores")
     model, path, prompt = smollm2()
     print(f"model: {os.path.basename(path)}")
+    if args.one_core:
+        torch.set_num_threads(1)
+        one_core(model, prompt)
+        return
     decode_speed(model, path, prompt, args.tokens, args.repeats)
     shared_cores(model, prompt, args.tokens, args.repeats)
     task_overhead()
