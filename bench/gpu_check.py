@@ -94,7 +94,8 @@ import megakernel as mk  # noqa: E402
 from megakernel import aot, device, shmem
 from megakernel.errors import BackendError
 from megakernel.models import schema
-from megakernel.models.decoder import DecoderConfig, Shard, decoder_layer
+from megakernel.models.decoder import Shard, decoder_layer
+from megakernel.models.decoder_config import DecoderConfig
 from megakernel.models.serving_config import ServingConfig
 from megakernel.reference import execute
 from megakernel.scheduler import deserialize, serialize

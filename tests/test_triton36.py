@@ -50,30 +50,62 @@ def tree(tmp_path_factory) -> Path:
 def run(python: Path, *args: str, cwd: Path, timeout: int) -> str:
     """``python args`` in ``cwd``; its output, and a failure with the output's tail if it fails. ``timeout``
     stays under the test's own, so the child is the one killed."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTEST_", "TRITON_", "MEGAKERNEL_", "PYTHONPATH", "VIRTUAL_ENV"))
-           or k == "MEGAKERNEL_REQUIRE_NVSHMEM"}
-    done = subprocess.run([str(python), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-6000:]
-    return output
+    return Child(python, args, cwd).output(timeout)
+
+
+class Child:
+    """``python args`` started in ``cwd`` now, in the environment of a bare machine (none of this run's
+    pytest, Triton or megakernel settings, nor its virtual environment); ``output`` waits for it."""
+
+    def __init__(self, python: Path, args: tuple[str, ...], cwd: Path):
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("PYTEST_", "TRITON_", "MEGAKERNEL_", "PYTHONPATH", "VIRTUAL_ENV"))
+               or k == "MEGAKERNEL_REQUIRE_NVSHMEM"}
+        self.process = subprocess.Popen([str(python), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, cwd=cwd, env=env)
+
+    def output(self, timeout: float) -> str:
+        """Its output once it ended (killed at ``timeout`` seconds from now), and a failure with the output's
+        tail if it failed."""
+        try:
+            output = self.process.communicate(timeout=timeout)[0]
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.communicate()
+        assert self.process.returncode == 0, output[-6000:]
+        return output
+
+
+@pytest.fixture(scope="module")
+def children(python36, tree):
+    """The three runs of this module started together: the compile tests and the two smoke runs take a core
+    each for minutes, so side by side they end sooner than one after another. Each test waits for its own."""
+    started = {"aot": Child(python36, ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "aot and not slow",
+                                       "tests/test_aot.py"), tree)}
+    for backend in ("cpu", "torch"):
+        started[backend] = Child(python36, ("bench/gpu_check.py", "--smoke", "--backend", backend), tree)
+    yield started
+    for child in started.values():
+        if child.process.poll() is None:
+            child.process.kill()
+            child.process.communicate()
 
 
 @pytest.mark.timeout(600)
-def test_the_ahead_of_time_tests_pass_under_triton_36(python36, tree):
+def test_the_ahead_of_time_tests_pass_under_triton_36(children):
     """Every fast-tier compile test (sm_90 and gfx942, the H200's target among them) with 3.6's compiler."""
-    output = run(python36, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "aot and not slow",
-                 "tests/test_aot.py", cwd=tree, timeout=540)
+    output = children["aot"].output(timeout=540)
     assert " passed" in output and " failed" not in output
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_the_gpu_checks_own_command_runs_on_a_bare_tree_under_triton_36(python36, tree, backend):
+def test_the_gpu_checks_own_command_runs_on_a_bare_tree_under_triton_36(children, backend):
     """``python bench/gpu_check.py --smoke`` (the docstring's command, small shapes) from the root of the
     copy, every section, on the interpreter's backend (every tile under 3.6's interpreter with the newest
     numpy) and torch's: no row fails."""
-    output = run(python36, "bench/gpu_check.py", "--smoke", "--backend", backend, cwd=tree, timeout=840)
+    output = children[backend].output(timeout=840)
     assert "triton 3.6." in output
     rows = [line for line in output.splitlines() if line.startswith("| ") and not line.startswith(("| check", "| ---"))]
     assert len(rows) > 20, output[-6000:]

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import GraphError, is_count, is_int, is_number
 from ..tasks.formats import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, Format, dequantize
-from .decoder import DecoderConfig
+from .decoder_config import DecoderConfig
 from .hf import CONFIG_ERRORS, CONFIG_SIZES, ModelBuild, auto_classes, build, config_of_file
 from .packed import Packed
 from .schema import DENSE_MLP, K_PROJ, LAYER, MODEL, Q_PROJ, Stored, stored_formats

@@ -30,7 +30,8 @@ from huggingface_hub.errors import StrictDataclassError
 from ..bootstrap import current_world
 from ..errors import GraphError, is_int, is_number
 from .architectures import ARCHITECTURES, Architecture, Window, architecture_of
-from .decoder import DecoderConfig, Shard
+from .decoder import Shard
+from .decoder_config import DecoderConfig
 from .schema import shard_weights
 from .serving_config import ServingConfig
 

@@ -26,7 +26,8 @@ from .packed import Packed, concat
 
 if TYPE_CHECKING:
     from ..tasks.formats import Format
-    from .decoder import DecoderConfig, Shard
+    from .decoder import Shard
+    from .decoder_config import DecoderConfig
 
 
 @dataclass(frozen=True)
