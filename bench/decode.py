@@ -30,7 +30,8 @@ from megakernel.serving import from_hf
 from megakernel.tools.demo import random_llama
 
 LLAMA3_8B = DecoderConfig(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, layers=1,
-                          vocab=128256, eps=1e-5, qk_norm=False, serving=ServingConfig(max_seq_len=4096, prefill_chunk=0),
+                          vocab=128256, eps=1e-5, qk_norm=False,
+                          serving=ServingConfig(max_seq_len=4096, prefill_chunk=0),
                           dtype=torch.bfloat16)
 
 
@@ -100,7 +101,8 @@ def host_per_token(prompt: int = 4, new_tokens: int = 12) -> None:
 
 
 QWEN3_30B_A3B = DecoderConfig(hidden=2048, heads=32, kv_heads=4, head_dim=128, intermediate=6144, layers=48,
-                              vocab=151936, eps=1e-6, qk_norm=True, serving=ServingConfig(max_seq_len=4096, prefill_chunk=0),
+                              vocab=151936, eps=1e-6, qk_norm=True,
+                              serving=ServingConfig(max_seq_len=4096, prefill_chunk=0),
                               dtype=torch.bfloat16,
                               moe=(True,) * 48, experts=128, top_k=8, moe_intermediate=768, norm_topk=True,
                               router_weight_dtype=torch.bfloat16)
@@ -193,7 +195,8 @@ def expert_parallel_traffic(c: DecoderConfig, worlds=(2, 4, 8), batches=(1, 8, 6
 
 def moe_fraction() -> None:
     small = DecoderConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=96, layers=2, vocab=100,
-                          eps=1e-6, qk_norm=True, serving=ServingConfig(max_seq_len=16, prefill_chunk=0), moe=(True, True), experts=8, top_k=2,
+                          eps=1e-6, qk_norm=True, serving=ServingConfig(max_seq_len=16, prefill_chunk=0),
+                          moe=(True, True), experts=8, top_k=2,
                           moe_intermediate=44, norm_topk=True)
     print("mixture of experts, weights one decode step reads (batch 1), from the graph's expert tiles:")
     for name, c in (("Qwen3-30B-A3B shape (48 layers, 128 experts, top-8, bf16)", QWEN3_30B_A3B),

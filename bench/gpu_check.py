@@ -105,19 +105,21 @@ from megakernel.heap import HeapView
 from megakernel.tools.examples import EVERY_TASK_PARTS, across_nodes, every_task_type, example_inputs
 
 LLAMA3_8B = DecoderConfig(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, layers=1,
-                          vocab=128256, eps=1e-5, qk_norm=False, serving=ServingConfig(max_seq_len=4096, prefill_chunk=0),
+                          vocab=128256, eps=1e-5, qk_norm=False,
+                          serving=ServingConfig(max_seq_len=4096, prefill_chunk=0),
                           dtype=torch.bfloat16)
 QWEN3_30B_A3B = DecoderConfig(hidden=2048, heads=32, kv_heads=4, head_dim=128, intermediate=6144, layers=1,
-                              vocab=151936, eps=1e-6, qk_norm=False, serving=ServingConfig(max_seq_len=4096, prefill_chunk=0),
-                              dtype=torch.bfloat16,
+                              vocab=151936, eps=1e-6, qk_norm=False,
+                              serving=ServingConfig(max_seq_len=4096, prefill_chunk=0), dtype=torch.bfloat16,
                               moe=(True,), experts=128, top_k=8, moe_intermediate=768, norm_topk=True,
                               router_weight_dtype=torch.bfloat16)
 SMOKE_MOE = DecoderConfig(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, layers=1, vocab=256,
-                          eps=1e-6, qk_norm=False, serving=ServingConfig(max_seq_len=64, prefill_chunk=0), dtype=torch.bfloat16,
-                          moe=(True,), experts=8,
-                          top_k=2, moe_intermediate=48, norm_topk=True, router_weight_dtype=torch.bfloat16)
+                          eps=1e-6, qk_norm=False, serving=ServingConfig(max_seq_len=64, prefill_chunk=0),
+                          dtype=torch.bfloat16, moe=(True,), experts=8, top_k=2, moe_intermediate=48, norm_topk=True,
+                          router_weight_dtype=torch.bfloat16)
 SMOKE_LAYER = DecoderConfig(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, layers=1, vocab=256,
-                            eps=1e-5, qk_norm=False, serving=ServingConfig(max_seq_len=64, prefill_chunk=0), dtype=torch.bfloat16)
+                            eps=1e-5, qk_norm=False, serving=ServingConfig(max_seq_len=64, prefill_chunk=0),
+                            dtype=torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -375,7 +377,8 @@ def serving_kernel(c: DecoderConfig, s: Setup) -> tuple[mk.Graph, mk.Megakernel]
 def check_serving(s: Setup) -> list[Row]:
     smoke = s.device == "cpu"
     layers, steps = (1, 2) if smoke else (2, STEPS)
-    base = replace(s.layer, layers=layers, vocab=1024, serving=replace(s.layer.serving, max_seq_len=32 if smoke else 2048))
+    base = replace(s.layer, layers=layers, vocab=1024,
+                   serving=replace(s.layer.serving, max_seq_len=32 if smoke else 2048))
     rows = []
     for batch in (1, 2) if smoke else (1, 8, 32):
         c = replace(base, serving=replace(base.serving, max_batch=batch))
@@ -394,7 +397,8 @@ def check_serving(s: Setup) -> list[Row]:
         rows.append(Row(f"serving: {layers} layers, batch {batch} at positions {int(start[0])}-{int(start[-1])}, "
                         f"{steps} steps a launch ({where})", f"{batch * steps / seconds:,.1f} tokens/s"))
     chunk = 4 if smoke else 512
-    c = replace(base, serving=replace(base.serving, max_batch=1, prefill_chunk=chunk, max_seq_len=32 if smoke else 1024))
+    c = replace(base, serving=replace(base.serving, max_batch=1, prefill_chunk=chunk,
+                                      max_seq_len=32 if smoke else 1024))
     g, kernel = serving_kernel(c, s)
     try:
         times = []

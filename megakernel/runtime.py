@@ -54,8 +54,9 @@ class Megakernel:
         self.graph = _seal(graph, self.group, self.timeout)  # the graph this kernel runs
         self.kernel_path = codegen.kernel_path(self.graph.specs, KINDS[name].target)
         self.backend: Backend = KINDS[name].make(BackendRequest(
-            name=name, group=self.group, kernel_path=self.kernel_path, row_words=ARG0 + int(self.graph.tasks.args.counts().max(initial=0)),
-            trace=self.tracing, workers=workers, timeout=self.timeout, pool=pool, specs=self.graph.specs))
+            name=name, group=self.group, kernel_path=self.kernel_path,
+            row_words=ARG0 + int(self.graph.tasks.args.counts().max(initial=0)), trace=self.tracing, workers=workers,
+            timeout=self.timeout, pool=pool, specs=self.graph.specs))
         self.workers = self.backend.workers
         self.tables = _schedule(self.graph, self.group, self.backend, policy)
         self._max_fan_in = int(self.tables.rows[:, [FAN_IN, CARRY_FAN_IN]].max(initial=1))  # bounds the epochs

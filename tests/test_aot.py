@@ -86,7 +86,8 @@ def graph(kernel: str) -> tuple[mk.Graph, int]:
         config = replace(config, serving=replace(config.serving, prefill_chunk=16))
         return decode_step(config, mk.Graph(world_size=1, rank=0, parallelism=2, few_tiles=True)), 16
     if kernel == "serving step":  # rank 0 of 2, its experts whole: the all-reduces' and combine's puts too
-        config = replace(config, serving=replace(config.serving, prefill_chunk=16, draft_tokens=2, expert_parallel=True),
+        config = replace(config, serving=replace(config.serving, prefill_chunk=16, draft_tokens=2,
+                                                 expert_parallel=True),
                          moe=(True,), experts=4, top_k=2, moe_intermediate=64, norm_topk=True)
         return decode_step(config, mk.Graph(world_size=2, rank=0)), 16
     return decode_step(config, mk.Graph(world_size=1, rank=0)), 16

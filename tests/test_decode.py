@@ -265,15 +265,18 @@ def test_tensor_parallel_generation_matches_transformers(family, world, batch):
 # (the specs they check are the same for both).
 @pytest.mark.parametrize("config,parallelism,targets", [
     (DecoderConfig(hidden=96, heads=4, kv_heads=2, head_dim=48, intermediate=200, layers=1, vocab=128, eps=1e-6,
-                   qk_norm=True, serving=ServingConfig(max_seq_len=80, max_batch=2, prefill_chunk=0), dtype=torch.bfloat16),
+                   qk_norm=True, serving=ServingConfig(max_seq_len=80, max_batch=2, prefill_chunk=0),
+                   dtype=torch.bfloat16),
      1, ("sm_90", "gfx942")),
     # GPU-shaped at batch 1: the one-row GEMV tiles and attention with 16-byte vectors (aligned, whole blocks)
     (DecoderConfig(hidden=1024, heads=8, kv_heads=2, head_dim=128, intermediate=2048, layers=1, vocab=512,
-                   eps=1e-6, qk_norm=False, serving=ServingConfig(max_seq_len=256, prefill_chunk=0), dtype=torch.bfloat16),
+                   eps=1e-6, qk_norm=False, serving=ServingConfig(max_seq_len=256, prefill_chunk=0),
+                   dtype=torch.bfloat16),
      64, ("sm_90",)),
     # Gemma-shaped: head_dim 256, 1 + w norms, GELU-tanh gates, a sliding window, q/k/v biases
     (DecoderConfig(hidden=512, heads=2, kv_heads=1, head_dim=256, intermediate=512, layers=1, vocab=256, eps=1e-6,
-                   qk_norm=False, serving=ServingConfig(max_seq_len=64, prefill_chunk=0), dtype=torch.bfloat16, activation="gelu_tanh",
+                   qk_norm=False, serving=ServingConfig(max_seq_len=64, prefill_chunk=0), dtype=torch.bfloat16,
+                   activation="gelu_tanh",
                    norm_unit_offset=True, embed_scaled=True, qkv_bias=True, windows=(32,)), 1, ("gfx942",)),
     # drafts: 3 verification rows per batch row through chunk attention, sampled into "verified", accepted
     (DecoderConfig(hidden=96, heads=4, kv_heads=2, head_dim=48, intermediate=200, layers=1, vocab=128, eps=1e-6,

@@ -243,8 +243,8 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
     prefill tasks. The int64 input "draft_stats" counts (``speculation.STATS``).
 
     Built in parts by a ``Step``: the inputs and the drafts (``Step.begun``), the embeddings, the layers,
-    the head and the sampling. Built into ``g``, or a new ``Graph(parallelism=parallelism)``: the number of workers the step is
-    meant for, which sizes its tiles (split-K linears, attention splits).
+    the head and the sampling. Built into ``g``, or a new ``Graph(parallelism=parallelism)``: the number of
+    workers the step is meant for, which sizes its tiles (split-K linears, attention splits).
     """
     g = g or Graph(parallelism=parallelism)
     step = Step.begun(g, c)
@@ -386,7 +386,8 @@ class Step:
         s = inputs.s
         with g.scope("head"), rows.guard():
             h = g.rms_norm(x, weight_input(g, c, s, NORM), c.eps, unit_offset=c.norm_unit_offset)
-            head = rows_of(inputs.embed, s.lm.start, s.lm.size) if head_in_embedding(c, s) else weight_input(g, c, s, HEAD)
+            head = (rows_of(inputs.embed, s.lm.start, s.lm.size) if head_in_embedding(c, s)
+                    else weight_input(g, c, s, HEAD))
             logits = g.linear(h, head)
             logits = g.all_gather(logits, dim=1) if s.world > 1 else logits
             g.output("logits", logits)
@@ -408,8 +409,8 @@ class Step:
                 verified = g.new_tensor((c.batch, c.max_seq_len), torch.int64, name="verified")
                 stats = g.input("draft_stats", (len(STATS),), torch.int64)
                 with rows.guard():
-                    g.sample(logits, verified, rows.pos, inputs.prompt_len, sampling, seed, logprobs, top, vocab=c.vocab,
-                             rows_per_sequence=c.rows_per_sequence)
+                    g.sample(logits, verified, rows.pos, inputs.prompt_len, sampling, seed, logprobs, top,
+                             vocab=c.vocab, rows_per_sequence=c.rows_per_sequence)
                     g.output("history", g.accept(inputs.history, verified, rows.tokens, rows.pos, inputs.pos,
                                                  inputs.prompt_len, rows.end, stats))
             else:

@@ -45,9 +45,9 @@ class CompiledModel:
 
     def __init__(self, build: ModelBuild, options: KernelOptions | None = None, parallelism: int | str = "auto"):
         """Compile ``build`` (its frequencies rebound when ``build.rope_at`` changes them) into a
-        ``Megakernel`` of ``options`` (None: the defaults'). ``parallelism``: the workers the step's tiles are sized for
-        (``Graph.parallelism``); "auto": what suits the backend (``BackendKind.tile_parallelism``: on a GPU
-        every worker the kernel holds, found by building once; on the cpu backend 1, few large tiles for the
+        ``Megakernel`` of ``options`` (None: the defaults'). ``parallelism``: the workers the step's tiles are
+        sized for (``Graph.parallelism``); "auto": what suits the backend (``BackendKind.tile_parallelism``: on a
+        GPU every worker the kernel holds, found by building once; on the cpu backend 1, few large tiles for the
         interpreter; on torch the workers, at least 2)."""
         config, weights, rope_at = build.config, build.weights, build.rope_at
         if config.draft_tokens and rope_at is not None:
@@ -74,7 +74,8 @@ class CompiledModel:
         self.kernel.bind(weights)
         self.pool = PagePool(config.pool_pages, config.page_size, config.table_rows, config.max_pages)
         self.kernel.bind({"history": torch.zeros(config.batch, config.max_seq_len, dtype=torch.int64),
-                          "pos": torch.full((config.batch,), -1), "prompt_len": torch.zeros(config.batch, dtype=torch.int64),
+                          "pos": torch.full((config.batch,), -1),
+                          "prompt_len": torch.zeros(config.batch, dtype=torch.int64),
                           "block_table": self.pool.table})
         self.kernel.bind({"sampling": torch.zeros(config.batch, len(PARAMS)),  # temperature 0: greedy
                           "seed": torch.zeros(config.batch, dtype=torch.int64)})

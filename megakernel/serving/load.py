@@ -2,8 +2,8 @@
 (``megakernel.models``), compiled into a ``DecodeModel``.
 
 Each takes the serving config whole (``serving``) or its fields as keyword arguments (which, beside a
-``serving``, replace its own); the other keyword arguments are the kernel's (``KernelOptions``, ``Megakernel``'s: ``backend``,
-``workers``, ``trace``, ...), its backend resolved once."""
+``serving``, replace its own); the other keyword arguments are the kernel's (``KernelOptions``:
+``Megakernel``'s ``backend``, ``workers``, ``trace``, ...), its backend resolved once."""
 from __future__ import annotations
 
 from typing import Any
