@@ -77,6 +77,35 @@ def kernel_bases(heaps: list[RankHeap], rank: int) -> tuple[list[int], int]:
     return [heap.comm.data_ptr() - delta for heap in heaps], delta
 
 
+@dataclass
+class HostWrites:
+    """How often the host wrote each of a kernel's inputs that only ``bind`` writes, so that a worker may keep
+    what it derives from their bytes (``WorkerHeap.derived``) without reading them again to see whether they
+    changed. Not counted, so compared by their bytes: an input some task writes (it changes on the device),
+    and one whose view was handed out (``Megakernel.tensor``: the host may write it at any time after)."""
+
+    areas: dict[int, tuple[int, int]]  # the inputs counted: buffer index -> (heap offset, bytes)
+    counts: dict[int, int] = field(default_factory=dict)
+    _stable: tuple[tuple[int, int, int], ...] | None = None
+
+    def written(self, buffer: int) -> None:
+        if buffer in self.areas:
+            self.counts[buffer] = self.counts.get(buffer, 0) + 1
+            self._stable = None
+
+    def handed_out(self, buffer: int) -> None:
+        if self.areas.pop(buffer, None) is not None:
+            self._stable = None
+
+    def stable(self) -> tuple[tuple[int, int, int], ...]:
+        """(first byte, end byte, writes so far) of each input counted, by first byte: what a launch tells
+        the torch backend's workers."""
+        if self._stable is None:
+            self._stable = tuple(sorted((offset, offset + size, self.counts.get(buffer, 0))
+                                        for buffer, (offset, size) in self.areas.items()))
+        return self._stable
+
+
 class HeapView:
     """Typed torch views of a rank's heap (``RankHeap``, host or device) by heap offset, for the runtime,
     images and the reference tiles."""
@@ -110,9 +139,9 @@ class HeapView:
 
     def derived(self, key: tuple, sources: tuple[torch.Tensor, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """What ``make()`` derives from the heap views ``sources`` (a reference tile's weights unpacked from
-        their packed bytes), ``key`` naming it: made at every call here, as an oracle should; a torch
-        backend worker keeps it while the sources hold the same bytes (``WorkerHeap``). The result is read,
-        never written."""
+        their packed bytes, a weight laid out for the CPU's matrix library), ``key`` naming it: made at every
+        call here, as an oracle should; a torch backend worker keeps it while the sources hold the same
+        bytes (``WorkerHeap``). The result is read, never written."""
         return make()
 
     def word(self, offset: int) -> int:

@@ -16,7 +16,7 @@ from .bootstrap import Group, check_agreement
 from .backends.cpu import WorkerPool
 from .errors import BackendError, DeadlockError, FaultError, GraphError, check_timeout, is_count
 from .graph import Graph, Tensor
-from .heap import HeapView, RankHeap
+from .heap import HeapView, HostWrites, RankHeap
 from .layout import (ABORT, COMM, FAULTED, INDEX, LOST, LOST_BY, NOT_FINITE, STATUS_WORDS, TRACE_WORDS, HeapLayout,
                      device_words)
 from .scheduler import ARG0, CARRY_FAN_IN, FAN_IN, QueueTables, check_periodic, schedule, serialize
@@ -53,10 +53,11 @@ class Megakernel:
         # on its workers (on a GPU, as many as the compiled kernel lets be resident at once).
         self.graph = _seal(graph, self.group, self.timeout)  # the graph this kernel runs
         self.kernel_path = codegen.kernel_path(self.graph.specs, KINDS[name].target)
+        self.host_writes = _host_writes(self.graph)  # what a torch backend's workers may keep derived values of
         self.backend: Backend = KINDS[name].make(BackendRequest(
             name=name, group=self.group, kernel_path=self.kernel_path,
             row_words=ARG0 + int(self.graph.tasks.args.counts().max(initial=0)), trace=self.tracing, workers=workers,
-            timeout=self.timeout, pool=pool, specs=self.graph.specs))
+            timeout=self.timeout, pool=pool, specs=self.graph.specs, host_writes=self.host_writes))
         self.workers = self.backend.workers
         self.tables = _schedule(self.graph, self.group, self.backend, policy)
         self._max_fan_in = int(self.tables.rows[:, [FAN_IN, CARRY_FAN_IN]].max(initial=1))  # bounds the epochs
@@ -109,9 +110,13 @@ class Megakernel:
         self._checked_launches = self.launches
 
     def tensor(self, t: Tensor) -> torch.Tensor:
-        """The heap memory under graph tensor ``t`` (a view: writes go to the heap; it keeps the memory
-        alive after ``close``)."""
+        """The heap memory under graph tensor ``t`` (a view: writes go to the heap, between runs; it keeps the
+        memory alive after ``close``)."""
         self._require_open()
+        self.host_writes.handed_out(t.buffer.index)  # the host may write it through the view at any time
+        return self._view(t)
+
+    def _view(self, t: Tensor) -> torch.Tensor:
         view = self.view.tensor(t.addr(0, 0), t.dtype, t.rows, t.cols, t.row_stride)
         return view.reshape(t.shape) if t.ndim == 1 else view
 
@@ -152,7 +157,8 @@ class Megakernel:
             if value.is_meta:
                 raise GraphError(f"input {name!r} is a meta tensor: it has no values to copy")
         for name, value in inputs.items():
-            self.tensor(self.graph.inputs[name]).copy_(value.detach())
+            self._view(self.graph.inputs[name]).copy_(value.detach())
+            self.host_writes.written(self.graph.inputs[name].buffer.index)
             self._bound.add(name)
 
     @property
@@ -215,7 +221,7 @@ class Megakernel:
         return self._outputs()
 
     def _outputs(self) -> dict[str, torch.Tensor]:
-        return {name: self.tensor(t).clone() for name, t in self.graph.outputs.items()}
+        return {name: self._view(t).clone() for name, t in self.graph.outputs.items()}
 
     def _prepare(self, inputs: Mapping[str, torch.Tensor]) -> None:
         self.bind(inputs)
@@ -443,6 +449,15 @@ def _check_buildable(graph: Graph, workers: int | None) -> None:
         raise GraphError("the graph has no outputs: mark them with graph.output(name, tensor)")
     if workers is not None and not is_count(workers):
         raise GraphError(f"workers must be a positive integer, got {workers!r}")
+
+
+def _host_writes(graph: Graph) -> HostWrites:
+    """The record of the host's writes of ``graph``'s inputs, counting those no task writes, here or from a peer."""
+    tasks = graph.tasks
+    written = set(tasks.writes.table()[:, 0].tolist())
+    written.update(region[0] for regions in tasks.remote for _, region in regions)
+    return HostWrites({t.buffer.index: (t.buffer.offset, t.buffer.nbytes) for t in graph.inputs.values()
+                       if t.buffer.index not in written})
 
 
 def _seal(graph: Graph, group: Group, timeout: float) -> Graph:

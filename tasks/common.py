@@ -153,6 +153,29 @@ def history_row(heap, task) -> int:
     return heap_index(heap, task.history + 8 * heap_index(heap, task.pos, task.history_cols), task.rows)
 
 
+# oneDNN's matrix multiply over a weight laid out for it once (what vLLM's CPU linears run): on one core it
+# streams SmolLM2's weights ~1.8x as fast as ``F.linear`` at 8 rows, ~1.2x at one (bench/torch_backend.py --one-core)
+ONEDNN = torch.backends.mkldnn.is_available()
+ONEDNN_BF16 = ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def linear_rows(heap, key: tuple, x: torch.Tensor, y: torch.Tensor, sources: tuple[torch.Tensor, ...],
+                weight: Callable[[], torch.Tensor], w_dtype: torch.dtype) -> None:
+    """``y[:] = x @ w.T`` for a reference tile, accumulated in float32 and rounded once to y's dtype, as the
+    tiles compute it; ``w = weight()`` [n, k] of ``w_dtype``, made from the heap views ``sources``. Laid out
+    for oneDNN as a weight derived from them, named by ``key`` (``HeapView.derived``: a torch backend's
+    worker keeps it). bfloat16 x, w and y multiply as such (oneDNN accumulates in float32), everything else
+    in float32. A torch built without oneDNN multiplies ``weight()`` at every call."""
+    if not ONEDNN:
+        y.copy_(x.float() @ weight().float().T)
+        return
+    dtype = torch.bfloat16 if x.dtype == y.dtype == w_dtype == torch.bfloat16 and ONEDNN_BF16 else torch.float32
+    rows = x.shape[0]
+    packed = heap.derived((*key, "onednn", rows, dtype), sources,
+                          lambda: torch.ops.mkldnn._reorder_linear_weight(weight().to(dtype), rows))
+    y.copy_(torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, None, "none", [], ""))
+
+
 def ceil_div(a: int, b: int) -> int:
     """``triton.cdiv`` for builders: Triton's is a constexpr function, and each host call of it costs
     ~14 µs, which the builders of a graph of a million tiles would pay a hundred thousand times."""

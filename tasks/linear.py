@@ -29,8 +29,8 @@ import triton.language as tl
 from ..device import heap_ptr
 from ..errors import is_count
 from . import quantized
-from .common import (TaskType, block_at, block_count, ceil_div, dot, next_power_of_2, require_float, rounded,
-                     row_offsets, store_block, vector_aligned)
+from .common import (TaskType, block_at, block_count, ceil_div, dot, linear_rows, next_power_of_2, require_float,
+                     rounded, row_offsets, store_block, vector_aligned)
 from .formats import Quantized
 from .reduction import sum_slices
 
@@ -272,9 +272,10 @@ def linear_tile(base,
 
 
 def _reference(heap, task) -> None:
-    x = heap.tensor(task.x, task.X_DTYPE, task.m, task.k, task.x_stride).float()
-    w = heap.tensor(task.w, task.W_DTYPE, task.n, task.k, task.w_stride).float()
-    heap.tensor(task.y, task.Y_DTYPE, task.m, task.n, task.y_stride).copy_(x @ w.T)
+    x = heap.tensor(task.x, task.X_DTYPE, task.m, task.k, task.x_stride)
+    w = heap.tensor(task.w, task.W_DTYPE, task.n, task.k, task.w_stride)
+    y = heap.tensor(task.y, task.Y_DTYPE, task.m, task.n, task.y_stride)
+    linear_rows(heap, ("linear", task.w, task.n, task.k, task.w_stride), x, y, (w,), lambda: w, w.dtype)
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,16 @@ independent elements): a tile's K-range starts on a block.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from ..device import checked_index, heap_ptr, row_position
 from ..errors import is_count
-from .common import (TaskType, ceil_div, dot, heap_index, history_row, next_power_of_2, require_float, rounded,
-                     routed_rows, row_offsets, row_positions, token_row, vector_aligned)
+from .common import (TaskType, ceil_div, dot, heap_index, history_row, linear_rows, next_power_of_2, require_float,
+                     rounded, routed_rows, row_offsets, row_positions, token_row, vector_aligned)
 from .formats import (FORMATS, FORMATS_BY_CODE, FP8_BLOCK, FP8_SCALE_BLOCK, Q4_K, Q8_0, Format, Quantized, dequantize,
                       quantized_input)
 from .reduction import sum_slices
@@ -208,11 +210,10 @@ def quantized_expert_linear_tile(base, status,
                     ALIGNED)
 
 
-def unpacked_weight(heap, format: Format, w: int, w_stride: int, scales: int, scales_stride: int, scale_offset: int,
-            rows: int, cols: int, row0: int, col0: int) -> torch.Tensor:
-    """float32 [rows, cols]: the weight at heap offset ``w`` from row ``row0``, column ``col0`` (a block's),
-    unpacked where the heap keeps what tiles derive (``HeapView.derived``: a torch backend's worker
-    unpacks a tile's weights once, not at every step, and again if their bytes change)."""
+def unpacking(heap, format: Format, w: int, w_stride: int, scales: int, scales_stride: int, scale_offset: int,
+              rows: int, cols: int, row0: int, col0: int) -> tuple[tuple, tuple[torch.Tensor, ...], Callable]:
+    """How to unpack the weight at heap offset ``w`` from row ``row0``, column ``col0`` (a block's): a name
+    for it, the heap views it is made from (packed bytes, scales) and what makes it, float32 [rows, cols]."""
     data = heap.tensor(w + row0 * w_stride + format.row_bytes(col0), torch.uint8, rows, format.row_bytes(cols),
                        w_stride)
     key = ("dequantized", format.code, w, w_stride, scales, scales_stride, scale_offset, rows, cols, row0, col0)
@@ -222,22 +223,35 @@ def unpacked_weight(heap, format: Format, w: int, w_stride: int, scales: int, sc
         scales = heap.tensor(scales, torch.float32, row0 + rows, ceil_div(scale_offset + col0 + cols, FP8_SCALE_BLOCK),
                              scales_stride)
     sources = (data,) if format.scales is None else (data, scales)
-    return heap.derived(key, sources, lambda: dequantize(format, data, cols, scales, row0, col0, scale_offset))
+    return key, sources, lambda: dequantize(format, data, cols, scales, row0, col0, scale_offset)
+
+
+def unpacked_weight(heap, format: Format, w: int, w_stride: int, scales: int, scales_stride: int, scale_offset: int,
+                    rows: int, cols: int, row0: int, col0: int) -> torch.Tensor:
+    """float32 [rows, cols]: the weight ``unpacking`` names, unpacked where the heap keeps what tiles derive
+    (``HeapView.derived``: a torch backend's worker unpacks a tile's weights once, not at every step, and
+    again if they change)."""
+    return heap.derived(*unpacking(heap, format, w, w_stride, scales, scales_stride, scale_offset, rows, cols, row0,
+                                   col0))
 
 
 def _expert_linear_reference(heap, task) -> None:
     e = heap_index(heap, task.expert, task.count)
-    x = heap.tensor(task.x, task.X_DTYPE, 1, task.k, task.k).float()
-    w = unpacked_weight(heap, FORMATS_BY_CODE[task.FORMAT], task.w, task.w_stride, task.scales, task.scales_stride,
-                task.scale_offset, task.n, task.k, e * task.expert_rows + task.row0, 0)
-    heap.tensor(task.y, task.Y_DTYPE, 1, task.n, task.n).copy_(x @ w.T)
+    linear_rows(heap, *_rows_and_weight(heap, task, 1, task.k, task.n, e * task.expert_rows + task.row0, 0))
 
 
 def _linear_reference(heap, task) -> None:
-    x = heap.tensor(task.x, task.X_DTYPE, task.m, task.k, task.x_stride).float()
-    w = unpacked_weight(heap, FORMATS_BY_CODE[task.FORMAT], task.w, task.w_stride, task.scales, task.scales_stride,
-                task.scale_offset, task.n, task.k, task.row0, task.k0)
-    heap.tensor(task.y, task.Y_DTYPE, task.m, task.n, task.y_stride).copy_(x @ w.T)
+    linear_rows(heap, *_rows_and_weight(heap, task, task.m, task.x_stride, task.y_stride, task.row0, task.k0))
+
+
+def _rows_and_weight(heap, task, m: int, x_stride: int, y_stride: int, row0: int, col0: int) -> tuple:
+    """``linear_rows``' arguments after the heap for a quantized linear tile of ``m`` rows of x and y, its
+    weight's rows from ``row0``, columns from ``col0`` (unpacked, then laid out for the CPU, once)."""
+    key, sources, make = unpacking(heap, FORMATS_BY_CODE[task.FORMAT], task.w, task.w_stride, task.scales,
+                                   task.scales_stride, task.scale_offset, task.n, task.k, row0, col0)
+    x = heap.tensor(task.x, task.X_DTYPE, m, task.k, x_stride)
+    y = heap.tensor(task.y, task.Y_DTYPE, m, task.n, y_stride)
+    return key, x, y, sources, make, torch.float32
 
 
 SPLIT_COLUMNS = 256  # K-ranges (split_k) start on multiples of it: a whole number of every format's blocks

@@ -584,3 +584,31 @@ def test_a_worker_keeps_what_it_derives_within_its_budget_and_while_the_bytes_ho
     oracle = HeapView(RankHeap(whole, whole[:0]))  # the reference executor's: made at every call
     oracle.derived(("a",), (source,), make), oracle.derived(("a",), (source,), make)
     assert len(made) == 6
+
+
+def test_a_worker_trusts_the_hosts_count_of_writes_for_sources_inside_inputs_only_bind_writes():
+    whole = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    made = []
+
+    def make():
+        made.append(1)
+        return heap.tensor(0, torch.uint8, 4, 64, 64).float()
+
+    heap = WorkerHeap(whole, derived_bytes=1 << 20)
+    heap.stable = ((0, 256, 0), (1024, 2048, 5))  # (first byte, end byte, writes so far) of two inputs
+    inside, straddling = heap.tensor(0, torch.uint8, 4, 64, 64), heap.tensor(192, torch.uint8, 2, 64, 64)
+    heap.derived(("in",), (inside,), make), heap.derived(("in",), (inside,), make)
+    assert len(made) == 1
+    whole[5] ^= 1  # not written by bind: not looked at
+    heap.derived(("in",), (inside,), make)
+    assert len(made) == 1
+    heap.stable = ((0, 256, 1), (1024, 2048, 5))  # bound again: made again
+    heap.derived(("in",), (inside,), make), heap.derived(("in",), (inside,), make)
+    assert len(made) == 2
+    heap.derived(("across",), (straddling,), make)  # past the input's end: its bytes compared
+    whole[200] ^= 1
+    heap.derived(("across",), (straddling,), make)
+    assert len(made) == 4
+    heap.stable = ()  # handed out since: compared
+    heap.derived(("in",), (inside,), make), heap.derived(("in",), (inside,), make)
+    assert len(made) == 5

@@ -136,6 +136,36 @@ def test_a_traced_run_stamps_every_task_once_in_dependency_order():
     assert {s.worker for s in trace.spans} == {0, 1} and "linear" in trace.summary()
 
 
+def test_a_worker_keeps_a_laid_out_weight_until_the_host_writes_it_again():
+    """A linear tile's weight, laid out for oneDNN (``tasks.common.linear_rows``), is kept between launches
+    while no one writes it: each way the host may write it (bind, bind of the same input again, a view from
+    ``tensor``), and a weight a task writes, computes with the new values, as float64 does. Which inputs
+    count as written only by ``bind`` (``HostWrites``): not the one a task writes, not one handed out."""
+    g = mk.Graph(world_size=1, rank=0, parallelism=2, few_tiles=True)
+    x = g.input("x", (3, 64), torch.float32)
+    w = g.input("w", (40, 64), torch.float32)
+    t, m = g.input("t", (40, 16), torch.float32), g.input("m", (64, 16), torch.float32)
+    u = g.linear(t, m, out=g.input("u", (40, 64), torch.float32))  # an input that a task writes: t @ m.T
+    g.output("y", g.linear(x, w))
+    g.output("z", g.linear(x, u))
+    xs, ms = torch.randn(3, 64, dtype=torch.float64), torch.randn(64, 16, dtype=torch.float64)
+    with mk.Megakernel(g, backend="torch", workers=2) as kernel:
+        counted = {name for name, given in kernel.graph.inputs.items()
+                   if given.buffer.index in kernel.host_writes.areas}
+        assert counted == {"x", "w", "t", "m"}
+        weights = [torch.randn(40, 64) for _ in range(3)]
+        for i, bound in enumerate([weights[0], weights[0], weights[1]]):  # kept, then others bound; u anew
+            ts = torch.randn(40, 16, dtype=torch.float64)
+            out = run_checked(g, {"x": xs.float(), "w": bound, "t": ts.float(), "m": ms.float(), "u": bound},
+                              kernel=kernel, exact=True)
+            assert torch.allclose(out["y"].double(), xs @ bound.double().T, atol=1e-4)
+            assert torch.allclose(out["z"].double(), xs @ (ts @ ms.T).T, atol=1e-3)
+        kernel.tensor(kernel.graph.inputs["w"]).copy_(weights[2])  # through a view: compared from now on
+        assert kernel.graph.inputs["w"].buffer.index not in kernel.host_writes.areas
+        out = run_checked(g, {"x": xs.float()}, kernel=kernel, exact=True)
+        assert torch.allclose(out["y"].double(), xs @ weights[2].double().T, atol=1e-4)
+
+
 def test_a_task_type_without_a_torch_implementation_is_named(monkeypatch):
     g = mk.Graph()
     x = g.input("x", (4, 32), torch.float32)

@@ -31,7 +31,7 @@ import torch
 
 from ..bootstrap import Group, default_backend
 from ..errors import BackendError
-from ..heap import SHM_DIR, Heaps
+from ..heap import SHM_DIR, Heaps, HostWrites
 from ..scheduler import Spec
 from .cpu import CpuBackend, WorkerPool
 from .gpu import GpuBackend
@@ -85,6 +85,7 @@ class BackendRequest:
     timeout: float              # seconds any single wait may take
     pool: WorkerPool | None     # the worker processes of a host backend; None: the shared pool
     specs: list[Spec]           # what each opcode runs (the torch backend runs the task types' references)
+    host_writes: HostWrites     # the host's writes of the kernel's inputs, kept up to date by the kernel
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,8 @@ def _make_cpu(request: BackendRequest) -> Backend:
 
 
 def _make_torch(request: BackendRequest) -> Backend:
-    return TorchBackend(request.group, request.kernel_path, request.workers, request.pool, request.specs)
+    return TorchBackend(request.group, request.kernel_path, request.workers, request.pool, request.specs,
+                        request.host_writes)
 
 
 def _make_gpu(request: BackendRequest) -> Backend:

@@ -20,6 +20,8 @@ polls briefly too for a while. A wait asks only once a brief poll found nothing 
 """
 from __future__ import annotations
 
+import bisect
+import math
 import os
 import resource
 import time
@@ -33,7 +35,7 @@ import torch
 from .. import atomics
 from ..device import NO_SEQUENCE
 from ..errors import BackendError
-from ..heap import HeapView, RankHeap
+from ..heap import HeapView, HostWrites, RankHeap
 from ..layout import (ABORT, DONE, EPOCH, EVENT, EXPECTED, FAULT, FAULT_AT, FAULT_BOUND, FAULT_KIND, FAULT_VALUE,
                      FAULTED, INDEX, NOT_FINITE, OBSERVED, SIGNAL_WORDS, STATE, STATUS_WORDS, STOPPED, TASK, TIMED_OUT,
                      TRACE_WORDS)
@@ -59,13 +61,15 @@ class TorchBackend(CpuBackend):
     name = "torch"
     loop = f"{__name__}:run_worker"  # what the cpu backend's workers run (``cpu.Launch.loop``), by name
 
-    def __init__(self, group, kernel_path, workers: int | None, pool: WorkerPool | None, specs: list[Spec]):
+    def __init__(self, group, kernel_path, workers: int | None, pool: WorkerPool | None, specs: list[Spec],
+                 host_writes: HostWrites):
         missing = sorted({s.task_type for s in specs if not callable(TASK_TYPES[s.task_type].reference)})
         if missing:  # before any process or memory is taken
             raise BackendError(f"the torch backend runs each tile as its task type's torch reference; task type "
                                f"{missing[0]!r} has none (reference={TASK_TYPES[missing[0]].reference!r})")
         super().__init__(group, kernel_path, workers, pool)
         self.specs = specs
+        self.host_writes = host_writes  # the kernel's, kept up to date by it
 
     def _launch_extras(self) -> dict:
         # the job's worker processes on this machine (its ranks', virtual or not): a core each, or sharing
@@ -73,15 +77,16 @@ class TorchBackend(CpuBackend):
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return dict(specs=self.specs, threads=max(1, cores // processes),  # torch's own threads
                     spin_s=SPIN_S if processes <= cores else SHORT_SPIN_S,
-                    derived_bytes=memory // DERIVED_SHARE // processes)
+                    derived_bytes=memory // DERIVED_SHARE // processes, stable=self.host_writes.stable())
 
 
 @dataclass
 class Derived:
-    """What a tile derived (``HeapView.derived``), the bytes it was derived from, and the bytes both take."""
+    """What a tile derived (``HeapView.derived``), what tells whether its sources changed, and the bytes kept."""
 
     value: torch.Tensor
-    sources: tuple[torch.Tensor, ...]
+    stamp: tuple | None     # the writes so far of the inputs that hold the sources (``HostWrites``); None: ...
+    sources: tuple[torch.Tensor, ...]  # ... copies of the sources' bytes, compared at each use
     size: int
 
 
@@ -89,31 +94,53 @@ class WorkerHeap(HeapView):
     """A rank's heap as one worker's tiles see it: one flat area (offsets as the kernel reads them,
     ``layout.device_words``), and a data-dependent index out of range clamped and noted in the
     worker's status record, as ``device.checked_index`` does. What tiles derive from the heap (weights
-    unpacked from a GGUF file's bytes) is kept, up to ``derived_bytes``, and made again when its sources'
-    bytes change (the host may bind other weights between launches): a comparison reads the packed bytes
-    twice, where unpacking them would cost tens of torch calls per block format."""
+    unpacked from a GGUF file's bytes, or laid out for the CPU's matrix library) is kept, up to
+    ``derived_bytes``, and made again when its sources change. Sources inside inputs that only ``bind``
+    writes (``stable``, from ``HostWrites``, updated at each launch) change when the host writes them again;
+    other sources are copied and compared at each use (reading them twice, where unpacking a GGUF block
+    would cost tens of torch calls per format)."""
 
     def __init__(self, whole: torch.Tensor, status: np.ndarray | None = None, derived_bytes: int = 0):
         super().__init__(RankHeap(whole, whole[:0]))
         self.status = status  # this worker's record, on this rank's heap; None for a peer's heap
         self._views: dict[tuple, torch.Tensor] = {}
         self._words = whole[:whole.numel() // 8 * 8].view(torch.int64).numpy()
+        self._base = whole.data_ptr()
         self._derived: dict[tuple, Derived] = {}
         self._derived_room = derived_bytes  # bytes left for more
+        self.stable: tuple[tuple[int, int, int], ...] = ()  # (first byte, end byte, writes) by first byte
 
     def derived(self, key: tuple, sources: tuple[torch.Tensor, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        stamp = self._stamp(sources)
         kept = self._derived.get(key)
         if kept is not None:
-            if all(torch.equal(now, then) for now, then in zip(sources, kept.sources)):
+            if stamp is None and kept.stamp is None:
+                same = all(torch.equal(now, then) for now, then in zip(sources, kept.sources))
+            else:
+                same = stamp == kept.stamp
+            if same:
                 return kept.value
             del self._derived[key]
             self._derived_room += kept.size
         value = make()
-        size = value.nbytes + sum(source.nbytes for source in sources)
+        copies = () if stamp is not None else tuple(source.clone() for source in sources)
+        size = value.nbytes + sum(copy.nbytes for copy in copies)
         if size <= self._derived_room:
-            self._derived[key] = Derived(value, tuple(source.clone() for source in sources), size)
+            self._derived[key] = Derived(value, stamp, copies, size)
             self._derived_room -= size
         return value
+
+    def _stamp(self, sources: tuple[torch.Tensor, ...]) -> tuple | None:
+        """The (first byte, writes) of the stable input holding each source, or None if one lies outside them."""
+        stamp = []
+        for source in sources:
+            first = source.data_ptr() - self._base
+            extent = 1 + sum((size - 1) * stride for size, stride in zip(source.shape, source.stride()))
+            at = bisect.bisect_right(self.stable, (first, math.inf)) - 1
+            if at < 0 or first + extent * source.element_size() > self.stable[at][1]:
+                return None
+            stamp.append((self.stable[at][0], self.stable[at][2]))
+        return tuple(stamp)
 
     def word(self, offset: int) -> int:
         """``HeapView.word`` read through numpy: a tile reads a few every step (~0.3 us, not ~5)."""
@@ -190,20 +217,22 @@ def _program(words: np.ndarray, args: dict[str, int], rank: int, worker: int, sp
 
 
 def run_worker(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str, int], programs: dict,
-               specs: list[Spec], threads: int, spin_s: float, derived_bytes: int) -> None:
+               specs: list[Spec], threads: int, spin_s: float, derived_bytes: int,
+               stable: tuple[tuple[int, int, int], ...]) -> None:
     """One worker's launch: ``args["steps"]`` steps of its queue on rank ``rank``'s heap (``heaps[r]``: rank r's
     whole heap as mapped here), as ``device.persistent_loop`` runs them. ``programs``: what earlier
     launches on this heap made of its tables (by worker: the tables read, the program), kept while they
     stay the same. ``threads``: torch's threads in this process; ``spin_s``: how long a wait polls before
-    it yields; ``derived_bytes``: what this worker's tiles may keep of what they derive (``WorkerHeap``)."""
+    it yields; ``derived_bytes``: what this worker's tiles may keep of what they derive, ``stable``: the inputs
+    that only the host's ``bind`` writes, with its writes so far (``WorkerHeap``)."""
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     with torch.inference_mode():  # no autograd bookkeeping: a small tile's torch calls cost ~40% less
-        _run(heaps, rank, worker, args, programs, specs, spin_s, derived_bytes)
+        _run(heaps, rank, worker, args, programs, specs, spin_s, derived_bytes, stable)
 
 
 def _run(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str, int], programs: dict,
-         specs: list[Spec], spin_s: float, derived_bytes: int) -> None:
+         specs: list[Spec], spin_s: float, derived_bytes: int, stable: tuple[tuple[int, int, int], ...]) -> None:
     words = heaps[rank].view(torch.int64).numpy()
     base = heaps[rank].data_ptr()
     status_at = args["status_off"] // 8
@@ -214,8 +243,9 @@ def _run(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str, int]
     if cached is None or cached[0] != tables:
         views = {r: WorkerHeap(h, status if r == rank else None, derived_bytes if r == rank else 0)
                  for r, h in enumerate(heaps)}
-        cached = programs[worker] = (tables, _program(words, args, rank, worker, specs, views))
+        cached = programs[worker] = (tables, _program(words, args, rank, worker, specs, views), views[rank])
     program = cached[1]
+    cached[2].stable = stable
     trace = args["trace_off"] // 8 if args["TRACE"] else -1
     events = args["events_off"] // 8
     wait = Waits(words, base, events, abort, status, args["timeout_ns"], spin_s, _Addresses(base + 8 * events)).wait
