@@ -339,11 +339,12 @@ class Graph:
 
     def decode_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, batch: int, head_dim: int,
                          window: int | None = None, table: Tensor | None = None,
-                         page_size: int | None = None) -> Tensor:
+                         page_size: int | None = None, whole_rows: bool | None = None) -> Tensor:
         """Attention of one query row per sequence, ``q`` [batch, heads * head_dim], over the cached
-        positions up to ``pos`` (the last ``window`` of them), grouped KV heads, contiguous or paged."""
+        positions up to ``pos`` (the last ``window`` of them), grouped KV heads, contiguous or paged; split
+        along the sequence, or (``whole_rows``, by default with ``few_tiles``) a tile per run of rows."""
         return self._op(attention.decode_attention, q, k_cache, v_cache, pos, batch, head_dim, window, table,
-                        page_size)
+                        page_size, whole_rows)
 
     def chunk_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, head_dim: int,
                         window: int | None = None, table: Tensor | None = None, page_size: int | None = None,

@@ -20,6 +20,7 @@ read only the splits that reach it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +31,8 @@ import triton.language as tl
 
 from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
 from ..errors import is_count
-from .common import (TaskType, ceil_div, copy_row, heap_index, next_power_of_2, require_float, rounded, row_offsets,
-                     position_runs, row_positions, vector_aligned)
+from .common import (TaskType, ceil_div, copy_row, heap_index, next_power_of_2, position_runs, require_float, rounded,
+                     row_offsets, row_positions, vector_aligned)
 
 SPLIT = 64           # positions per partial tile: at most, and at parallelism 1 (``split_size``)
 BLOCK_S = 32         # positions per step of a partial tile (K and V: 2 x 32 x head_dim elements, 16 KiB at
@@ -161,40 +162,157 @@ def attention_partial_tile(base, status,
     position = row_position(status, heap_ptr(base, pos, tl.int64), seq_len)  # no sequence: -1, no work
     end = tl.minimum(start + length, position + 1)
     first = tl.maximum(start, position + 1 - window)
-    q_ptr = (base + q).to(tl.pointer_type(DTYPE))
-    k_ptr = (base + k).to(tl.pointer_type(DTYPE))
-    v_ptr = (base + v).to(tl.pointer_type(DTYPE))
-    if ALIGNED:  # hints on values made in this function (the compiler drops a hint on a callee's argument)
-        q_ptr = tl.multiple_of(q_ptr, 16)
-        k_ptr = tl.multiple_of(k_ptr, 16)
-        v_ptr = tl.multiple_of(v_ptr, 16)
-    j = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)[None, :]
+    q_ptr, k_ptr, v_ptr = _pointers(base, q, k, v, DTYPE, ALIGNED)
     o_ptr = heap_ptr(base, o, tl.float32)
     ml_ptr = heap_ptr(base, ml, tl.float32)
+    dd = tl.arange(0, BLOCK_D)
     for g in tl.static_range(GROUP):
-        qg = tl.load(q_ptr + g * HEAD_DIM + j[:, None] * 0 + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32) * SCALE
-        m = tl.full([], float("-inf"), tl.float32)
-        l = tl.full([], 0.0, tl.float32)
-        acc = tl.zeros((BLOCK_D,), tl.float32)
-        for s0 in range(first - first % BLOCK_S, end, BLOCK_S):
-            valid = (s0 + j >= first) & (s0 + j < end)
-            cache_rows = (cache_row(base, table, s0, pages, PAGE) + j)[:, None]
-            step = row_offsets(cache_rows, cache_stride, DTYPE, ALIGNED) + d  # the step's elements of K and of V
-            mask = valid[:, None] & (d < HEAD_DIM)
-            kv = tl.load(k_ptr + step, mask=mask, other=0.0).to(tl.float32)
-            vv = tl.load(v_ptr + step, mask=mask, other=0.0).to(tl.float32)
-            scores = tl.where(valid, tl.sum(kv * qg, axis=1), float("-inf"))     # [BLOCK_S]
-            m_new = tl.maximum(m, tl.max(scores, axis=0))
-            p = tl.exp(scores - m_new)
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * vv, axis=0)
-            m = m_new
-        dd = tl.arange(0, BLOCK_D)
+        m, l, acc = _attend(base, q_ptr + g * HEAD_DIM, k_ptr, v_ptr, table, pages, first, end, cache_stride, DTYPE,
+                            HEAD_DIM, SCALE, BLOCK_D, BLOCK_S, ALIGNED, PAGE)
         tl.store(o_ptr + g * HEAD_DIM + dd, acc, mask=dd < HEAD_DIM)
         tl.store(ml_ptr + g, m)
         tl.store(ml_ptr + GROUP + g, l)
+
+
+@triton.jit
+def _pointers(base, q, k, v, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """q's, K's and V's typed pointers, with ALIGNED (16-byte rows, checked by the host) told to the compiler:
+    the hints are put on values made here (one put on an argument word would be dropped)."""
+    q_ptr = (base + q).to(tl.pointer_type(DTYPE))
+    k_ptr = (base + k).to(tl.pointer_type(DTYPE))
+    v_ptr = (base + v).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        q_ptr = tl.multiple_of(q_ptr, 16)
+        k_ptr = tl.multiple_of(k_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+    return q_ptr, k_ptr, v_ptr
+
+
+@triton.jit
+def _attend(base, q_ptr, k_ptr, v_ptr, table, pages, first, end, cache_stride, DTYPE: tl.constexpr,
+            HEAD_DIM: tl.constexpr, SCALE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+            ALIGNED: tl.constexpr, PAGE: tl.constexpr):
+    """One query head (at ``q_ptr``) against positions [first, end) of a KV head (K at ``k_ptr``, V at
+    ``v_ptr``, their cache rows through ``cache_row``): the online softmax's running max ``m``, sum of
+    exponentials ``l`` and unnormalised output ``acc`` [BLOCK_D], float32; (-inf, 0, 0) for no position."""
+    j = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    qg = tl.load(q_ptr + j[:, None] * 0 + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32) * SCALE
+    m = tl.full([], float("-inf"), tl.float32)
+    l = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for s0 in range(first - first % BLOCK_S, end, BLOCK_S):
+        valid = (s0 + j >= first) & (s0 + j < end)
+        cache_rows = (cache_row(base, table, s0, pages, PAGE) + j)[:, None]
+        step = row_offsets(cache_rows, cache_stride, DTYPE, ALIGNED) + d  # the step's elements of K and of V
+        mask = valid[:, None] & (d < HEAD_DIM)
+        kv = tl.load(k_ptr + step, mask=mask, other=0.0).to(tl.float32)
+        vv = tl.load(v_ptr + step, mask=mask, other=0.0).to(tl.float32)
+        scores = tl.where(valid, tl.sum(kv * qg, axis=1), float("-inf"))     # [BLOCK_S]
+        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        p = tl.exp(scores - m_new)
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * vv, axis=0)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def attention_rows_tile(base, status,
+                        out, out_stride,  # heap offset of the first row's first query head's output; bytes to the next
+                        q, q_stride,      # heap offset of the first row's first query head; bytes to the next row's
+                        k, v,             # heap offsets of the first KV head's column in the first row's first cache
+                        #                   row (paged: the pool's)
+                        pos, pos_step,    # heap offset of the first row's int64 position; bytes to the next (0: same)
+                        seq_len,          # positions of a batch row: positions below it are valid
+                        table, table_stride,  # paged: heap offset of the first row's block table row; bytes to the next
+                        pages,            # paged: the pool's pages
+                        window,           # positions attended: pos - window < p <= pos (sliding window)
+                        rows, kv_heads,   # the tile's batch rows and KV heads
+                        cache_stride,     # the caches' row stride, in elements
+                        DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ALIGNED: tl.constexpr, PAGE: tl.constexpr):
+    """Whole rows' attention, normalised: each of ``rows`` batch rows, each of ``kv_heads`` KV heads, each of
+    their GROUP query heads against every position the row attends, ``out = acc / l``; zero for a row of no
+    sequence. For a backend where a tile costs a host call (``Graph.few_tiles``): one tile where the
+    partial and combine tiles would be a tile per row, KV head and split, and two per row and KV head."""
+    for r in range(0, rows):
+        position = row_position(status, heap_ptr(base, pos + r * pos_step, tl.int64), seq_len)
+        first = tl.maximum(0, position + 1 - window)
+        row_table = table + r * table_stride
+        row_cache = r * seq_len * cache_stride * (DTYPE.primitive_bitwidth // 8) if PAGE == 0 else 0
+        for h in range(0, kv_heads):
+            head = h * HEAD_DIM * (DTYPE.primitive_bitwidth // 8)  # the KV head's first byte in a cache row
+            q_ptr, k_ptr, v_ptr = _pointers(base, q + r * q_stride + GROUP * head, k + row_cache + head,
+                                            v + row_cache + head, DTYPE, ALIGNED)
+            for g in tl.static_range(GROUP):
+                m, l, acc = _attend(base, q_ptr + g * HEAD_DIM, k_ptr, v_ptr, row_table, pages, first, position + 1,
+                                    cache_stride, DTYPE, HEAD_DIM, SCALE, BLOCK_D, BLOCK_S, ALIGNED, PAGE)
+                dd = tl.arange(0, BLOCK_D)
+                at = heap_ptr(base, out + r * out_stride + GROUP * head, DTYPE) + g * HEAD_DIM + dd
+                tl.store(at, rounded(acc / tl.where(l > 0, l, 1.0), DTYPE), mask=dd < HEAD_DIM)
+
+
+def _rows_reference(heap, task) -> None:
+    """The rows with a sequence at once (torch's attention, in float32): their keys and values padded to the
+    furthest position, the positions a row does not attend masked out."""
+    group, hd, kv_heads, size = task.GROUP, task.HEAD_DIM, task.kv_heads, getattr(torch, task.DTYPE).itemsize
+    cols = kv_heads * group * hd
+    out = heap.tensor(task.out, task.DTYPE, task.rows, cols, task.out_stride // size)
+    live = []  # (tile row, position) of each row with a sequence
+    for r in range(task.rows):
+        at = task.pos + r * task.pos_step
+        if _no_sequence(heap, at):
+            out[r].zero_()
+        else:
+            live.append((r, heap_index(heap, at, task.seq_len)))
+    if not live:
+        return
+    rows, positions = (torch.tensor(column) for column in zip(*live))
+    span = int(positions.max()) + 1
+    k, v = _row_caches(heap, task, rows, span)                                   # [n, kv_heads, span, hd]
+    q = heap.tensor(task.q, task.DTYPE, task.rows, cols, task.q_stride // size)[rows]
+    q = q.view(len(live), kv_heads, group, hd).float()
+    attended = None
+    if len(live) > 1 or span > task.window:  # positions some row does not attend
+        at = torch.arange(span)
+        attended = ((at <= positions[:, None]) & (at > positions[:, None] - task.window))[:, None, None, :]
+    attention = torch.nn.functional.scaled_dot_product_attention(q, k, v, attended, scale=task.SCALE)
+    out[rows] = attention.reshape(len(live), cols).to(out.dtype)
+
+
+def _row_caches(heap, task, rows: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions [0, span) of the tile's ``rows``, float32 [rows, kv_heads, span, HEAD_DIM]
+    each: a contiguous cache's blocks, or a paged one's pool rows through the block table (a page outside
+    the pool bounded by ``heap.checked_index``; the entries past a row's position are read, not used)."""
+    cols = task.kv_heads * task.HEAD_DIM
+    if task.PAGE == 0:
+        index = rows[:, None] * task.seq_len + torch.arange(span)
+        pool_rows = (int(rows.max()) + 1) * task.seq_len
+    else:
+        page, pages = task.PAGE, (span - 1) // task.PAGE + 1
+        table = heap.tensor(task.table, torch.int64, task.rows, pages, task.table_stride // 8)[rows]
+        lowest, highest = torch.aminmax(table)
+        if int(lowest) < 0 or int(highest) >= task.pages:
+            for i, j in (~((table >= 0) & (table < task.pages))).nonzero().tolist():  # bounded, reported
+                where = f"heap offset {task.table + int(rows[i]) * task.table_stride + 8 * j} (a block table)"
+                table[i, j] = heap.checked_index(int(table[i, j]), task.pages, where)
+        in_page, offset = _page_offsets(span, page)
+        index = table[:, in_page] * page + offset
+        pool_rows = task.pages * page
+
+    def gather(cache: int) -> torch.Tensor:
+        pool = heap.tensor(cache, task.DTYPE, pool_rows, cols, task.cache_stride)
+        return pool[index].float().view(len(rows), span, task.kv_heads, task.HEAD_DIM).transpose(1, 2)
+    return gather(task.k), gather(task.v)
+
+
+@functools.lru_cache(maxsize=4096)
+def _page_offsets(span: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [0, span) as (page of a block table row, row in the page)."""
+    at = torch.arange(span)
+    return at // page, at % page
 
 
 def _partial_reference(heap, task) -> None:
@@ -407,7 +525,7 @@ def same_caches(g, op: str, q, k_cache, v_cache) -> None:
 
 
 def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, window: int | None = None, table=None,
-                     page_size: int | None = None):
+                     page_size: int | None = None, whole_rows: bool | None = None):
     """Attention of ``q`` [batch, heads * head_dim] over positions 0 ..= ``*pos`` of every batch row, or
     over the last ``window`` of them (a sliding window). ``pos``: one position, or one per row
     (``common.row_positions``; a row of no sequence does no work and gets zeros). The caches are
@@ -418,6 +536,8 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
     and split) and a combine tile per batch row and query head adds up the splits that reach ``*pos``.
     A row's partial tiles are guarded by its position (``Graph.guarded``, unless built inside a guarded
     part already): a row of no sequence skips them in the loop, not in the tile (its combine reads none).
+    With ``whole_rows`` (by default where a tile costs a host call: ``Graph.few_tiles``), runs of rows
+    and KV heads instead, about a tile per worker, each attending its rows whole (``attention_rows_tile``).
     """
     heads, kv_heads = q.cols // head_dim, k_cache.cols // head_dim
     g.require(q.cols % head_dim == 0 and k_cache.cols % head_dim == 0 and heads % kv_heads == 0,
@@ -426,23 +546,68 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
     g.require(q.rows == batch, f"decode_attention: q {q.shape} for batch {batch}")
     same_caches(g, "decode_attention", q, k_cache, v_cache)
     paging = Paging.checked(g, "decode_attention", k_cache, batch, table, page_size)
-    positions = row_positions(g, "decode_attention", pos, batch)
     g.require(window is None or is_count(window),
               f"decode_attention: window must be None or a positive integer, got {window!r}")
-    group = heads // kv_heads
-    max_seq = paging.max_seq
-    split = split_size(batch * kv_heads, max_seq, g.parallelism, g.few_tiles)
-    splits = ceil_div(max_seq, split)
-    partial_o = g.new_tensor((batch * kv_heads * splits * group, head_dim), torch.float32)
-    partial_ml = g.new_tensor((batch * kv_heads * splits * 2, group), torch.float32)
-    out = g.new_tensor(q.shape, q.dtype)
     size = q.element_size
     # 16-byte vectors along head_dim: every row of q and of the caches must start 16-byte aligned
     aligned = vector_aligned(q.addr(0, 0), q.row_stride * size, head_dim * size, k_cache.addr(0, 0),
                              v_cache.addr(0, 0), k_cache.row_stride * size, v_cache.row_stride * size)
-    block_d = next_power_of_2(head_dim)
-    partial = g.opcode(PARTIAL, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, SCALE=1.0 / math.sqrt(head_dim),
-                       BLOCK_D=block_d, BLOCK_S=paging.block(BLOCK_S), ALIGNED=aligned, PAGE=paging.page)
+    shape = Heads(heads // kv_heads, head_dim, kv_heads, min(window or paging.max_seq, paging.max_seq))
+    constexprs = dict(DTYPE=q.dtype, GROUP=shape.group, HEAD_DIM=head_dim, SCALE=1.0 / math.sqrt(head_dim),
+                      BLOCK_D=next_power_of_2(head_dim), BLOCK_S=paging.block(BLOCK_S), ALIGNED=aligned,
+                      PAGE=paging.page)
+    out = g.new_tensor(q.shape, q.dtype)
+    if g.few_tiles if whole_rows is None else whole_rows:
+        _whole_rows(g, out, q, k_cache, v_cache, pos, batch, shape, paging, g.opcode(ROWS, **constexprs))
+    else:
+        _splits(g, out, q, k_cache, v_cache, pos, batch, shape, paging, g.opcode(PARTIAL, **constexprs))
+    return out
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The heads of an attention: query heads per KV head, their size, KV heads, positions attended."""
+
+    group: int
+    head_dim: int
+    kv_heads: int
+    window: int
+
+
+def _whole_rows(g, out, q, k_cache, v_cache, pos, batch: int, shape: Heads, paging: Paging, opcode: int) -> None:
+    """``attention_rows_tile`` tiles: the rows in runs (``position_runs``), each run's KV heads in as many runs as
+    leave about a tile per worker."""
+    runs = position_runs(g, "decode_attention", pos, batch)
+    group, head_dim, size = shape.group, shape.head_dim, q.element_size
+    per_tile = ceil_div(shape.kv_heads, min(shape.kv_heads, ceil_div(g.parallelism, len(runs))))
+    for run in runs:
+        rows = range(run.row, run.row + run.rows)
+        for h in range(0, shape.kv_heads, per_tile):
+            count, cols = min(per_tile, shape.kv_heads - h), h * head_dim
+            g.add_task(opcode, out=out.addr(run.row, group * cols), out_stride=out.row_stride * size,
+                       q=q.addr(run.row, group * cols), q_stride=q.row_stride * size,
+                       k=k_cache.addr(paging.first_row(run.row), cols), v=v_cache.addr(paging.first_row(run.row), cols),
+                       pos=run.pos, pos_step=run.pos_step, seq_len=paging.max_seq, table=paging.table_row(run.row),
+                       table_stride=8 * paging.table.row_stride if paging.page else 0, pages=paging.pages,
+                       window=shape.window, rows=run.rows, kv_heads=count, cache_stride=k_cache.row_stride,
+                       reads=tuple(dict.fromkeys((  # a pool's region once, not once a row
+                           q.region(run.row, run.rows, group * cols, count * group * head_dim), run.region,
+                           *(region for b in rows for region in paging.table_region(b)),
+                           *(paging.readable(cache, b, cols, count * head_dim)
+                             for cache in (k_cache, v_cache) for b in rows)))),
+                       writes=(out.region(run.row, run.rows, group * cols, count * group * head_dim),),
+                       bytes=2 * run.rows * count * shape.window * head_dim * size,
+                       flops=4 * run.rows * count * group * shape.window * head_dim)
+
+
+def _splits(g, out, q, k_cache, v_cache, pos, batch: int, shape: Heads, paging: Paging, partial: int) -> None:
+    """Partial tiles per (batch row, KV head, split), guarded by the row's position, then combine tiles."""
+    group, head_dim, kv_heads, max_seq, size = shape.group, shape.head_dim, shape.kv_heads, paging.max_seq, q.element_size
+    positions = row_positions(g, "decode_attention", pos, batch)
+    split = split_size(batch * kv_heads, max_seq, g.parallelism, g.few_tiles)
+    splits = ceil_div(max_seq, split)
+    partial_o = g.new_tensor((batch * kv_heads * splits * group, head_dim), torch.float32)
+    partial_ml = g.new_tensor((batch * kv_heads * splits * 2, group), torch.float32)
     for b, (position, position_region) in enumerate(positions):
         with _row_guard(g, pos, b):
             for h in range(kv_heads):
@@ -453,9 +618,8 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
                     g.add_task(partial, o=partial_o.addr(slot * group, 0), ml=partial_ml.addr(slot * 2, 0),
                                q=q.addr(b, h * group * head_dim), k=k_cache.addr(paging.first_row(b), cols),
                                v=v_cache.addr(paging.first_row(b), cols), pos=position, seq_len=max_seq,
-                               table=paging.table_row(b), pages=paging.pages,
-                               window=min(window or max_seq, max_seq), start=s * split, length=split,
-                               cache_stride=k_cache.row_stride,
+                               table=paging.table_row(b), pages=paging.pages, window=shape.window,
+                               start=s * split, length=split, cache_stride=k_cache.row_stride,
                                reads=(q_rows, position_region, *paging.table_region(b),
                                       paging.readable(k_cache, b, cols, head_dim),
                                       paging.readable(v_cache, b, cols, head_dim)),
@@ -464,7 +628,7 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
                                bytes=2 * min(split, max_seq) * head_dim * size,
                                flops=4 * group * min(split, max_seq) * head_dim)
     g.phase("decode_attention.combine")
-    combine = g.opcode(COMBINE, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+    combine = g.opcode(COMBINE, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
                        BLOCK_P=min(COMBINE_SPLITS, next_power_of_2(splits)),
                        ALIGNED=vector_aligned(partial_o.addr(0, 0), head_dim * partial_o.element_size))
     for b, (position, position_region) in enumerate(positions):
@@ -481,7 +645,6 @@ def decode_attention(g, q, k_cache, v_cache, pos, batch: int, head_dim: int, win
                            reads=reads, writes=(out.region(b, 1, head * head_dim, heads_per_tile * head_dim),),
                            bytes=heads_per_tile * splits * (head_dim + 2) * 4,
                            flops=2 * heads_per_tile * splits * head_dim)
-    return out
 
 
 def _row_guard(g, pos, b: int):
@@ -494,20 +657,24 @@ def _row_guard(g, pos, b: int):
 
 def _example(g):
     """A KV append and an attention over the cache it writes: two batch rows, two query heads per KV head;
-    contiguous, and paged (pages of 16 rows, 3 per row, in a pool of 40: any index input is a page)."""
+    contiguous, and paged (pages of 16 rows, 3 per row, in a pool of 40: any index input is a page); in
+    splits, and whole rows."""
     q, pos = g.input("attention.q", (2, 96), torch.bfloat16), g.input("attention.pos", (1,), torch.int64)
     cache = g.input("attention.cache", (2 * 80, 48), torch.bfloat16)
     k_cache = g.kv_append(cache, q[:, :48], pos, batch=2)
     table = g.input("attention.table", (2, 3), torch.int64)
     pool = g.kv_append(g.input("attention.pool", (40 * 16, 48), torch.bfloat16), q[:, 48:], pos, batch=2,
                        table=table, page_size=16)
-    return (g.decode_attention(q, k_cache, k_cache, pos, batch=2, head_dim=48),
-            g.decode_attention(q, k_cache, k_cache, pos, batch=2, head_dim=48, window=20),
-            g.decode_attention(q, pool, pool, pos, batch=2, head_dim=48, table=table, page_size=16))
+    return (g.decode_attention(q, k_cache, k_cache, pos, batch=2, head_dim=48, whole_rows=False),
+            g.decode_attention(q, k_cache, k_cache, pos, batch=2, head_dim=48, window=20, whole_rows=False),
+            g.decode_attention(q, pool, pool, pos, batch=2, head_dim=48, table=table, page_size=16, whole_rows=False),
+            g.decode_attention(q, k_cache, k_cache, pos, batch=2, head_dim=48, window=20, whole_rows=True),
+            g.decode_attention(q, pool, pool, pos, batch=2, head_dim=48, table=table, page_size=16, whole_rows=True))
 
 
 KV_APPEND = TaskType("kv_append", kv_append_tile, _append_reference, _example)
 PARTIAL = TaskType("attention_partial", attention_partial_tile, _partial_reference, _example)
 COMBINE = TaskType("attention_combine", attention_combine_tile, _combine_reference, _example)
-TASK_TYPES = (KV_APPEND, PARTIAL, COMBINE)
+ROWS = TaskType("attention_rows", attention_rows_tile, _rows_reference, _example)
+TASK_TYPES = (KV_APPEND, PARTIAL, COMBINE, ROWS)
 OPS = {"kv_append": kv_append, "decode_attention": decode_attention}

@@ -253,6 +253,41 @@ def test_decode_attention_splits(dtype, batch, heads, kv_heads, head_dim, max_se
             assert_close(out, expected, tolerance(dtype), f"attention at position {p}")
 
 
+@pytest.mark.parametrize("dtype,batch,heads,kv_heads,head_dim,parallelism", [
+    (torch.float32, 3, 4, 2, 64, 1),     # one tile: every row, both KV heads
+    (torch.bfloat16, 1, 6, 3, 32, 4),    # one row: its KV heads in three tiles
+    (torch.float32, 3, 2, 1, 18, 2),     # runs of two rows and one; 72-byte rows: no vectors
+])
+def test_decode_attention_in_whole_rows(dtype, batch, heads, kv_heads, head_dim, parallelism):
+    """``whole_rows`` (the torch backend's default): a tile per run of rows and KV heads attends every position
+    of its rows, normalised, with no partials; a row of no sequence gets zeros; sliding windows too."""
+    max_seq = 70
+    g = mk.Graph(parallelism=parallelism, few_tiles=True)
+    q = g.input("q", (batch, heads * head_dim), dtype)
+    k_cache = g.input("k", (batch * max_seq, kv_heads * head_dim), dtype)
+    v_cache = g.input("v", (batch * max_seq, kv_heads * head_dim), dtype)
+    pos = g.input("pos", (batch,), torch.int64)
+    g.output("y", g.decode_attention(q, k_cache, v_cache, pos, batch, head_dim))
+    g.output("w", g.decode_attention(q, k_cache, v_cache, pos, batch, head_dim, window=20))
+    runs = -(-batch // -(-batch // parallelism))
+    assert _tasks_of(g, "attention_rows") == 2 * runs * min(kv_heads, -(-parallelism // runs))
+    assert _tasks_of(g, "attention_partial") == _tasks_of(g, "attention_combine") == 0
+    inputs = random_inputs(g, seed=batch + parallelism)
+    with mk.Megakernel(g, workers=2) as kernel:
+        for positions in ([0, 69, 33][:batch], [40, -1, 5][:batch]):
+            inputs["pos"] = torch.tensor(positions)
+            out = run_checked(g, inputs, kernel=kernel)
+            for b, p in enumerate(positions):
+                for name, window in (("y", max_seq), ("w", 20)):
+                    if p < 0:
+                        assert torch.equal(out[name][b], torch.zeros(heads * head_dim, dtype=dtype))
+                        continue
+                    rows = slice(b * max_seq + max(0, p + 1 - window), b * max_seq + p + 1)
+                    expected = _attention_reference(inputs["q"][b:b + 1], inputs["k"][rows], inputs["v"][rows],
+                                                    rows.stop - rows.start - 1, 1, head_dim)
+                    assert_close(out[name][b:b + 1], expected, tolerance(dtype), f"{name}, row {b} at {p}")
+
+
 def _rope64(x, inv_freq, positions, head_dim):
     """Llama's rotate-half RoPE in float64, row r at ``positions[r]``."""
     angle = positions.double()[:, None] * inv_freq.double()[None, :]        # [rows, half]

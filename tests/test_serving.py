@@ -192,11 +192,13 @@ def test_bad_requests_are_refused_with_clear_errors():
 
 
 @pytest.mark.interpreter  # a tile's semantics
-@pytest.mark.parametrize("page_size,few_tiles", [(4, False), (16, False), (4, True)])
-def test_paged_attention_follows_the_block_table(page_size, few_tiles):
+@pytest.mark.parametrize("page_size,few_tiles,backend", [(4, False, "cpu"), (16, False, "cpu"), (4, True, "cpu"),
+                                                        (4, True, "torch")])
+def test_paged_attention_follows_the_block_table(page_size, few_tiles, backend):
     """Rows whose pages are scattered over a pool (in no order, shared by no one): the append lands in
     the page of its position, and attention over the pages equals float64 attention over the positions.
-    With ``few_tiles`` (2 workers): an append tile takes a run of rows, a combine tile both query heads."""
+    With ``few_tiles`` (2 workers): an append tile takes a run of rows, and so does an attention tile
+    (``whole_rows``: every position of its rows, no partials), as its tile and as its torch reference."""
     batch, head_dim, max_pages = 3, 16, 3
     pool_pages = batch * max_pages + 1
     g = mk.Graph(world_size=1, rank=0, parallelism=2 if few_tiles else 1, few_tiles=few_tiles)
@@ -206,13 +208,14 @@ def test_paged_attention_follows_the_block_table(page_size, few_tiles):
     cache = g.kv_append(pool, x, pos, batch, table=table, page_size=page_size)
     g.output("out", g.decode_attention(q, cache, cache, pos, batch, head_dim, table=table, page_size=page_size))
     tiles = collections.Counter(g.specs[op].task_type for op in g.tasks.opcode)
-    assert (tiles["kv_append"], tiles["attention_combine"]) == ((2, 3) if few_tiles else (3, 6))
+    assert ((tiles["kv_append"], tiles["attention_rows"], tiles["attention_combine"])
+            == ((2, 2, 0) if few_tiles else (3, 0, 6)))
     gen = torch.Generator().manual_seed(page_size)
     pages = torch.randperm(pool_pages, generator=gen)[:batch * max_pages].reshape(batch, max_pages)
     positions = torch.tensor([max_pages * page_size - 1, -1, page_size + 1])
     values = {"q": torch.randn(batch, 32, generator=gen), "x": torch.randn(batch, 16, generator=gen),
               "pool": torch.randn(pool_pages * page_size, 16, generator=gen), "pos": positions, "table": pages}
-    with mk.Megakernel(g, workers=2) as kernel:
+    with mk.Megakernel(g, workers=2, backend=backend) as kernel:
         kernel.poison()  # NaN in every buffer the graph makes: the row of no sequence must write its zeros
         out = kernel.run(values)["out"]
         pool_after = kernel.tensor(g.inputs["pool"]).clone()
