@@ -150,6 +150,7 @@ def decode_speed(model, path: str, prompt: torch.Tensor, tokens: int, repeats: i
         row(f"megakernel torch, {name}", f"{len(decoder.kernel.tables.rows):,}", best[name], decoder.weight_bytes,
             steps, f"{agreed[name]} of {tokens}")
     traced = from_hf(model, max_seq_len=context, backend="torch", workers=2, trace=True)
+    traced.generate(prompt[:, -1:], 1)  # the workers lay out their weights at their first step
     traced.generate(prompt[:, -1:], 1)  # one step, its prefill rows off
     print("\none decode step traced (2 workers):\n" + "\n".join(traced.kernel.trace.summary(top=3).splitlines()[:16]))
     for decoder in [*(d for d, _ in decoders.values()), traced]:

@@ -174,7 +174,10 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     if c.qk_norm:
         q = g.rms_norm(q, w["q_norm"], c.eps, head_dim=hd)
         k = g.rms_norm(k, w["k_norm"], c.eps, head_dim=hd)
-    q, k = g.rope(q, inv_freq, pos, hd, c.rope_scaling), g.rope(k, inv_freq, pos, hd, c.rope_scaling)
+        q, k = g.rope(q, inv_freq, pos, hd, c.rope_scaling), g.rope(k, inv_freq, pos, hd, c.rope_scaling)
+    else:  # q and k side by side in qkv's rows: one op rotates both
+        qk = g.rope(qkv[:, :q_cols + kv_cols], inv_freq, pos, hd, c.rope_scaling)
+        q, k = qk[:, :q_cols], qk[:, q_cols:]
     if kv is None:
         k_cache, v_cache = (g.new_tensor((x.rows * c.max_seq_len, kv_cols), c.dtype, name=f"layers.{i}.{name}")
                             for name in ("k_cache", "v_cache"))
