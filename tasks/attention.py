@@ -87,15 +87,29 @@ def kv_append_tile(base, status,
 
 
 def _append_reference(heap, task) -> None:
-    x = heap.tensor(task.x, task.DTYPE, task.rows, task.cols, task.x_stride)
+    """The rows' cache rows first, then one copy of the rows that write."""
+    rows, cache_rows = [], []
     for r in range(task.rows):
-        _append_row(heap, task, task.first + r, task.pos + r * task.pos_step, x[r:r + 1])
-
-
-def _append_row(heap, task, b: int, pos: int, source: torch.Tensor) -> None:
-    """``kv_append_tile``'s copy of batch row ``b`` (its position at heap offset ``pos``, its row ``source``)."""
-    if _no_sequence(heap, pos):
+        row = _cache_row(heap, task, task.first + r, task.pos + r * task.pos_step)
+        if row is not None:
+            rows.append(r)
+            cache_rows.append(row)
+    if not rows:
         return
+    x = heap.tensor(task.x, task.DTYPE, task.rows, task.cols, task.x_stride)
+    extent = task.pages * task.PAGE if task.PAGE else (task.first + task.rows) * task.seq_len
+    cache = heap.tensor(task.cache, task.DTYPE, extent, task.cols, task.cache_stride)
+    if len(rows) == 1:
+        cache[cache_rows[0]].copy_(x[rows[0]])
+    else:  # rows of distinct sequences, or of distinct positions of one: distinct cache rows
+        cache.index_copy_(0, torch.tensor(cache_rows), x[rows])
+
+
+def _cache_row(heap, task, b: int, pos: int) -> int | None:
+    """``kv_append_tile``'s cache row for batch row ``b`` (its position at heap offset ``pos``), or None where the
+    tile copies nothing (a row of no sequence, a position or page clamped)."""
+    if _no_sequence(heap, pos):
+        return None
     position = heap_index(heap, pos, task.seq_len)
     row = b * task.seq_len + position
     if task.PAGE != 0:
@@ -104,11 +118,10 @@ def _append_row(heap, task, b: int, pos: int, source: torch.Tensor) -> None:
         frame = heap.checked_index(page, task.pages, f"heap offset {at} (a block table)")
         row = frame * task.PAGE + position % task.PAGE
         if frame != page:
-            return  # a page clamped (the torch backend): no copy, as the tile
+            return None  # a page clamped (the torch backend): no copy, as the tile
     if position != heap.word(pos):
-        return  # a position clamped: no copy, the cache keeps every row it had, as the tile
-    stride = task.cache_stride
-    heap.tensor(task.cache + row * stride * source.element_size(), task.DTYPE, 1, task.cols, stride).copy_(source)
+        return None  # a position clamped: no copy, the cache keeps every row it had, as the tile
+    return row
 
 
 def reference_cache(heap, task, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
