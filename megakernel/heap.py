@@ -144,6 +144,11 @@ class HeapView:
         bytes (``WorkerHeap``). The result is read, never written."""
         return make()
 
+    def keeps(self, key: tuple, sources: tuple[torch.Tensor, ...], nbytes: int) -> bool:
+        """Whether ``derived(key, sources, ...)`` of ``nbytes`` is kept (or would be), so that deriving it pays
+        off: here always, so that the oracle computes as a worker that keeps it does."""
+        return True
+
     def word(self, offset: int) -> int:
         """The int64 at heap ``offset`` (a position, a token id, a page number), for a reference tile."""
         return int(self.tensor(offset, torch.int64, 1, 1, 1))

@@ -250,21 +250,22 @@ def attention_rows_tile(base, status,
     their GROUP query heads against every position the row attends, ``out = acc / l``; zero for a row of no
     sequence. For a backend where a tile costs a host call (``Graph.few_tiles``): one tile where the
     partial and combine tiles would be a tile per row, KV head and split, and two per row and KV head."""
-    for r in range(0, rows):
+    heads = kv_heads.to(tl.int32)  # int32 divisions (common.py)
+    for t in range(0, (rows * kv_heads).to(tl.int32)):  # (row, KV head) pairs: one loop, fewer registers live
+        r = t // heads
+        h = t % heads
         position = row_position(status, heap_ptr(base, pos + r * pos_step, tl.int64), seq_len)
-        first = tl.maximum(0, position + 1 - window)
-        row_table = table + r * table_stride
         row_cache = r * seq_len * cache_stride * (DTYPE.primitive_bitwidth // 8) if PAGE == 0 else 0
-        for h in range(0, kv_heads):
-            head = h * HEAD_DIM * (DTYPE.primitive_bitwidth // 8)  # the KV head's first byte in a cache row
-            q_ptr, k_ptr, v_ptr = _pointers(base, q + r * q_stride + GROUP * head, k + row_cache + head,
-                                            v + row_cache + head, DTYPE, ALIGNED)
-            for g in tl.static_range(GROUP):
-                m, l, acc = _attend(base, q_ptr + g * HEAD_DIM, k_ptr, v_ptr, row_table, pages, first, position + 1,
-                                    cache_stride, DTYPE, HEAD_DIM, SCALE, BLOCK_D, BLOCK_S, ALIGNED, PAGE)
-                dd = tl.arange(0, BLOCK_D)
-                at = heap_ptr(base, out + r * out_stride + GROUP * head, DTYPE) + g * HEAD_DIM + dd
-                tl.store(at, rounded(acc / tl.where(l > 0, l, 1.0), DTYPE), mask=dd < HEAD_DIM)
+        head = h * HEAD_DIM * (DTYPE.primitive_bitwidth // 8)  # the KV head's first byte in a cache row
+        q_ptr, k_ptr, v_ptr = _pointers(base, q + r * q_stride + GROUP * head, k + row_cache + head,
+                                        v + row_cache + head, DTYPE, ALIGNED)
+        for g in tl.static_range(GROUP):
+            m, l, acc = _attend(base, q_ptr + g * HEAD_DIM, k_ptr, v_ptr, table + r * table_stride, pages,
+                                tl.maximum(0, position + 1 - window), position + 1, cache_stride, DTYPE, HEAD_DIM,
+                                SCALE, BLOCK_D, BLOCK_S, ALIGNED, PAGE)
+            dd = tl.arange(0, BLOCK_D)
+            at = heap_ptr(base, out + r * out_stride + GROUP * head, DTYPE) + g * HEAD_DIM + dd
+            tl.store(at, rounded(acc / tl.where(l > 0, l, 1.0), DTYPE), mask=dd < HEAD_DIM)
 
 
 def _rows_reference(heap, task) -> None:

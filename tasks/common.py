@@ -165,14 +165,15 @@ def linear_rows(heap, key: tuple, x: torch.Tensor, y: torch.Tensor, sources: tup
     tiles compute it; ``w = weight()`` [n, k] of ``w_dtype``, made from the heap views ``sources``. Laid out
     for oneDNN as a weight derived from them, named by ``key`` (``HeapView.derived``: a torch backend's
     worker keeps it). bfloat16 x, w and y multiply as such (oneDNN accumulates in float32), everything else
-    in float32. A torch built without oneDNN multiplies ``weight()`` at every call."""
-    if not ONEDNN:
-        y.copy_(x.float() @ weight().float().T)
-        return
+    in float32. A torch built without oneDNN, or a worker with no room left to keep the weight, multiplies
+    ``weight()`` as it is at every call."""
     dtype = torch.bfloat16 if x.dtype == y.dtype == w_dtype == torch.bfloat16 and ONEDNN_BF16 else torch.float32
     rows = x.shape[0]
-    packed = heap.derived((*key, "onednn", rows, dtype), sources,
-                          lambda: torch.ops.mkldnn._reorder_linear_weight(weight().to(dtype), rows))
+    key = (*key, "onednn", rows, dtype)
+    if not (ONEDNN and heap.keeps(key, sources, y.shape[1] * x.shape[1] * dtype.itemsize)):
+        y.copy_(x.float() @ weight().float().T)
+        return
+    packed = heap.derived(key, sources, lambda: torch.ops.mkldnn._reorder_linear_weight(weight().to(dtype), rows))
     y.copy_(torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, None, "none", [], ""))
 
 

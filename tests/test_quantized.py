@@ -10,6 +10,7 @@ from helpers import SMOLLM2_NEW_TOKENS, SMOLLM2_PROMPT, run_checked, smollm2_pat
 import megakernel as mk
 from megakernel.backends.torch_loop import WorkerHeap
 from megakernel.heap import HeapView, RankHeap
+from megakernel.tasks.common import ONEDNN, linear_rows
 from megakernel.tasks.formats import FORMATS, FP8_BLOCK, FP8_SCALE_BLOCK, Q4_K, Q8_0, dequantize, quantized_input
 
 gguf = pytest.importorskip("gguf")
@@ -584,6 +585,27 @@ def test_a_worker_keeps_what_it_derives_within_its_budget_and_while_the_bytes_ho
     oracle = HeapView(RankHeap(whole, whole[:0]))  # the reference executor's: made at every call
     oracle.derived(("a",), (source,), make), oracle.derived(("a",), (source,), make)
     assert len(made) == 6
+
+
+@pytest.mark.parametrize("room,calls", [(1 << 20, 1), (1000, 2)], ids=["room", "no_room"])
+def test_a_worker_lays_out_a_weight_once_where_it_has_room_to_keep_it(room, calls, monkeypatch):
+    """``linear_rows`` on a worker's heap: with room, the weight is made and laid out for oneDNN once for two
+    calls; without room (less than the weight's bytes), multiplied as it is at each call, not laid out anew."""
+    laid_out = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda *a: laid_out.append(1) or reorder(*a))
+    whole = torch.zeros(1 << 16, dtype=torch.uint8)
+    heap = WorkerHeap(whole, derived_bytes=room)
+    heap.stable = ((0, 8192, 0),)  # the weight: an input only bind writes
+    w, x, y = (heap.tensor(0, torch.float32, 64, 32, 32), heap.tensor(8192, torch.float32, 3, 32, 32),
+               heap.tensor(16384, torch.float32, 3, 64, 64))
+    w.copy_(torch.randn(64, 32)), x.copy_(torch.randn(3, 32))
+    made = []
+    for _ in range(2):
+        y.fill_(float("nan"))
+        linear_rows(heap, ("w",), x, y, (w,), lambda: made.append(1) or w, torch.float32)
+        assert torch.allclose(y.double(), x.double() @ w.double().T, atol=1e-5)
+    assert len(made) == (calls if ONEDNN else 2) and len(laid_out) == (2 - calls if ONEDNN else 0)
 
 
 def test_a_worker_trusts_the_hosts_count_of_writes_for_sources_inside_inputs_only_bind_writes():

@@ -130,6 +130,12 @@ class WorkerHeap(HeapView):
             self._derived_room -= size
         return value
 
+    def keeps(self, key: tuple, sources: tuple[torch.Tensor, ...], nbytes: int) -> bool:
+        if key in self._derived:
+            return True
+        copies = 0 if self._stamp(sources) is not None else sum(source.nbytes for source in sources)
+        return nbytes + copies <= self._derived_room
+
     def _stamp(self, sources: tuple[torch.Tensor, ...]) -> tuple | None:
         """The (first byte, writes) of the stable input holding each source, or None if one lies outside them."""
         stamp = []
