@@ -248,8 +248,8 @@ def attention_rows_tile(base, status,
                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ALIGNED: tl.constexpr, PAGE: tl.constexpr):
     """Whole rows' attention, normalised: each of ``rows`` batch rows, each of ``kv_heads`` KV heads, each of
     their GROUP query heads against every position the row attends, ``out = acc / l``; zero for a row of no
-    sequence. For a backend where a tile costs a host call (``Graph.few_tiles``): one tile where the
-    partial and combine tiles would be a tile per row, KV head and split, and two per row and KV head."""
+    sequence. For a backend where a tile costs a host call (``Graph.few_tiles``): one tile in place of the
+    partial tiles (one per row, KV head and split) and the combine tiles of its rows."""
     heads = kv_heads.to(tl.int32)  # int32 divisions (common.py)
     for t in range(0, (rows * kv_heads).to(tl.int32)):  # (row, KV head) pairs: one loop, fewer registers live
         r = t // heads
@@ -260,7 +260,7 @@ def attention_rows_tile(base, status,
         q_ptr, k_ptr, v_ptr = _pointers(base, q + r * q_stride + GROUP * head, k + row_cache + head,
                                         v + row_cache + head, DTYPE, ALIGNED)
         for g in tl.static_range(GROUP):
-            m, l, acc = _attend(base, q_ptr + g * HEAD_DIM, k_ptr, v_ptr, table + r * table_stride, pages,
+            _, l, acc = _attend(base, q_ptr + g * HEAD_DIM, k_ptr, v_ptr, table + r * table_stride, pages,
                                 tl.maximum(0, position + 1 - window), position + 1, cache_stride, DTYPE, HEAD_DIM,
                                 SCALE, BLOCK_D, BLOCK_S, ALIGNED, PAGE)
             dd = tl.arange(0, BLOCK_D)
