@@ -36,7 +36,7 @@ from .layout import COMM, align
 from .scheduler import NO_GUARD, Region, Spec, Tasks, task_cost
 from .tasks import DTYPES, OPS, TaskType
 from .tasks import (activation, attention, chunk_attention, comm, control, elementwise, embedding, expert_parallel,
-                    linear, moe, norm, rope, sampling, speculation)
+                    kv_cache, linear, moe, norm, rope, sampling, speculation)
 from .tasks.formats import Quantized
 
 
@@ -335,7 +335,7 @@ class Graph:
                   page_size: int | None = None, rows_per_sequence: int = 1) -> Tensor:
         """Each row of ``x`` [batch, cols] written into ``cache`` at its sequence's position ``pos``:
         contiguous, or through the block ``table`` of pages of ``page_size`` rows. Returns ``cache``."""
-        return self._op(attention.kv_append, cache, x, pos, batch, table, page_size, rows_per_sequence)
+        return self._op(kv_cache.kv_append, cache, x, pos, batch, table, page_size, rows_per_sequence)
 
     def decode_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, batch: int, head_dim: int,
                          window: int | None = None, table: Tensor | None = None,

@@ -7,7 +7,7 @@ scores the block's rows against the keys of positions up to the block's last (it
 written by ``kv_append`` just before, and the pages of earlier chunks) with ``tl.dot`` and an online
 softmax, each row masked to the keys at or before its position (and inside its window). A chunk of C
 rows is C / BLOCK_ROWS x KV heads tiles, against C x KV heads x splits partial tiles and C x heads
-combine tiles for decode attention. The cache is a paged pool (``attention``) or contiguous.
+combine tiles for decode attention. The cache is a paged pool (``kv_cache``) or contiguous.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..device import heap_ptr
 from ..errors import is_count
-from .attention import Paging, cache_row, reference_cache, same_caches
+from .kv_cache import Paging, cache_row, reference_cache, same_caches
 from .common import TaskType, dot, rounded, row_offsets, row_positions, vector_aligned
 
 BLOCK_ROWS = 16   # chunk rows per tile (a sequence's part of a chunk starts at a multiple of it)

@@ -228,7 +228,7 @@ def decode_step(c: DecoderConfig, g: Graph | None = None, parallelism: int = 1) 
 
     The KV cache of a layer is a pool of ``kv_pages + 1`` pages of ``page_size`` positions (the last one
     takes the writes of positions a row was given no page for), and ``block_table`` [rows, max_pages]
-    maps each row's positions to pages (``tasks.attention``). With ``prefill_chunk`` C > 0, the step
+    maps each row's positions to pages (``tasks.kv_cache``). With ``prefill_chunk`` C > 0, the step
     also runs C more rows in each layer, guarded (``Graph.guarded``) by ``prefill_pos[0]``: prompt
     tokens ``prefill_tokens`` at positions ``prefill_pos`` [C] (-1: unused), each with its sequence's
     pages in block table row ``batch + j``, a sequence's rows starting at a multiple of

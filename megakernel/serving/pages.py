@@ -1,6 +1,6 @@
 """The host's allocator of KV cache pages, and the block table it keeps for the device.
 
-The pool holds ``pages`` pages of ``page_size`` positions (``tasks.attention``: paged caches); one
+The pool holds ``pages`` pages of ``page_size`` positions (``tasks.kv_cache``: paged caches); one
 more, the spill page, is every unallocated entry of the block table, so that a row that runs past the
 pages it was given (a sequence that ended inside a launch) writes only there, never into another
 sequence's pages. Pages are taken as a row grows and given back when it is released; a launch's
