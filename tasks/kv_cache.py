@@ -131,6 +131,7 @@ def reference_cache(heap, task, start: int, end: int) -> tuple[torch.Tensor, tor
 
 
 def no_sequence(heap, offset: int) -> bool:
+    """Whether the position at heap ``offset`` says its row holds no sequence (a reference tile's check)."""
     return heap.word(offset) == NO_SEQUENCE.value
 
 
