@@ -153,6 +153,14 @@ class HeapView:
         """The int64 at heap ``offset`` (a position, a token id, a page number), for a reference tile."""
         return int(self.tensor(offset, torch.int64, 1, 1, 1))
 
+    def words(self, offset: int, count: int, step: int) -> list[int]:
+        """The ``count`` int64 words from heap ``offset``, ``step`` bytes apart (0: the same word each time)."""
+        if step == 0:
+            return [self.word(offset)] * count
+        if step % 8:
+            raise GraphError(f"words {step} bytes apart at heap offset {offset} are not whole int64 words apart")
+        return self.tensor(offset, torch.int64, count, 1, step // 8)[:, 0].tolist()
+
     def checked_index(self, value: int, bound: int, where: str) -> int:
         """A data-dependent index of a reference tile (a token id, a position, a page), read at ``where``:
         the kernel clamps one out of [0, bound) and reports it after the run (``device.checked_index``);

@@ -11,7 +11,6 @@ read only the splits that reach it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import heap_ptr, row_position
+from ..device import NO_SEQUENCE, heap_ptr, row_position
 from ..errors import is_count
 from .common import (TaskType, ceil_div, heap_index, next_power_of_2, position_runs, rounded, row_offsets,
                      row_positions, vector_aligned)
@@ -158,59 +157,58 @@ def _rows_reference(heap, task) -> None:
     group, hd, kv_heads, size = task.GROUP, task.HEAD_DIM, task.kv_heads, getattr(torch, task.DTYPE).itemsize
     cols = kv_heads * group * hd
     out = heap.tensor(task.out, task.DTYPE, task.rows, cols, task.out_stride // size)
-    live = []  # (tile row, position) of each row with a sequence
-    for r in range(task.rows):
-        at = task.pos + r * task.pos_step
-        if no_sequence(heap, at):
-            out[r].zero_()
-        else:
-            live.append((r, heap_index(heap, at, task.seq_len)))
+    live, positions = [], []  # the tile rows with a sequence, and their positions
+    for r, value in enumerate(heap.words(task.pos, task.rows, task.pos_step)):
+        if value != NO_SEQUENCE.value:
+            live.append(r)
+            positions.append(heap.checked_index(value, task.seq_len, f"heap offset {task.pos + r * task.pos_step}"))
+    if len(live) < task.rows:
+        out.zero_()  # rows of no sequence
     if not live:
         return
-    rows, positions = (torch.tensor(column) for column in zip(*live))
-    span = int(positions.max()) + 1
-    k, v = _row_caches(heap, task, rows, span)                                   # [n, kv_heads, span, hd]
-    q = heap.tensor(task.q, task.DTYPE, task.rows, cols, task.q_stride // size)[rows]
-    q = q.view(len(live), kv_heads, group, hd).float()
+    n, span = len(live), max(positions) + 1
+    rows = slice(0, n) if live[-1] == n - 1 else torch.tensor(live)  # (the first rows: no gather)
+    k, v = _row_caches(heap, task, rows, n, span)                                # [n, kv_heads, span, hd]
+    q = heap.tensor(task.q, task.DTYPE, task.rows, cols, task.q_stride // size)[rows].float()
     attended = None
-    if len(live) > 1 or span > task.window:  # positions some row does not attend
-        at = torch.arange(span)
-        attended = ((at <= positions[:, None]) & (at > positions[:, None] - task.window))[:, None, None, :]
-    attention = torch.nn.functional.scaled_dot_product_attention(q, k, v, attended, scale=task.SCALE)
-    out[rows] = attention.reshape(len(live), cols).to(out.dtype)
+    if n > 1 or span > task.window:  # positions some row does not attend
+        at, last = torch.arange(span), torch.tensor(positions)[:, None]
+        attended = at <= last if span <= task.window else (at <= last) & (at > last - task.window)
+        attended = attended[:, None, None, :]
+    attention = torch.nn.functional.scaled_dot_product_attention(q.view(n, kv_heads, group, hd), k, v, attended,
+                                                                 scale=task.SCALE)
+    out[rows] = attention.reshape(n, cols)
 
 
-def _row_caches(heap, task, rows: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of positions [0, span) of the tile's ``rows``, float32 [rows, kv_heads, span, HEAD_DIM]
-    each: a contiguous cache's blocks, or a paged one's pool rows through the block table (a page outside
-    the pool bounded by ``heap.checked_index``; the entries past a row's position are read, not used)."""
-    cols = task.kv_heads * task.HEAD_DIM
-    if task.PAGE == 0:
-        index = rows[:, None] * task.seq_len + torch.arange(span)
-        pool_rows = (int(rows.max()) + 1) * task.seq_len
-    else:
-        page, pages = task.PAGE, (span - 1) // task.PAGE + 1
-        table = heap.tensor(task.table, torch.int64, task.rows, pages, task.table_stride // 8)[rows]
-        lowest, highest = torch.aminmax(table)
-        if int(lowest) < 0 or int(highest) >= task.pages:
-            for i, j in (~((table >= 0) & (table < task.pages))).nonzero().tolist():  # bounded, reported
-                where = f"heap offset {task.table + int(rows[i]) * task.table_stride + 8 * j} (a block table)"
-                table[i, j] = heap.checked_index(int(table[i, j]), task.pages, where)
-        in_page, offset = _page_offsets(span, page)
-        index = table[:, in_page] * page + offset
-        pool_rows = task.pages * page
+def _row_caches(heap, task, rows: torch.Tensor | slice, n: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions [0, span) of the tile's ``n`` rows ``rows``, float32 [n, kv_heads, span,
+    HEAD_DIM] each: a contiguous cache's blocks (the first rows': views), or a paged one's pages through the
+    block table, whole (a page outside the pool bounded by ``heap.checked_index``; the entries past a row's
+    position are read, not used)."""
+    kv_heads, hd, page = task.kv_heads, task.HEAD_DIM, task.PAGE
+    if page == 0:
+        def gather(cache: int) -> torch.Tensor:
+            pool = heap.tensor(cache, task.DTYPE, task.rows * task.seq_len, kv_heads * hd, task.cache_stride)
+            blocks = pool.view(task.rows, task.seq_len, kv_heads, hd)
+            blocks = blocks[rows] if isinstance(rows, slice) else blocks.index_select(0, rows)
+            return blocks[:, :span].float().transpose(1, 2)
+        return gather(task.k), gather(task.v)
+    pages = (span - 1) // page + 1
+    table = heap.tensor(task.table, torch.int64, task.rows, pages, task.table_stride // 8)[rows]
+    lowest, highest = torch.aminmax(table)
+    if int(lowest) < 0 or int(highest) >= task.pages:
+        table = table.clone()  # (the rows' own: a slice of the heap's table is a view of it)
+        live = range(task.rows)[rows] if isinstance(rows, slice) else rows.tolist()
+        for i, j in (~((table >= 0) & (table < task.pages))).nonzero().tolist():  # bounded, reported
+            where = f"heap offset {task.table + live[i] * task.table_stride + 8 * j} (a block table)"
+            table[i, j] = heap.checked_index(int(table[i, j]), task.pages, where)
+    frames = table.reshape(-1)
 
     def gather(cache: int) -> torch.Tensor:
-        pool = heap.tensor(cache, task.DTYPE, pool_rows, cols, task.cache_stride)
-        return pool[index].float().view(len(rows), span, task.kv_heads, task.HEAD_DIM).transpose(1, 2)
+        pool = heap.tensor(cache, task.DTYPE, task.pages * page, kv_heads * hd, task.cache_stride)
+        whole = pool.view(task.pages, page, kv_heads, hd).index_select(0, frames).view(n, pages * page, kv_heads, hd)
+        return whole[:, :span].float().transpose(1, 2)
     return gather(task.k), gather(task.v)
-
-
-@functools.lru_cache(maxsize=4096)
-def _page_offsets(span: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions [0, span) as (page of a block table row, row in the page)."""
-    at = torch.arange(span)
-    return at // page, at % page
 
 
 def _partial_reference(heap, task) -> None:

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..device import NO_SEQUENCE, checked_index, heap_ptr, row_position
 from ..errors import is_count
-from .common import TaskType, copy_row, heap_index, next_power_of_2, position_runs, require_float
+from .common import TaskType, copy_row, next_power_of_2, position_runs, require_float
 
 
 @triton.jit
@@ -72,8 +72,8 @@ def kv_append_tile(base, status,
 def _append_reference(heap, task) -> None:
     """The rows' cache rows first, then one copy of the rows that write."""
     rows, cache_rows = [], []
-    for r in range(task.rows):
-        row = _cache_row(heap, task, task.first + r, task.pos + r * task.pos_step)
+    for r, value in enumerate(heap.words(task.pos, task.rows, task.pos_step)):
+        row = _cache_row(heap, task, task.first + r, value, task.pos + r * task.pos_step)
         if row is not None:
             rows.append(r)
             cache_rows.append(row)
@@ -85,15 +85,15 @@ def _append_reference(heap, task) -> None:
     if len(rows) == 1:
         cache[cache_rows[0]].copy_(x[rows[0]])
     else:  # rows of distinct sequences, or of distinct positions of one: distinct cache rows
-        cache.index_copy_(0, torch.tensor(cache_rows), x[rows])
+        cache.index_copy_(0, torch.tensor(cache_rows), x[:len(rows)] if rows[-1] == len(rows) - 1 else x[rows])
 
 
-def _cache_row(heap, task, b: int, pos: int) -> int | None:
-    """``kv_append_tile``'s cache row for batch row ``b`` (its position at heap offset ``pos``), or None where the
-    tile copies nothing (a row of no sequence, a position or page clamped)."""
-    if no_sequence(heap, pos):
+def _cache_row(heap, task, b: int, value: int, at: int) -> int | None:
+    """``kv_append_tile``'s cache row for batch row ``b`` at position ``value`` (read at heap offset ``at``), or
+    None where the tile copies nothing (a row of no sequence, a position or page clamped)."""
+    if value == NO_SEQUENCE.value:
         return None
-    position = heap_index(heap, pos, task.seq_len)
+    position = heap.checked_index(value, task.seq_len, f"heap offset {at}")
     row = b * task.seq_len + position
     if task.PAGE != 0:
         at = task.table + b // task.group * task.table_stride + 8 * (position // task.PAGE)
@@ -102,7 +102,7 @@ def _cache_row(heap, task, b: int, pos: int) -> int | None:
         row = frame * task.PAGE + position % task.PAGE
         if frame != page:
             return None  # a page clamped (the torch backend): no copy, as the tile
-    if position != heap.word(pos):
+    if position != value:
         return None  # a position clamped: no copy, the cache keeps every row it had, as the tile
     return row
 

@@ -47,18 +47,23 @@ def rope_tile(base,
 
 
 def _reference(heap, task) -> None:
+    """In few torch calls (a torch backend's tile costs its calls): both halves of every head times cos, then
+    each half's rotated partner times sin added in place."""
     half, heads, rows = task.HEAD_DIM // 2, task.heads, task.rows
-    x = heap.tensor(task.x, task.DTYPE, rows, heads * 2 * half, task.x_stride).float().view(rows, heads, 2 * half)
+    x = heap.tensor(task.x, task.DTYPE, rows, heads * 2 * half, task.x_stride).float().view(rows, heads, 2, half)
     positions = (heap.tensor(task.pos, torch.int64, rows, 1, task.pos_step // 8) if task.pos_step
-                 else heap.tensor(task.pos, torch.int64, 1, 1, 1)).float()
-    angle = (positions * heap.tensor(task.inv_freq, torch.float32, 1, half, half))[:, None, :]  # [rows, 1, half]
-    cos, sin = angle.cos(), angle.sin()
+                 else heap.tensor(task.pos, torch.int64, 1, 1, 1))
+    angle = positions.float() * heap.tensor(task.inv_freq, torch.float32, 1, half, half)  # [rows or 1, half]
+    cos, sin = angle.cos()[:, None, None], angle.sin()                                  # [.., 1, 1, half], [.., half]
     if task.SCALING != 1.0:
         cos, sin = cos * task.SCALING, sin * task.SCALING
-    x1, x2 = x[..., :half], x[..., half:]
-    out = heap.tensor(task.out, task.DTYPE, rows, heads * 2 * half, task.out_stride).view(rows, heads, 2 * half)
-    out[..., :half] = x1 * cos - x2 * sin
-    out[..., half:] = x2 * cos + x1 * sin
+    out = heap.tensor(task.out, task.DTYPE, rows, heads * 2 * half, task.out_stride).view(rows, heads, 2, half)
+    turned = torch.mul(x, cos, out=out) if out.dtype == torch.float32 else x * cos  # [rows, heads, 2, half]
+    sin = sin[:, None]
+    turned[:, :, 0].addcmul_(x[:, :, 1], sin, value=-1)  # x1 cos - x2 sin
+    turned[:, :, 1].addcmul_(x[:, :, 0], sin)            # x2 cos + x1 sin
+    if turned is not out:  # rounded once
+        out.copy_(turned)
 
 
 def rope(g, x, inv_freq, pos, head_dim: int, scaling: float = 1.0):

@@ -154,6 +154,15 @@ class WorkerHeap(HeapView):
             return super().word(offset)  # its error
         return int(self._words[offset // 8])
 
+    def words(self, offset: int, count: int, step: int) -> list[int]:
+        """``HeapView.words`` read through numpy, in one call."""
+        last = offset + (count - 1) * step
+        if offset % 8 or step % 8 or step < 0 or count < 1 or not 0 <= offset <= last < 8 * self._words.size:
+            return super().words(offset, count, step)  # its error, or its answer
+        if step == 0:
+            return [int(self._words[offset // 8])] * count
+        return self._words[offset // 8:last // 8 + 1:step // 8].tolist()
+
     def tensor(self, offset: int, dtype: torch.dtype | str, rows: int, cols: int, row_stride: int) -> torch.Tensor:
         """``HeapView.tensor``, made once: a tile asks for the same views every step (~5 us each to make)."""
         key = (offset, dtype, rows, cols, row_stride)
