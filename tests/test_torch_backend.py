@@ -166,6 +166,24 @@ def test_a_worker_keeps_a_laid_out_weight_until_the_host_writes_it_again():
         assert torch.allclose(out["y"].double(), xs @ weights[2].double().T, atol=1e-4)
 
 
+def test_a_workers_heap_reads_runs_of_words_as_the_reference_heap_does():
+    """``WorkerHeap.words`` (numpy, one call: positions of a tile's rows) against ``HeapView.words``."""
+    from megakernel.backends.torch_loop import WorkerHeap
+    from megakernel.errors import GraphError
+    from megakernel.heap import HeapView, RankHeap
+    whole = torch.zeros(512, dtype=torch.uint8)
+    whole.view(torch.int64)[:] = torch.randint(-5, 1 << 40, (64,))
+    worker, reference = WorkerHeap(whole), HeapView(RankHeap(whole, whole[:0]))
+    for offset, count, step in ((0, 1, 8), (16, 8, 8), (24, 5, 16), (504, 1, 8), (40, 4, 0)):
+        assert worker.words(offset, count, step) == reference.words(offset, count, step) == [
+            int(whole.view(torch.int64)[(offset + i * step) // 8]) for i in range(count)]
+    for offset, count, step in ((4, 2, 8), (0, 2, 12), (504, 2, 8)):  # unaligned, not whole words, past the end
+        with pytest.raises(GraphError):
+            reference.words(offset, count, step)
+        with pytest.raises(GraphError):
+            worker.words(offset, count, step)
+
+
 def test_a_task_type_without_a_torch_implementation_is_named(monkeypatch):
     g = mk.Graph()
     x = g.input("x", (4, 32), torch.float32)
