@@ -56,16 +56,19 @@ def _reference(heap, task) -> None:
     x = heap.tensor(task.x, task.X_DTYPE, rows // segments, cols * segments, task.x_stride)
     w = heap.tensor(task.w, task.W_DTYPE, 1, cols, cols)
     out = heap.tensor(task.out, task.X_DTYPE, rows // segments, cols * segments, task.out_stride)
-    if segments == 1 and x.dtype == w.dtype == torch.float32 and not task.UNIT_OFFSET:
-        # the common case in few torch calls (a torch backend's tile costs its calls): x * rsqrt(mean(x^2) + eps) * w
-        scale = torch.linalg.vecdot(x, x).div_(cols).add_(task.EPS).rsqrt_()
-        torch.mul(x, scale[:, None], out=out).mul_(w)
+    if segments == 1 and not task.UNIT_OFFSET:
+        # whole rows, the common case, in few torch calls (a torch backend's tile costs its calls)
+        v = x.float()
+        scale = torch.linalg.vecdot(v, v).div_(cols).add_(task.EPS).rsqrt_()[:, None]  # rsqrt(mean(v^2) + eps)
+        # normed in x's dtype first, as the tile (and transformers) round it; then w * normed, rounded once
+        normed = torch.mul(v, scale, out=out) if x.dtype == torch.float32 else (v * scale).to(x.dtype)
+        torch.mul(normed, w, out=out)
         return
-    w = w.float()
     normed = torch.rms_norm(x.float().reshape(rows, cols), (cols,), eps=task.EPS)  # v * rsqrt(mean(v^2) + eps)
+    w = w.float()
     if task.UNIT_OFFSET:
         out.copy_(((1 + w) * normed).reshape(out.shape))
-    else:  # normed in x's dtype first, as the tile (and transformers) round it
+    else:
         out.copy_((w * (normed if x.dtype == torch.float32 else normed.to(x.dtype).float())).reshape(out.shape))
 
 
