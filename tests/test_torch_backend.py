@@ -124,6 +124,42 @@ def test_every_task_type_gives_what_the_reference_executor_gives():
         run_checked(g, example_inputs(g, seed=3), kernel=kernel, exact=True)
 
 
+def test_queues_dealt_out_over_fewer_workers_give_what_the_reference_executor_gives(monkeypatch):
+    """With fewer cores free than workers (``core_share``), a worker runs several queues' tasks in the global
+    order and the others run none: the same outputs, bit for bit, whichever plan each launch gets."""
+    from megakernel.backends import torch_loop
+    from megakernel.backends.core_share import plan
+    assert plan(3, 3.0) == ((0,), (1,), (2,)) and plan(3, 0.4) == ((0, 1, 2), (), ())
+    assert plan(3, 2.0) == ((0, 2), (1,), ()) and plan(2, 1.6) == ((0,), (1,))
+    plans = iter([plan(3, 1.0), plan(3, 3.0), plan(3, 2.0), plan(3, 1.0)])
+    monkeypatch.setattr(torch_loop, "plan", lambda workers, free: next(plans))
+    g = every_task_type()
+    with mk.Megakernel(g, workers=3, backend="torch") as kernel:
+        for seed in range(4):
+            run_checked(g, example_inputs(g, seed=seed), kernel=kernel, exact=True)
+    assert next(plans, None) is None  # a launch each
+
+
+def test_a_busy_program_leaves_one_core_of_two():
+    """``CoreShare.look``: the job's cores less what another program kept busy since the last look."""
+    import os
+    import subprocess
+    import sys
+    from megakernel.backends.core_share import CoreShare
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to share")
+    share = CoreShare(frozenset(cores[:2]), lambda: [os.getpid()])
+    share.look()
+    loop = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cores[0]}}})\nwhile True: pass"])
+    try:
+        time.sleep(0.6)
+        assert share.look() < 1.5
+    finally:
+        loop.kill()
+        loop.wait()
+
+
 def test_a_traced_run_stamps_every_task_once_in_dependency_order():
     from test_trace import _check_order, _check_spans
     g = mlp_block()

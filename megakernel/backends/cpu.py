@@ -347,11 +347,12 @@ class CpuBackend:
             start = time.perf_counter()
             failure, running = None, {}  # worker -> its run message's number, until answered
             try:
+                extras = self._launch_extras()
                 for w, worker in enumerate(self.processes):
                     running[w] = worker.sent + 1  # before the send: an interrupt after it still waits for it
                     try:
                         worker.send("run", Launch(self.key, str(self.kernel_path), w, self.group.rank, args,
-                                                  self.loop, self._launch_extras()))
+                                                  self.loop, extras))
                     except BackendError as error:
                         failure = failure or BackendError(f"worker {w}: {error}")
                         del running[w]

@@ -17,6 +17,9 @@ briefly (SHORT_SPIN_S) when they share cores: there a spinning worker takes the 
 The same holds when another program shares the cores, which no count of them tells: a worker that the
 kernel preempts (involuntary context switches: something else wants its core), twice within SHARED_S,
 polls briefly too for a while. A wait asks only once a brief poll found nothing (most waits end before).
+With fewer cores free than workers (another program busy on them, ``core_share``), a launch deals the
+queues out over fewer workers: a worker then runs several queues' tasks in the global order, each task
+writing its own queue's status record, as that queue's worker would.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ from ..layout import (ABORT, DONE, EPOCH, EVENT, EXPECTED, FAULT, FAULT_AT, FAUL
 from ..scheduler import (ARG0, CARRY_EVENT, CARRY_FAN_IN, FAN_IN, GUARD, NO_GUARD, OPCODE, SIGNAL_COUNT,
                         SIGNAL_START, WAIT_EVENT, Spec, read_signals)
 from ..tasks import TASK_TYPES
+from .core_share import CoreShare, plan
 from .cpu import CpuBackend, WorkerPool, usable_cores
 
 SPIN_S = 1e-3       # a wait polls this long before it first yields its core, when every worker has a core
@@ -70,14 +74,22 @@ class TorchBackend(CpuBackend):
         super().__init__(group, kernel_path, workers, pool)
         self.specs = specs
         self.host_writes = host_writes  # the kernel's, kept up to date by it
+        # one rank on the machine: the other ranks' workers would count as other programs
+        self.share = (CoreShare(frozenset(os.sched_getaffinity(0)), self._pids)
+                      if group.world_size == 1 and hasattr(os, "sched_getaffinity") else None)
+
+    def _pids(self) -> list[int]:
+        return [os.getpid(), *(worker.process.pid for worker in self.processes)]
 
     def _launch_extras(self) -> dict:
         # the job's worker processes on this machine (its ranks', virtual or not): a core each, or sharing
         processes, cores = self.workers * self.group.world_size, usable_cores()
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        free = cores if self.share is None else self.share.look()
         return dict(specs=self.specs, threads=max(1, cores // processes),  # torch's own threads
                     spin_s=SPIN_S if processes <= cores else SHORT_SPIN_S,
-                    derived_bytes=memory // DERIVED_SHARE // processes, stable=self.host_writes.stable())
+                    derived_bytes=memory // DERIVED_SHARE // processes, stable=self.host_writes.stable(),
+                    plan=plan(self.workers, free))
 
 
 @dataclass
@@ -192,7 +204,8 @@ class WorkerHeap(HeapView):
 @dataclass(frozen=True)
 class Entry:
     """A queue entry as the loop runs it: the task, its two waits (event, or -1; fan-in), its guard's word
-    on the rank's heap (-1: none), its tile as a call, its signals as addresses and increments."""
+    on the rank's heap (-1: none), its tile as a call, its signals as addresses and increments, the status
+    record of its queue's worker, that worker and the task's position in its queue."""
 
     task: int
     wait: int
@@ -204,17 +217,21 @@ class Entry:
     label: str
     signal_at: np.ndarray
     increments: np.ndarray
+    status: np.ndarray
+    worker: int
+    position: int
 
 
-def _program(words: np.ndarray, args: dict[str, int], rank: int, worker: int, specs: list[Spec],
-             heaps: dict[int, WorkerHeap]) -> list[Entry]:
-    """Worker ``worker``'s queue, read from the tables on rank ``rank``'s heap (``words``, int64)."""
-    index = words[args["index_off"] // 8 + worker:][:2].tolist()
+def _program(words: np.ndarray, args: dict[str, int], rank: int, queue_of: int, specs: list[Spec],
+             heaps: dict[int, WorkerHeap], status: np.ndarray) -> list[Entry]:
+    """Worker ``queue_of``'s queue, read from the tables on rank ``rank``'s heap (``words``, int64); ``status``:
+    that worker's record."""
+    index = words[args["index_off"] // 8 + queue_of:][:2].tolist()
     queue = words[args["queue_off"] // 8 + index[0]:][:index[1] - index[0]].tolist()
     rank_heap, row_words = heaps[rank], args["ROW"]
     events = args["events_off"]
     entries = []
-    for task in queue:
+    for position, task in enumerate(queue):
         row = words[args["tasks_off"] // 8 + task * row_words:][:row_words].tolist()
         spec = specs[row[OPCODE]]
         task_type = TASK_TYPES[spec.task_type]
@@ -227,57 +244,69 @@ def _program(words: np.ndarray, args: dict[str, int], rank: int, worker: int, sp
             -1 if row[GUARD] == NO_GUARD else row[GUARD] // 8,
             lambda reference=task_type.reference, tile_args=tile_args: reference(*tile_args), spec.label,
             atomics.addresses(*(heaps[s.rank].heap.data.data_ptr() + events + 8 * s.event for s in signals)),
-            np.array([s.increment for s in signals], dtype=np.int64)))
+            np.array([s.increment for s in signals], dtype=np.int64), status, queue_of, position))
     return entries
 
 
 def run_worker(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str, int], programs: dict,
                specs: list[Spec], threads: int, spin_s: float, derived_bytes: int,
-               stable: tuple[tuple[int, int, int], ...]) -> None:
-    """One worker's launch: ``args["steps"]`` steps of its queue on rank ``rank``'s heap (``heaps[r]``: rank r's
-    whole heap as mapped here), as ``device.persistent_loop`` runs them. ``programs``: what earlier
-    launches on this heap made of its tables (by worker: the tables read, the program), kept while they
-    stay the same. ``threads``: torch's threads in this process; ``spin_s``: how long a wait polls before
-    it yields; ``derived_bytes``: what this worker's tiles may keep of what they derive, ``stable``: the inputs
-    that only the host's ``bind`` writes, with its writes so far (``WorkerHeap``)."""
+               stable: tuple[tuple[int, int, int], ...], plan: tuple[tuple[int, ...], ...]) -> None:
+    """One worker's launch: ``args["steps"]`` steps of its queues (``plan[worker]``: its own, or with fewer cores
+    free than workers, some workers' queues or none, ``core_share``) on rank ``rank``'s heap (``heaps[r]``: rank
+    r's whole heap as mapped here), as ``device.persistent_loop`` runs them. ``programs``: what earlier
+    launches on this heap made of its tables (the tables read, the rank's views; by queues, the program),
+    kept while they stay the same. ``threads``: torch's threads in this process; ``spin_s``: how long a wait
+    polls before it yields; ``derived_bytes``: what this worker's tiles may keep of what they derive,
+    ``stable``: the inputs that only the host's ``bind`` writes, with its writes so far (``WorkerHeap``)."""
+    queues = plan[worker]
+    if not queues:  # its queues run on another worker this launch
+        return
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     with torch.inference_mode():  # no autograd bookkeeping: a small tile's torch calls cost ~40% less
-        _run(heaps, rank, worker, args, programs, specs, spin_s, derived_bytes, stable)
+        _run(heaps, rank, queues, args, programs, specs, spin_s, derived_bytes, stable)
 
 
-def _run(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str, int], programs: dict,
+def _run(heaps: list[torch.Tensor], rank: int, queues: tuple[int, ...], args: dict[str, int], programs: dict,
          specs: list[Spec], spin_s: float, derived_bytes: int, stable: tuple[tuple[int, int, int], ...]) -> None:
     words = heaps[rank].view(torch.int64).numpy()
     base = heaps[rank].data_ptr()
     status_at = args["status_off"] // 8
-    status = words[status_at + STATUS_WORDS * (worker + 1):][:STATUS_WORDS]
+    records = [words[status_at + STATUS_WORDS * (q + 1):][:STATUS_WORDS] for q in queues]  # each queue's worker's
     abort = status_at + ABORT
     tables = _tables_bytes(words, args, specs)
-    cached = programs.get(worker)
-    if cached is None or cached[0] != tables:
-        views = {r: WorkerHeap(h, status if r == rank else None, derived_bytes if r == rank else 0)
-                 for r, h in enumerate(heaps)}
-        cached = programs[worker] = (tables, _program(words, args, rank, worker, specs, views), views[rank])
-    program = cached[1]
-    cached[2].stable = stable
+    if programs.get("tables") != tables:  # new tables: new views (and what tiles derived from the old ones goes)
+        programs.clear()
+        programs["tables"] = tables
+        programs["views"] = {r: WorkerHeap(h, records[0] if r == rank else None, derived_bytes if r == rank else 0)
+                             for r, h in enumerate(heaps)}
+    views = programs["views"]
+    program = programs.get(queues)
+    if program is None:  # the queues' tasks in the global order (task ids): each wait's producer runs before it
+        program = programs[queues] = sorted((entry for q, record in zip(queues, records)
+                                             for entry in _program(words, args, rank, q, specs, views, record)),
+                                            key=lambda entry: entry.task)
+    heap = views[rank]
+    heap.stable = stable
     trace = args["trace_off"] // 8 if args["TRACE"] else -1
     events = args["events_off"] // 8
-    wait = Waits(words, base, events, abort, status, args["timeout_ns"], spin_s, _Addresses(base + 8 * events)).wait
-    epoch = int(status[EPOCH]) + 1
+    waits = Waits(words, base, events, abort, records[0], args["timeout_ns"], spin_s, _Addresses(base + 8 * events))
+    epoch = int(records[0][EPOCH]) + 1
     running = words[abort] == 0  # a stall the host has not read yet: keep its records
     for step in range(args["steps"]):
         if not running or words[abort] != 0:  # a host that stops the run is heard at the next step
             break
         now = epoch + step
-        status[DONE] = 0
-        status[EPOCH] = now
-        for done, entry in enumerate(program):
+        for record in records:
+            record[DONE] = 0
+            record[EPOCH] = now
+        for entry in program:
+            status = heap.status = waits.status = entry.status  # its queue's record: faults and stalls go there
             if trace >= 0:
                 stamp = trace + entry.task * TRACE_WORDS
                 words[stamp] = time.monotonic_ns()
-            running = (wait(entry.wait, now * entry.fan_in, entry.task)
-                       and wait(entry.carry, (now - 1) * entry.carry_fan_in, entry.task))
+            running = (waits.wait(entry.wait, now * entry.fan_in, entry.task)
+                       and waits.wait(entry.carry, (now - 1) * entry.carry_fan_in, entry.task))
             if not running:
                 break
             if trace >= 0:
@@ -287,7 +316,7 @@ def _run(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str, int]
                     entry.tile()
                 except Exception as error:
                     atomics.exchange(atomics.addresses(base + 8 * abort), 1)  # the other workers stop
-                    raise BackendError(f"rank {rank} worker {worker}: task {entry.task} ({entry.label}) failed: "
+                    raise BackendError(f"rank {rank} worker {entry.worker}: task {entry.task} ({entry.label}) failed: "
                                        f"{type(error).__name__}: {error}") from error
             if status[FAULT] == now:  # a tile faulted: tell the host, before the signals
                 atomics.maximum(atomics.addresses(base + 8 * (status_at + FAULTED)), now)
@@ -295,7 +324,7 @@ def _run(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str, int]
                 words[stamp + 2] = time.monotonic_ns()
             if entry.increments.size:
                 atomics.add(entry.signal_at, entry.increments)
-            status[DONE] = done + 1
+            status[DONE] = entry.position + 1
 
 
 def _tables_bytes(words: np.ndarray, args: dict[str, int], specs: list[Spec]) -> bytes:
