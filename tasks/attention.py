@@ -161,7 +161,8 @@ def _rows_reference(heap, task) -> None:
     for r, value in enumerate(heap.words(task.pos, task.rows, task.pos_step)):
         if value != NO_SEQUENCE.value:
             live.append(r)
-            positions.append(heap.checked_index(value, task.seq_len, f"heap offset {task.pos + r * task.pos_step}"))
+            positions.append(value if 0 <= value < task.seq_len else  # (the message made only when needed)
+                             heap.checked_index(value, task.seq_len, f"heap offset {task.pos + r * task.pos_step}"))
     if len(live) < task.rows:
         out.zero_()  # rows of no sequence
     if not live:

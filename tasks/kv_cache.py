@@ -93,12 +93,14 @@ def _cache_row(heap, task, b: int, value: int, at: int) -> int | None:
     None where the tile copies nothing (a row of no sequence, a position or page clamped)."""
     if value == NO_SEQUENCE.value:
         return None
-    position = heap.checked_index(value, task.seq_len, f"heap offset {at}")
+    # (an index in range is checked here, its message made only for one that is not: ~1 us a row)
+    position = value if 0 <= value < task.seq_len else heap.checked_index(value, task.seq_len, f"heap offset {at}")
     row = b * task.seq_len + position
     if task.PAGE != 0:
         at = task.table + b // task.group * task.table_stride + 8 * (position // task.PAGE)
         page = heap.word(at)
-        frame = heap.checked_index(page, task.pages, f"heap offset {at} (a block table)")
+        frame = page if 0 <= page < task.pages else heap.checked_index(page, task.pages,
+                                                                       f"heap offset {at} (a block table)")
         row = frame * task.PAGE + position % task.PAGE
         if frame != page:
             return None  # a page clamped (the torch backend): no copy, as the tile
