@@ -233,6 +233,32 @@ def test_paged_attention_follows_the_block_table(page_size, few_tiles, backend):
             assert_close(out[b, head * 16:(head + 1) * 16], scores @ keys, 1e-5, f"row {b} head {head}")
 
 
+def test_a_page_outside_the_pool_is_clamped_and_reported_by_whole_row_tiles():
+    """The torch backend's whole-row tiles (``kv_append``, ``attention_rows``): a block table entry outside the
+    pool makes its row's append write nothing and the run report the index, as the kernel's checked_index
+    does; a table inside the pool runs again on the same kernel."""
+    batch, head_dim, max_pages, page_size = 2, 16, 2, 4
+    pool_pages = batch * max_pages + 1
+    g = mk.Graph(world_size=1, rank=0, parallelism=2, few_tiles=True)
+    q, x = g.input("q", (batch, 32), torch.float32), g.input("x", (batch, 16), torch.float32)
+    pos, table = g.input("pos", (batch,), torch.int64), g.input("table", (batch, max_pages), torch.int64)
+    pool = g.input("pool", (pool_pages * page_size, 16), torch.float32)
+    cache = g.kv_append(pool, x, pos, batch, table=table, page_size=page_size)
+    g.output("out", g.decode_attention(q, cache, cache, pos, batch, head_dim, table=table, page_size=page_size))
+    gen = torch.Generator().manual_seed(5)
+    values = {"q": torch.randn(batch, 32, generator=gen), "x": torch.randn(batch, 16, generator=gen),
+              "pool": torch.randn(pool_pages * page_size, 16, generator=gen), "pos": torch.tensor([5, 6]),
+              "table": torch.tensor([[0, 1], [2, 99]])}  # row 1's position 6 lies in page 99: outside the pool
+    with mk.Megakernel(g, workers=2, backend="torch") as kernel:
+        with pytest.raises(mk.GraphError, match=rf"index 99 .*is outside \[0, {pool_pages}\)"):
+            kernel.run(values)
+        expected = values["pool"].clone()
+        expected[1 * page_size + 5 % page_size] = values["x"][0]  # row 0's append only
+        assert torch.equal(kernel.tensor(g.inputs["pool"]), expected)
+        out = kernel.run({"table": torch.tensor([[0, 1], [2, 3]])})["out"]
+        assert torch.isfinite(out).all()
+
+
 @pytest.mark.interpreter  # a tile's semantics
 def test_a_guarded_part_runs_only_in_steps_whose_flag_is_not_minus_one():
     """Guarded tasks do their work while the flag holds a position and are skipped (outputs untouched)
