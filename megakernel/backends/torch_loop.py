@@ -254,10 +254,11 @@ def run_worker(heaps: list[torch.Tensor], rank: int, worker: int, args: dict[str
     """One worker's launch: ``args["steps"]`` steps of its queues (``plan[worker]``: its own, or with fewer cores
     free than workers, some workers' queues or none, ``core_share``) on rank ``rank``'s heap (``heaps[r]``: rank
     r's whole heap as mapped here), as ``device.persistent_loop`` runs them. ``programs``: what earlier
-    launches on this heap made of its tables (the tables read, the rank's views; by queues, the program),
-    kept while they stay the same. ``threads``: torch's threads in this process; ``spin_s``: how long a wait
-    polls before it yields; ``derived_bytes``: what this worker's tiles may keep of what they derive,
-    ``stable``: the inputs that only the host's ``bind`` writes, with its writes so far (``WorkerHeap``)."""
+    launches on this heap made of its tables ("tables": those read, "views": the heaps' views, "by_queues": the
+    program of each set of queues run), kept while they stay the same. ``threads``: torch's threads in this
+    process; ``spin_s``: how long a wait polls before it yields; ``derived_bytes``: what this worker's tiles may
+    keep of what they derive, ``stable``: the inputs that only the host's ``bind`` writes, with its writes so
+    far (``WorkerHeap``)."""
     queues = plan[worker]
     if not queues:  # its queues run on another worker this launch
         return
@@ -276,16 +277,15 @@ def _run(heaps: list[torch.Tensor], rank: int, queues: tuple[int, ...], args: di
     abort = status_at + ABORT
     tables = _tables_bytes(words, args, specs)
     if programs.get("tables") != tables:  # new tables: new views (and what tiles derived from the old ones goes)
-        programs.clear()
-        programs["tables"] = tables
-        programs["views"] = {r: WorkerHeap(h, records[0] if r == rank else None, derived_bytes if r == rank else 0)
-                             for r, h in enumerate(heaps)}
+        programs.update(tables=tables, by_queues={},
+                        views={r: WorkerHeap(h, records[0] if r == rank else None, derived_bytes if r == rank else 0)
+                               for r, h in enumerate(heaps)})
     views = programs["views"]
-    program = programs.get(queues)
+    program = programs["by_queues"].get(queues)
     if program is None:  # the queues' tasks in the global order (task ids): each wait's producer runs before it
-        program = programs[queues] = sorted((entry for q, record in zip(queues, records)
-                                             for entry in _program(words, args, rank, q, specs, views, record)),
-                                            key=lambda entry: entry.task)
+        program = programs["by_queues"][queues] = sorted(
+            (entry for q, record in zip(queues, records)
+             for entry in _program(words, args, rank, q, specs, views, record)), key=lambda entry: entry.task)
     heap = views[rank]
     heap.stable = stable
     trace = args["trace_off"] // 8 if args["TRACE"] else -1
