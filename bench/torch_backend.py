@@ -25,7 +25,8 @@
 With ``--one-core`` instead: the shape vLLM gives the megakernel (its worker pinned to one core, so one
 worker of one torch thread, batch rows for ``max_num_seqs`` 8): a step's time with one sequence and with
 eight, and batch 1's, each by task type from a trace; then torch's linear paths on that core at 1 and 8
-rows (``F.linear``, and weights prepacked for MKL and for oneDNN), over SmolLM2's weight shapes.
+rows (``F.linear``, and weights prepacked for MKL and for oneDNN), over SmolLM2's weight shapes, and
+oneDNN's at 1 to 64 rows (the torch backend multiplies at least ``tasks.common.FEWEST_ROWS``).
 """
 from __future__ import annotations
 
@@ -265,6 +266,20 @@ def one_core(model, prompt: torch.Tensor, steps: int = 5) -> None:
                 weight_bytes += sum(w.numel() * 4 for w in weights)
             row[name] = f"{seconds * 1e3:.1f} ms ({weight_bytes / seconds / 1e9:.1f} GB/s)"
         print(f"    {rows} row(s): " + ", ".join(f"{name} {value}" for name, value in row.items()))
+    curve = {}
+    for rows in (1, 2, 3, 4, 6, 8, 16, 64):  # what tasks.common.FEWEST_ROWS is chosen from
+        seconds = 0.0
+        for (n, k), count in shapes.items():
+            packed = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k), 64) for _ in range(count)]
+            x = torch.randn(rows, k)
+            for w in packed:  # warm
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            start = time.perf_counter()
+            for w in packed:
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            seconds += time.perf_counter() - start
+        curve[rows] = seconds
+    print("    oneDNN prepacked, by rows: " + ", ".join(f"{rows}: {s * 1e3:.1f} ms" for rows, s in curve.items()))
 
 
 def main() -> None:

@@ -320,10 +320,11 @@ class Graph:
         return self._op(norm.rms_norm, x, weight, eps, head_dim, unit_offset)
 
     def linear(self, x: Tensor, w: Tensor | Quantized, split_k: int | None = None,
-               out: Tensor | None = None) -> Tensor:
+               out: Tensor | None = None, pos: Tensor | None = None) -> Tensor:
         """``x [M, K] @ w [N, K].T``, [M, N] in x's dtype (written into the view ``out`` if given); K cut
-        into ``split_k`` ranges, by default as many as ``parallelism`` wants. ``w`` may be ``Quantized``."""
-        return self._op(linear.linear, x, w, split_k, out)
+        into ``split_k`` ranges, by default as many as ``parallelism`` wants. ``w`` may be ``Quantized``.
+        ``pos`` (int64 [M]): the rows' positions; a row at -1 holds no sequence, its output row is zero."""
+        return self._op(linear.linear, x, w, split_k, out, pos)
 
     def rope(self, x: Tensor, inv_freq: Tensor, pos: Tensor, head_dim: int, scaling: float = 1.0) -> Tensor:
         """Rotary embedding: each ``head_dim`` head of each row of ``x`` rotated by its position ``pos``

@@ -157,24 +157,70 @@ def history_row(heap, task) -> int:
 # streams SmolLM2's weights ~1.8x as fast as ``F.linear`` at 8 rows, ~1.2x at one (bench/torch_backend.py --one-core)
 ONEDNN = torch.backends.mkldnn.is_available()
 ONEDNN_BF16 = ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+# the fewest rows ``linear_rows`` multiplies (x's first row repeated where it has fewer): oneDNN streams a
+# weight fastest at 3 to 6 rows, ~1.3x as fast as at 1, 2 or 8 (float32 on one Zen 4 core:
+# bench/torch_backend.py --one-core)
+FEWEST_ROWS = 4
 
 
 def linear_rows(heap, key: tuple, x: torch.Tensor, y: torch.Tensor, sources: tuple[torch.Tensor, ...],
-                weight: Callable[[], torch.Tensor], w_dtype: torch.dtype) -> None:
+                weight: Callable[[], torch.Tensor], w_dtype: torch.dtype, pos: list[int] | None = None) -> None:
     """``y[:] = x @ w.T`` for a reference tile, accumulated in float32 and rounded once to y's dtype, as the
     tiles compute it; ``w = weight()`` [n, k] of ``w_dtype``, made from the heap views ``sources``. Laid out
     for oneDNN as a weight derived from them, named by ``key`` (``HeapView.derived``: a torch backend's
     worker keeps it). bfloat16 x, w and y multiply as such (oneDNN accumulates in float32), everything else
     in float32. A torch built without oneDNN, or a worker with no room left to keep the weight, multiplies
-    ``weight()`` as it is at every call."""
+    ``weight()`` as it is at every call.
+
+    ``pos``, the positions of x's rows where the tile has them (``live_rows``): a row at NO_SEQUENCE holds
+    no sequence, its y row is zero. Only the rows that hold one are multiplied, at least FEWEST_ROWS of
+    them (x's first rows, or the live ones gathered and the first repeated). Never one alone: oneDNN sums
+    one row in another order (at K >= 1536 in float32); from two rows on a row's result is the same bits
+    whichever rows are beside it, so a sequence's results do not depend on the others in its batch, nor on
+    the batch's size (tests/test_torch_backend.py)."""
     dtype = torch.bfloat16 if x.dtype == y.dtype == w_dtype == torch.bfloat16 and ONEDNN_BF16 else torch.float32
     rows = x.shape[0]
-    key = (*key, "onednn", rows, dtype)
-    if not (ONEDNN and heap.keeps(key, sources, y.shape[1] * x.shape[1] * dtype.itemsize)):
-        y.copy_(x.float() @ weight().float().T)
+    hint = max(rows, FEWEST_ROWS)  # the rows oneDNN lays the weight out for; it multiplies any number
+    key = (*key, "onednn", hint, dtype)
+    laid_out = ONEDNN and heap.keeps(key, sources, y.shape[1] * x.shape[1] * dtype.itemsize)
+    packed = laid_out and heap.derived(key, sources,
+                                       lambda: torch.ops.mkldnn._reorder_linear_weight(weight().to(dtype), hint))
+
+    def product(xs: torch.Tensor) -> torch.Tensor:
+        if laid_out:
+            return torch.ops.mkldnn._linear_pointwise(xs.to(dtype), packed, None, "none", [], "")
+        return xs.float() @ weight().float().T
+
+    live = range(rows) if pos is None else [r for r, p in enumerate(pos) if p != NO_SEQUENCE.value]
+    count = len(live)
+    if not count:
+        y.zero_()
         return
-    packed = heap.derived(key, sources, lambda: torch.ops.mkldnn._reorder_linear_weight(weight().to(dtype), rows))
-    y.copy_(torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, None, "none", [], ""))
+    first, width = live[-1] == count - 1, max(count, FEWEST_ROWS)  # first: the live rows are x's first
+    if first and width <= rows:
+        xs = x[:width]  # a view
+    else:
+        index = torch.tensor(live)
+        xs = x.index_select(0, torch.cat([index, index[:1].expand(width - count)]))
+    out = product(xs)[:count]
+    if first:
+        y[:count].copy_(out)
+        y[count:].zero_()
+    else:
+        y.zero_()
+        y.index_copy_(0, index, out.to(y.dtype))
+
+
+@triton.jit
+def live_rows(base, pos, rows, m, BY_POS: tl.constexpr):
+    """Which of ``rows`` (row indices of a tile's x, any shape) are below m and hold a sequence: with BY_POS,
+    those whose position (the int64 at heap offset ``pos`` + 8 * row) is not NO_SEQUENCE; without, all
+    below m. A tile zeroes the others' output rows (``linear_rows`` is its reference)."""
+    inside = rows < m
+    if BY_POS:
+        inside = inside & (tl.load(heap_ptr(base, pos, tl.int64) + rows, mask=inside, other=NO_SEQUENCE)
+                           != NO_SEQUENCE)
+    return inside
 
 
 def ceil_div(a: int, b: int) -> int:

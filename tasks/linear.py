@@ -29,8 +29,8 @@ import triton.language as tl
 from ..device import heap_ptr
 from ..errors import is_count
 from . import quantized
-from .common import (TaskType, block_at, block_count, ceil_div, dot, linear_rows, next_power_of_2, require_float,
-                     rounded, row_offsets, store_block, vector_aligned)
+from .common import (TaskType, block_at, block_count, ceil_div, dot, linear_rows, live_rows, next_power_of_2,
+                     require_float, rounded, row_offsets, store_block, vector_aligned)
 from .formats import Quantized
 from .reduction import sum_slices
 
@@ -118,10 +118,11 @@ def _x_block(x_cols, kk, k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
+def gemv_one_row(base, y, x, w, n, k, w_stride, live, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
                   Y_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                   ALIGNED: tl.constexpr):
-    """``y[0, :n] = x[0, :k] @ w[:n, :k].T`` for any n, BLOCK_N rows at a time.
+    """``y[0, :n] = x[0, :k] @ w[:n, :k].T`` for any n, BLOCK_N rows at a time (zero where ``live``, a [1]
+    block, is not: ``live_rows``).
 
     One flat loop over (row block, step) pairs. A step loads ONE_ROW_UNROLL blocks of w and x, then
     accumulates their products elementwise in float32; a row block is reduced across K once, at the
@@ -150,33 +151,35 @@ def gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE: tl.constexpr, W_DTYPE: 
         a2 = _x_block(x_cols, k0 + 2 * BLOCK_K, k, BLOCK_K, EVEN_K)
         a3 = _x_block(x_cols, k0 + 3 * BLOCK_K, k, BLOCK_K, EVEN_K)
         if (k0 == 0) & (t > 0):  # the previous row block is complete
-            _store_one_row(base, y, r0 - BLOCK_N, n, acc, Y_DTYPE, BLOCK_N)
+            _store_one_row(base, y, r0 - BLOCK_N, n, acc, live, Y_DTYPE, BLOCK_N)
             acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         acc += b0.to(tl.float32) * a0.to(tl.float32)
         acc += b1.to(tl.float32) * a1.to(tl.float32)
         acc += b2.to(tl.float32) * a2.to(tl.float32)
         acc += b3.to(tl.float32) * a3.to(tl.float32)
-    _store_one_row(base, y, (blocks - 1) * BLOCK_N, n, acc, Y_DTYPE, BLOCK_N)
+    _store_one_row(base, y, (blocks - 1) * BLOCK_N, n, acc, live, Y_DTYPE, BLOCK_N)
 
 
 @triton.jit
-def _store_one_row(base, y, r0, n, acc, Y_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``y[0, r0 + i] = sum_k acc[i, k]`` for r0 + i below n (rows r0 + i of w)."""
+def _store_one_row(base, y, r0, n, acc, live, Y_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``y[0, r0 + i] = sum_k acc[i, k]`` (0 where the row is not ``live``) for r0 + i below n (rows r0 + i of w)."""
     rn = r0 + tl.arange(0, BLOCK_N)
-    tl.store(heap_ptr(base, y, Y_DTYPE) + rn, rounded(tl.sum(acc, axis=1), Y_DTYPE), mask=rn < n)
+    tl.store(heap_ptr(base, y, Y_DTYPE) + rn, rounded(tl.where(live, tl.sum(acc, axis=1), 0.0), Y_DTYPE), mask=rn < n)
 
 
 @triton.jit
-def _gemv_rows(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl.constexpr,
+def _gemv_rows(base, y, x, w, pos, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl.constexpr,
                W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr):
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr, BY_POS: tl.constexpr):
     """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` for 1 < m <= BLOCK_M, any n: the same walk over w, with
-    each step's products reduced across K per row of x (a warp-wide reduction: shuffles only)."""
+    each step's products reduced across K per row of x (a warp-wide reduction: shuffles only); a row that
+    holds no sequence (``live_rows``) zero."""
     m, n = m.to(tl.int32), n.to(tl.int32)
     x_ptr, w_ptr, k = _operands(base, x, w, k, X_DTYPE, W_DTYPE, BLOCK_K, EVEN_K, ALIGNED)
     rn = tl.arange(0, BLOCK_N)[:, None]
     rk = tl.arange(0, BLOCK_K)[None, :]
     rm = tl.arange(0, BLOCK_M)[None, :]  # acc's columns: the rows of x
+    live = live_rows(base, pos, rm, m, BY_POS)
     steps = tl.cdiv(k, ROWS_UNROLL * BLOCK_K)
     blocks = tl.cdiv(n, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # transposed: y[i, r0 + j] is acc[j, i]
@@ -187,50 +190,52 @@ def _gemv_rows(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl
         b0 = _w_block(w_rows, k0, k, BLOCK_K, EVEN_K).to(tl.float32)
         b1 = _w_block(w_rows, k0 + BLOCK_K, k, BLOCK_K, EVEN_K).to(tl.float32)
         if (k0 == 0) & (t > 0):
-            _store_rows(base, y, y_stride, m, r0 - BLOCK_N, n, acc, Y_DTYPE, BLOCK_M, BLOCK_N)
+            _store_rows(base, y, y_stride, m, r0 - BLOCK_N, n, acc, live, Y_DTYPE, BLOCK_M, BLOCK_N)
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for i in range(0, m):
             x_cols = x_ptr + row_offsets(i, x_stride, X_DTYPE, ALIGNED) + rn * 0 + rk
             part = b0 * _x_block(x_cols, k0, k, BLOCK_K, EVEN_K).to(tl.float32)
             part += b1 * _x_block(x_cols, k0 + BLOCK_K, k, BLOCK_K, EVEN_K).to(tl.float32)
             acc = tl.where(rm == i, acc + tl.sum(part, axis=1)[:, None], acc)
-    _store_rows(base, y, y_stride, m, (blocks - 1) * BLOCK_N, n, acc, Y_DTYPE, BLOCK_M, BLOCK_N)
+    _store_rows(base, y, y_stride, m, (blocks - 1) * BLOCK_N, n, acc, live, Y_DTYPE, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def _store_rows(base, y, y_stride, m, r0, n, acc, Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+def _store_rows(base, y, y_stride, m, r0, n, acc, live, Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
-    """``y[i, r0 + j] = acc[j, i]`` for i < m, r0 + j < n."""
+    """``y[i, r0 + j] = acc[j, i]`` (0 where row i is not ``live``, [1, BLOCK_M]) for i < m, r0 + j < n."""
     rn = r0 + tl.arange(0, BLOCK_N)[:, None]
     rm = tl.arange(0, BLOCK_M)[None, :]
-    tl.store(heap_ptr(base, y, Y_DTYPE) + rm * y_stride + rn, rounded(acc, Y_DTYPE), mask=(rn < n) & (rm < m))
+    tl.store(heap_ptr(base, y, Y_DTYPE) + rm * y_stride + rn, rounded(tl.where(live, acc, 0.0), Y_DTYPE),
+             mask=(rn < n) & (rm < m))
 
 
 @triton.jit
-def _dot_tile(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
-              Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              ALIGNED: tl.constexpr, MANY_BLOCKS: tl.constexpr):
+def _dot_tile(base, y, x, w, pos, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl.constexpr,
+              W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr, MANY_BLOCKS: tl.constexpr, BY_POS: tl.constexpr):
     """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` with ``tl.dot``: one block (m <= BLOCK_M, n <= BLOCK_N, as
     a GPU's tiles are), or with MANY_BLOCKS (``Graph.few_tiles``) every BLOCK_M x BLOCK_N block in turn, a
     block's operands found by heap offsets as the tile's are (aligned where the tile's are). The loop is
     a constexpr's: around the GPU's one block it would cost registers that the kernel has none of."""
     if not MANY_BLOCKS:
-        _dot_block(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M, BLOCK_N,
-                   BLOCK_K, ALIGNED)
+        _dot_block(base, y, x, w, pos, m, n, k, y_stride, x_stride, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M,
+                   BLOCK_N, BLOCK_K, ALIGNED, BY_POS)
         return
     for t in range(0, block_count(m, n, BLOCK_M, BLOCK_N)):
         r0, c0 = block_at(t, n, BLOCK_M, BLOCK_N)
         _dot_block(base, y + (r0 * y_stride + c0) * (Y_DTYPE.primitive_bitwidth // 8),
                    x + r0 * x_stride * (X_DTYPE.primitive_bitwidth // 8),
-                   w + c0 * w_stride * (W_DTYPE.primitive_bitwidth // 8), m - r0, n - c0, k, y_stride, x_stride,
-                   w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, ALIGNED)
+                   w + c0 * w_stride * (W_DTYPE.primitive_bitwidth // 8), pos + r0 * 8, m - r0, n - c0, k, y_stride,
+                   x_stride, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, ALIGNED, BY_POS)
 
 
 @triton.jit
-def _dot_block(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr,
-               Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               ALIGNED: tl.constexpr):
-    """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` over one block: the first min(m, BLOCK_M) x min(n, BLOCK_N)."""
+def _dot_block(base, y, x, w, pos, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl.constexpr,
+               W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr, BY_POS: tl.constexpr):
+    """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T`` over one block: the first min(m, BLOCK_M) x min(n, BLOCK_N);
+    a row that holds no sequence (``live_rows``) zero."""
     x_ptr, w_ptr, k = _operands(base, x, w, k, X_DTYPE, W_DTYPE, BLOCK_K, False, ALIGNED)
     rm = tl.arange(0, BLOCK_M)[:, None]
     rn = tl.arange(0, BLOCK_N)[:, None]
@@ -242,40 +247,45 @@ def _dot_block(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE: tl
         a = tl.load(x_rows + k0, mask=(rm < m) & (k0 + rk < k), other=0.0)
         b = tl.load(w_rows + k0, mask=(rn < n) & (k0 + rk < k), other=0.0)
         acc += dot(a, tl.trans(b))
+    acc = tl.where(live_rows(base, pos, rm, m, BY_POS), acc, 0.0)
     store_block(heap_ptr(base, y, Y_DTYPE), y_stride, m, n, acc, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def linear_tile(base,
                 y, x, w,                         # heap offsets of the tiles' first elements
+                pos,                             # BY_POS: heap offset of the int64 position of x's first row
                 m, n, k,                         # y is m x n, x m x k, w n x k
                 y_stride, x_stride, w_stride,    # row strides, in elements
                 X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
-                ALIGNED: tl.constexpr, MANY_BLOCKS: tl.constexpr):
+                ALIGNED: tl.constexpr, MANY_BLOCKS: tl.constexpr, BY_POS: tl.constexpr):
     """``y[:m, :n] = x[:m, :k] @ w[:n, :k].T``, any k; float32 accumulation.
 
     GEMV tiles take ``m <= BLOCK_M`` and any n (BLOCK_N rows at a time), ``tl.dot`` tiles one BLOCK_M x
     BLOCK_N block, or any m and n with ``MANY_BLOCKS`` (``Graph.few_tiles``). ``EVEN_K``: k is
     a multiple of BLOCK_K. ``ALIGNED``: x, w and their row strides 16-byte aligned, k a whole number of
     16-byte vectors. Both are checked by the host; with them the GEMV loads are unmasked 16-byte vectors,
-    with ALIGNED alone masked ones (the ``tl.dot`` tiles' too).
+    with ALIGNED alone masked ones (the ``tl.dot`` tiles' too). ``BY_POS``: x's rows have positions, from
+    heap offset ``pos`` on; a row at NO_SEQUENCE holds no sequence and its y row is zero (``live_rows``).
     """
     if USE_DOT:
-        _dot_tile(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M,
-                  BLOCK_N, BLOCK_K, ALIGNED, MANY_BLOCKS)
+        _dot_tile(base, y, x, w, pos, m, n, k, y_stride, x_stride, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M,
+                  BLOCK_N, BLOCK_K, ALIGNED, MANY_BLOCKS, BY_POS)
     elif BLOCK_M == 1:
-        gemv_one_row(base, y, x, w, n, k, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_N, BLOCK_K, EVEN_K, ALIGNED)
+        gemv_one_row(base, y, x, w, n, k, w_stride, live_rows(base, pos, tl.zeros((1,), tl.int32), m, BY_POS),
+                     X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_N, BLOCK_K, EVEN_K, ALIGNED)
     else:
-        _gemv_rows(base, y, x, w, m, n, k, y_stride, x_stride, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M,
-                   BLOCK_N, BLOCK_K, EVEN_K, ALIGNED)
+        _gemv_rows(base, y, x, w, pos, m, n, k, y_stride, x_stride, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_M,
+                   BLOCK_N, BLOCK_K, EVEN_K, ALIGNED, BY_POS)
 
 
 def _reference(heap, task) -> None:
     x = heap.tensor(task.x, task.X_DTYPE, task.m, task.k, task.x_stride)
     w = heap.tensor(task.w, task.W_DTYPE, task.n, task.k, task.w_stride)
     y = heap.tensor(task.y, task.Y_DTYPE, task.m, task.n, task.y_stride)
-    linear_rows(heap, ("linear", task.w, task.n, task.k, task.w_stride), x, y, (w,), lambda: w, w.dtype)
+    linear_rows(heap, ("linear", task.w, task.n, task.k, task.w_stride), x, y, (w,), lambda: w, w.dtype,
+                heap.words(task.pos, task.m, 8) if task.BY_POS else None)
 
 
 @dataclass(frozen=True)
@@ -353,16 +363,21 @@ def plan(m: int, n: int, k: int, blocks: tuple[int, int, int], w_size: int, para
     return best[1]
 
 
-def linear(g, x, w, split_k: int | None = None, out=None):
+def linear(g, x, w, split_k: int | None = None, out=None, pos=None):
     """``x [M, K] @ w [N, K].T -> [M, N]`` in x's dtype (into ``out``, an [M, N] view, when given);
-    ``split_k`` cuts K into that many ranges.
+    ``split_k`` cuts K into that many ranges. ``pos``, int64 [M]: the positions of x's rows, where a row at
+    -1 (``device.NO_SEQUENCE``) holds no sequence: its output row is zero, and a backend that can skip
+    its products does (the torch backend multiplies only the rows that hold one).
 
     ``split_k=None`` (the default) chooses the tiling for ``g.parallelism`` workers (``plan``): at 1,
     no split; above, K is split when the output alone has fewer blocks than workers. A ``Quantized`` w
     is dequantized in the tiles (``tasks.quantized.linear``).
     """
+    if pos is not None:
+        g.require(pos.dtype == torch.int64 and pos.shape == (x.rows,),
+                  f"linear: pos must be int64 ({x.rows},), a position per row of x, got {pos.shape} {pos.dtype}")
     if isinstance(w, Quantized):
-        return quantized.linear(g, x, w, split_k, out)
+        return quantized.linear(g, x, w, split_k, out, pos)
     g.require(x.ndim == 2 and w.ndim == 2, f"linear: x {x.shape} and w {w.shape} must both be 2-D")
     require_float(g, "linear", x=x, w=w)
     g.require(x.cols == w.cols, f"linear: x has shape {x.shape} but w has shape {w.shape}; "
@@ -386,7 +401,8 @@ def linear(g, x, w, split_k: int | None = None, out=None):
                              *(kk * x_size for kk in starts_and_lengths), *(kk * w_size for kk in starts_and_lengths))
     opcode = g.opcode(LINEAR, X_DTYPE=x.dtype, W_DTYPE=w.dtype, Y_DTYPE=target.dtype, BLOCK_M=block_m,
                       BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot, EVEN_K=even_k and not use_dot,
-                      ALIGNED=aligned, MANY_BLOCKS=use_dot and (cut.tile_m > block_m or tile_rows > block_n))
+                      ALIGNED=aligned, MANY_BLOCKS=use_dot and (cut.tile_m > block_m or tile_rows > block_n),
+                      BY_POS=pos is not None)
     # A big graph has hundreds of thousands of these tiles: a row of them (one x tile, a tile per
     # tile_rows rows of w) is one add_tasks call, the words that change along it made as ranges.
     y_stride, x_stride, w_stride = target.row_stride, x.row_stride, w.row_stride
@@ -399,11 +415,13 @@ def linear(g, x, w, split_k: int | None = None, out=None):
             m = min(cut.tile_m, m_total - r0)
             row = s * m_total + r0
             x_tile = x.region(r0, m, k0, k)
+            pos_word = 0 if pos is None else pos.block().addr(0, r0)
+            pos_read = () if pos is None else (pos.block().region(0, 1, r0, m),)
             y_addr = target.addr(row, 0)
             g.add_tasks(opcode, y=range(y_addr, y_addr + n_total * y_size, tile_rows * y_size), x=x.addr(r0, k0),
-                        w=range(w.addr(0, k0), w.addr(0, k0) + len(starts) * w_step, w_step), m=m,
+                        w=range(w.addr(0, k0), w.addr(0, k0) + len(starts) * w_step, w_step), pos=pos_word, m=m,
                         n=widths, k=k, y_stride=y_stride, x_stride=x_stride, w_stride=w_stride,
-                        reads=[(x_tile, w_tile) for w_tile in w_tiles],
+                        reads=[(x_tile, w_tile, *pos_read) for w_tile in w_tiles],
                         writes=[(target.region(row, m, c0, n),) for c0, n in zip(starts, widths)],
                         bytes=[m * k * x_size + n * k * w_size + m * n * y_size for n in widths],
                         flops=[2 * m * n * k for n in widths])
@@ -415,12 +433,14 @@ def linear(g, x, w, split_k: int | None = None, out=None):
 
 def _example(g):
     """GEMV tiles for one and for two rows of x (bfloat16 w), ``tl.dot`` tiles for 20 (float32: IEEE
-    products; bfloat16: tensor cores)."""
+    products; bfloat16: tensor cores); with positions (``BY_POS``) one row, two and the bfloat16 20."""
     w = g.input("linear.w", (40, 96), torch.bfloat16)
-    return (g.linear(g.input("linear.x1", (1, 96), torch.bfloat16), w),
-            g.linear(g.input("linear.x2", (2, 96), torch.bfloat16), w),
+    x1, x2, x20b = (g.input(f"linear.x{name}", (m, 96), torch.bfloat16)
+                    for name, m in (("1", 1), ("2", 2), ("20b", 20)))
+    pos = g.input("linear.pos", (20,), torch.int64)
+    return (g.linear(x1, w), g.linear(x1, w, pos=pos[:1]), g.linear(x2, w, pos=pos[:2]),
             g.linear(g.input("linear.x20", (20, 96), torch.float32), g.input("linear.wf", (40, 96), torch.float32)),
-            g.linear(g.input("linear.x20b", (20, 96), torch.bfloat16), w))
+            g.linear(x20b, w), g.linear(x20b, w, pos=pos))
 
 
 LINEAR = TaskType("linear", linear_tile, _reference, _example)

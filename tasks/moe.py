@@ -111,8 +111,8 @@ def expert_linear_tile(base, status,
     """``y[0, :n] = x[0, :k] @ w_e[:n, :k].T`` for the expert ``e`` read from the heap (an index outside
     [0, count): expert 0, reported): the one-row GEMV of ``linear``, on the expert's rows."""
     e = checked_index(status, tl.load(heap_ptr(base, expert, tl.int64)), count)
-    gemv_one_row(base, y, x, w + e * expert_bytes, n, k, w_stride, X_DTYPE, W_DTYPE, Y_DTYPE, BLOCK_N, BLOCK_K,
-                 EVEN_K, ALIGNED)
+    gemv_one_row(base, y, x, w + e * expert_bytes, n, k, w_stride, tl.full((1,), True, tl.int1), X_DTYPE, W_DTYPE,
+                 Y_DTYPE, BLOCK_N, BLOCK_K, EVEN_K, ALIGNED)
 
 
 def _expert_linear_reference(heap, task) -> None:

@@ -19,8 +19,8 @@ import triton.language as tl
 
 from ..device import checked_index, heap_ptr, row_position
 from ..errors import is_count
-from .common import (TaskType, ceil_div, dot, heap_index, history_row, linear_rows, next_power_of_2, require_float,
-                     rounded, routed_rows, row_offsets, row_positions, token_row, vector_aligned)
+from .common import (TaskType, ceil_div, dot, heap_index, history_row, linear_rows, live_rows, next_power_of_2,
+                     require_float, rounded, routed_rows, row_offsets, row_positions, token_row, vector_aligned)
 from .formats import (FORMATS, FORMATS_BY_CODE, FP8_BLOCK, FP8_SCALE_BLOCK, Q4_K, Q8_0, Format, Quantized, dequantize,
                       quantized_input)
 from .reduction import sum_slices
@@ -142,14 +142,16 @@ def dequantized_block(base, w, scales, rows, kc, k_end, w_stride, scales_stride,
 
 
 @triton.jit
-def _quantized_rows(base, y, x, w, scales, row0, k0, m, n, k, y_stride, x_stride, w_stride, scales_stride,
+def _quantized_rows(base, y, x, w, scales, pos, row0, k0, m, n, k, y_stride, x_stride, w_stride, scales_stride,
                     scale_offset, X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, ALIGNED: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, ALIGNED: tl.constexpr,
+                    BY_POS: tl.constexpr):
     """``y[:m, :n] = x[:m, :k] @ W[row0:row0 + n, k0:k0 + k].T`` (see ``quantized_linear_tile``); m, n and k
     int32 (a count divides as int32 only: common's docstring)."""
     rn = tl.arange(0, BLOCK_N)[:, None]
     rk = tl.arange(0, BLOCK_K)[None, :]
     rm = tl.arange(0, BLOCK_M)[None, :]
+    live = live_rows(base, pos, rm, m, BY_POS)
     x_ptr = heap_ptr(base, x, X_DTYPE)
     for r0 in range(0, n, BLOCK_N):
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # transposed: y[i, r0 + j] is acc[j, i]
@@ -166,13 +168,14 @@ def _quantized_rows(base, y, x, w, scales, row0, k0, m, n, k, y_stride, x_stride
                     a = tl.load(x_ptr + i * x_stride + cols, mask=cols < k, other=0.0).to(tl.float32)
                     acc = tl.where(rm == i, acc + tl.sum(b * a, axis=1)[:, None], acc)
         rows_out = r0 + rn
-        tl.store(heap_ptr(base, y, Y_DTYPE) + rm * y_stride + rows_out, rounded(acc, Y_DTYPE),
+        tl.store(heap_ptr(base, y, Y_DTYPE) + rm * y_stride + rows_out, rounded(tl.where(live, acc, 0.0), Y_DTYPE),
                  mask=(rows_out < n) & (rm < m))
 
 
 @triton.jit
 def quantized_linear_tile(base,
                           y, x, w, scales,      # heap offsets: y's and x's first elements, w's and its scales' whole
+                          pos,                  # BY_POS: heap offset of the int64 position of x's first row
                           row0, k0,             # w's first row and column this tile reads
                           m, n, k,              # y is m x n, x m x k; w rows row0.., columns k0..
                           y_stride, x_stride,   # row strides, in elements
@@ -181,15 +184,16 @@ def quantized_linear_tile(base,
                           scale_offset,         # fp8_block: columns of the first scale block before w's
                           X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, FORMAT: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                          ALIGNED: tl.constexpr):
+                          ALIGNED: tl.constexpr, BY_POS: tl.constexpr):
     """``y[:m, :n] = x[:m, :k] @ W[row0:row0 + n, k0:k0 + k].T``, W dequantized (``dequantized``) in
     registers, float32 accumulation; m <= BLOCK_M, any n (BLOCK_N rows of W at a time), k0 a whole
     number of the format's blocks. Rows past n re-read row n - 1, columns past k are masked. ``USE_DOT``
     (BLOCK_M >= 16: prefill rows): the products by ``tl.dot`` in IEEE float32 (the dequantized weights
-    are float32), otherwise reduced per row of x. ``ALIGNED``: see ``dequantized_block``."""
-    _quantized_rows(base, y, x, w, scales, row0, k0, m.to(tl.int32), n.to(tl.int32), k.to(tl.int32), y_stride,
-                    x_stride, w_stride, scales_stride, scale_offset, X_DTYPE, Y_DTYPE, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
-                    ALIGNED)
+    are float32), otherwise reduced per row of x. ``ALIGNED``: see ``dequantized_block``. ``BY_POS``: a row
+    of x at NO_SEQUENCE holds no sequence and its y row is zero (``live_rows``, as ``linear_tile``)."""
+    _quantized_rows(base, y, x, w, scales, pos, row0, k0, m.to(tl.int32), n.to(tl.int32), k.to(tl.int32), y_stride,
+                    x_stride, w_stride, scales_stride, scale_offset, X_DTYPE, Y_DTYPE, FORMAT, BLOCK_M, BLOCK_N,
+                    BLOCK_K, USE_DOT, ALIGNED, BY_POS)
 
 
 @triton.jit
@@ -205,9 +209,9 @@ def quantized_expert_linear_tile(base, status,
     """``y[0, :n] = x[0, :k] @ W_e[row0:row0 + n].T`` for the expert ``e`` read from the heap (outside
     [0, count): expert 0, reported), W_e the rows of expert e in the stacked quantized weight."""
     e = checked_index(status, tl.load(heap_ptr(base, expert, tl.int64)), count)
-    _quantized_rows(base, y, x, w, scales, e * expert_rows + row0, 0, 1, n.to(tl.int32), k.to(tl.int32), n, k,
+    _quantized_rows(base, y, x, w, scales, 0, e * expert_rows + row0, 0, 1, n.to(tl.int32), k.to(tl.int32), n, k,
                     w_stride, scales_stride, scale_offset, X_DTYPE, Y_DTYPE, FORMAT, 1, BLOCK_N, BLOCK_K, False,
-                    ALIGNED)
+                    ALIGNED, False)
 
 
 def unpacking(heap, format: Format, w: int, w_stride: int, scales: int, scales_stride: int, scale_offset: int,
@@ -241,7 +245,8 @@ def _expert_linear_reference(heap, task) -> None:
 
 
 def _linear_reference(heap, task) -> None:
-    linear_rows(heap, *_rows_and_weight(heap, task, task.m, task.x_stride, task.y_stride, task.row0, task.k0))
+    linear_rows(heap, *_rows_and_weight(heap, task, task.m, task.x_stride, task.y_stride, task.row0, task.k0),
+                heap.words(task.pos, task.m, 8) if task.BY_POS else None)
 
 
 def _rows_and_weight(heap, task, m: int, x_stride: int, y_stride: int, row0: int, col0: int) -> tuple:
@@ -265,9 +270,10 @@ DOT_MIN_M = 16       # from this many rows of x a tile multiplies with tl.dot
 EMBEDDING_BLOCK_N = 256
 
 
-def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
+def linear(g, x, w: Quantized, split_k: int | None = None, out=None, pos=None):
     """``x [M, K] @ w.T -> [M, N]`` for a quantized ``w`` [N, K] (see ``tasks.linear.linear``), into ``out``
-    (an [M, N] view) when given; K-ranges (``split_k``) start on multiples of SPLIT_COLUMNS columns."""
+    (an [M, N] view) when given; K-ranges (``split_k``) start on multiples of SPLIT_COLUMNS columns; ``pos``,
+    the positions of x's rows (checked by ``tasks.linear.linear``): a row at -1 is zero, not computed."""
     require_float(g, "linear", x=x)
     g.require(w.data.graph is g, "linear: the quantized weight belongs to another graph")
     g.require(x.ndim == 2 and x.cols == w.cols, f"linear: x has shape {x.shape} but w has shape {w.shape}; "
@@ -287,7 +293,8 @@ def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
     block_m = min(next_power_of_2(m_total), MAX_BLOCK_M)
     block_n, block_k, aligned = tile_blocks(w, [k0 for k0, _ in k_ranges], [k for _, k in k_ranges])
     opcode = g.opcode(QUANTIZED_LINEAR, X_DTYPE=x.dtype, Y_DTYPE=target.dtype, FORMAT=w.format.code,
-                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=block_m >= DOT_MIN_M, ALIGNED=aligned)
+                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=block_m >= DOT_MIN_M, ALIGNED=aligned,
+                      BY_POS=pos is not None)
     f, data, scales = w.format, w.data, w.scales
     words = scale_words(w)
     tile_rows = ceil_div(n_total, g.parallelism) if g.few_tiles else TILE_ROWS  # a tile takes any n
@@ -304,10 +311,12 @@ def linear(g, x, w: Quantized, split_k: int | None = None, out=None):
                     per_row = 1 if f.scales == "channel" else ceil_div(w.scale_offset + k0 + k, FP8_SCALE_BLOCK) - first
                     scale_reads, scale_bytes = (scales.region(0, 1, c0, n) if f.scales == "channel" else
                                                 scales.region(c0, n, first, per_row),), 4 * n * per_row
-                g.add_task(opcode, y=target.addr(row, c0), x=x.addr(r0, k0), w=data.addr(0, 0), row0=c0, k0=k0,
+                g.add_task(opcode, y=target.addr(row, c0), x=x.addr(r0, k0), w=data.addr(0, 0),
+                           pos=0 if pos is None else pos.block().addr(0, r0), row0=c0, k0=k0,
                            m=m, n=n, k=k, y_stride=target.row_stride, x_stride=x.row_stride,
                            w_stride=data.row_stride, **words,
-                           reads=(x.region(r0, m, k0, k), data.region(c0, n, byte0, nbytes), *scale_reads),
+                           reads=(x.region(r0, m, k0, k), data.region(c0, n, byte0, nbytes), *scale_reads,
+                                  *(() if pos is None else (pos.block().region(0, 1, r0, m),))),
                            writes=(target.region(row, m, c0, n),),
                            bytes=m * k * x.element_size + n * nbytes + scale_bytes + m * n * target.element_size,
                            flops=2 * m * n * k)
@@ -472,7 +481,7 @@ def every_format(g) -> tuple:
 
 def _example(g):
     """Each tile's variants, in four formats: a one-row Q4_K linear (its vector path), a three-row split-K
-    and a ``tl.dot`` Q8_0 linear (gathered, a last step of 32 columns), an MoE whose experts are FP8 with
+    with positions and a ``tl.dot`` Q8_0 linear (gathered, a last step of 32 columns), an MoE whose experts are FP8 with
     block scales (gate/up: the vector path; down, 40 columns: gathered; grouped by expert, and a pass per slot), and Q8_0 embedding lookups. Every format goes
     through every tile in ``tests/test_quantized.py``, and compiles in ``every_format``'s kernel."""
     x1 = g.input("quantized.x1", (1, 512), torch.float32)
@@ -480,7 +489,7 @@ def _example(g):
     x20 = g.input("quantized.x20", (20, 544), torch.bfloat16)  # tl.dot tiles: 16 rows of x, then 4
     w = quantized_input(g, "quantized.q8_0", (40, 544), Q8_0, torch.bfloat16)
     results = [g.linear(x1, quantized_input(g, "quantized.q4_k", (136, 512), Q4_K, torch.float32)),
-               g.linear(x3, w, split_k=2), g.linear(x20, w)]
+               g.linear(x3, w, split_k=2, pos=g.input("quantized.x3.pos", (3,), torch.int64)), g.linear(x20, w)]
     x_moe = g.input("quantized.moe.x", (2, 64), torch.bfloat16)  # top-2 of 4 experts
     router = g.input("quantized.moe.router", (4, 64), torch.bfloat16)
     gate_up = quantized_input(g, "quantized.moe.gate_up", (4 * 80, 64), FP8_BLOCK, torch.bfloat16)

@@ -196,6 +196,35 @@ def test_linear_of_slices():
     assert_close(out, inputs["h"][:, :150].double() @ inputs["w"][10:, 50:].double().T, 1e-5, "sliced linear")
 
 
+@pytest.mark.parametrize("m,dtype", [(1, torch.float32), (3, torch.bfloat16), (5, torch.float32), (20, torch.float32)])
+def test_linear_rows_that_hold_no_sequence_are_zero(m, dtype):
+    """``pos``: a row at -1 holds no sequence; its output row is zero whatever x holds there (NaN here),
+    the others are x @ w.T. GEMV tiles of one row and of several, ``tl.dot`` tiles, a split K."""
+    g = mk.Graph()
+    x, w = g.input("x", (m, 100), dtype), g.input("w", (70, 100), dtype)
+    pos = g.input("pos", (m,), torch.int64)
+    g.output("y", g.linear(x, w, pos=pos))
+    g.output("split", g.linear(x, w, split_k=2, pos=pos))
+    inputs = random_inputs(g, seed=m)
+    inputs["pos"] = torch.where(torch.arange(m) % 3 == 1, -1, torch.arange(m) + 4) if m > 1 else torch.tensor([-1])
+    dead = inputs["pos"] < 0
+    inputs["x"][dead] = float("nan")
+    out = run_checked(g, inputs, workers=3)
+    expected = inputs["x"].double() @ inputs["w"].double().T
+    expected[dead] = 0
+    for name in ("y", "split"):
+        assert torch.equal(out[name][dead], torch.zeros_like(out[name][dead])), name
+        assert_close(out[name], expected, tolerance(dtype), name)
+
+
+def test_linear_refuses_positions_that_are_not_one_per_row():
+    g = mk.Graph()
+    x, w = g.input("x", (3, 16), torch.float32), g.input("w", (8, 16), torch.float32)
+    for pos in (g.input("p2", (2,), torch.int64), g.input("pf", (3,), torch.float32)):
+        with pytest.raises(mk.GraphError, match="a position per row of x"):
+            g.linear(x, w, pos=pos)
+
+
 def test_rms_norm_with_weight_of_another_dtype():
     g = mk.Graph()
     x = g.input("x", (1, 64), torch.float32)

@@ -202,6 +202,27 @@ def test_a_worker_keeps_a_laid_out_weight_until_the_host_writes_it_again():
         assert torch.allclose(out["y"].double(), xs @ weights[2].double().T, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_linear_multiplies_the_rows_that_hold_a_sequence_each_to_the_same_bits_whichever_are_beside_it(dtype):
+    """``linear(..., pos=)`` on the torch backend multiplies only the rows that hold a sequence (the first
+    ones, a few apart, one alone, none) and zeroes the others: bit for bit what the reference executor gives,
+    and each live row the bits it has when every row holds one (K = 1536, where oneDNN would sum one row
+    alone in another order: ``linear_rows``), so that a sequence's logits do not depend on its batch."""
+    rows, k, n = 9, 1536, 48
+    g = mk.Graph()
+    x, w, pos = g.input("x", (rows, k), dtype), g.input("w", (n, k), dtype), g.input("pos", (rows,), torch.int64)
+    g.output("y", g.linear(x, w, pos=pos))
+    xs, ws = torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype)
+    with mk.Megakernel(g, workers=2, backend="torch") as kernel:
+        every = run_checked(g, {"x": xs, "w": ws, "pos": torch.arange(rows)}, kernel=kernel, exact=True)["y"].clone()
+        for live in ([0, 1, 2], [0], [4], [1, 5, 8], []):
+            pos = torch.full((rows,), -1)
+            pos[live] = torch.tensor(live, dtype=torch.int64) + 3
+            y = run_checked(g, {"pos": pos}, kernel=kernel, exact=True)["y"]
+            assert torch.equal(y[live], every[live]), live
+            assert not y[pos < 0].any(), live
+
+
 def test_a_workers_heap_reads_runs_of_words_as_the_reference_heap_does():
     """``WorkerHeap.words`` (numpy, one call: positions of a tile's rows) against ``HeapView.words``."""
     from megakernel.backends.torch_loop import WorkerHeap

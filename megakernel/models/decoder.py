@@ -136,15 +136,16 @@ def scale_layout(format: Format, stored: Stored, c: DecoderConfig, s: Shard) -> 
     return stored.scale_layout(c, s) if format.scales == "block" else (0, None)
 
 
-def project(g: Graph, x: Tensor, w: Tensor | Quantized | tuple) -> Tensor:
-    """``x @ w.T``; a weight whose parts are inputs of their own (kept in different formats) projects into
-    each part's columns of one output."""
+def project(g: Graph, x: Tensor, w: Tensor | Quantized | tuple, pos: Tensor | None = None) -> Tensor:
+    """``x @ w.T`` (zero in the rows at position -1 of ``pos``, if given: ``tasks.linear``); a weight whose
+    parts are inputs of their own (kept in different formats) projects into each part's columns of one
+    output."""
     if not isinstance(w, tuple):
-        return g.linear(x, w)
+        return g.linear(x, w, pos=pos)
     y = g.new_tensor((x.rows, sum(part.rows for part in w)), x.dtype)
     start = 0
     for part in w:
-        g.linear(x, part, out=y[:, start:start + part.rows])
+        g.linear(x, part, out=y[:, start:start + part.rows], pos=pos)
         start += part.rows
     return y
 
@@ -161,13 +162,15 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     positions (a prefill chunk, verification rows: ``chunk_attention``) rather than one position per sequence;
     ``kv_only``: stop after the KV cache append and return None (a prefill chunk's last layer, whose
     output nothing reads); ``expert_passes``: int64 [experts], where a sparse MLP counts its experts'
-    weight passes (``tasks.moe.grouped_experts``)."""
+    weight passes (``tasks.moe.grouped_experts``). With a position per row, the dense projections do not
+    multiply the rows at -1 (no sequence): their outputs are zero (``tasks.linear``)."""
     hd, q_cols, kv_cols = c.head_dim, s.q.size * c.head_dim, s.kv.size * c.head_dim
     g.require(not consecutive or kv is not None, "decoder_layer: consecutive rows need a paged cache (kv)")
     w = w or layer_inputs(g, c, s, i)
     bias = lambda name: w[name][row0:row0 + x.rows]  # noqa: E731
+    rows_pos = pos if pos.shape == (x.rows,) else None  # (one position for every row: every row holds it)
     h = g.rms_norm(x, w["input_norm"], c.eps, unit_offset=c.norm_unit_offset)
-    qkv = project(g, h, w["qkv"])
+    qkv = project(g, h, w["qkv"], rows_pos)
     if c.qkv_bias:
         qkv = g.add(qkv, bias("qkv_bias"))
     q, k, v = qkv[:, :q_cols], qkv[:, q_cols:q_cols + kv_cols], qkv[:, q_cols + kv_cols:]
@@ -193,7 +196,7 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
     window = c.windows[i] if c.windows else None
     attn = (g.chunk_attention(q, k_cache, v_cache, pos, hd, window=window, **paging) if consecutive
             else g.decode_attention(q, k_cache, v_cache, pos, x.rows, hd, window=window, **paging))
-    out = _row_parallel(g, s, g.linear(attn, w["o"]))
+    out = _row_parallel(g, s, g.linear(attn, w["o"], pos=rows_pos))
     x = g.add(x, g.add(out, bias("o_bias")) if c.o_bias else out)  # a row-parallel bias: once, after
     h = g.rms_norm(x, w["post_norm"], c.eps, unit_offset=c.norm_unit_offset)
     if c.moe and c.moe[i]:
@@ -202,12 +205,12 @@ def decoder_layer(g: Graph, c: DecoderConfig, s: Shard, x: Tensor, pos: Tensor, 
         out = g.moe_mlp(h, w["router"], w["experts.gate_up"], w["experts.down"], c.top_k, c.norm_topk,
                         c.router_weight_dtype, passes=expert_passes, expert_parallel=c.expert_parallel)
         return g.add(x, out if c.expert_parallel else _row_parallel(g, s, out))
-    gate_up = project(g, h, w["gate_up"])
+    gate_up = project(g, h, w["gate_up"], rows_pos)
     if c.mlp_bias:
         gate_up = g.add(gate_up, bias("gate_up_bias"))
     gated = {"silu": g.silu_mul, "gelu_tanh": g.gelu_tanh_mul}[c.activation]
     act = gated(gate_up[:, :s.mlp.size], gate_up[:, s.mlp.size:])
-    out = _row_parallel(g, s, g.linear(act, w["down"]))
+    out = _row_parallel(g, s, g.linear(act, w["down"], pos=rows_pos))
     return g.add(x, g.add(out, bias("down_bias")) if c.mlp_bias else out)
 
 
@@ -391,7 +394,7 @@ class Step:
             h = g.rms_norm(x, weight_input(g, c, s, NORM), c.eps, unit_offset=c.norm_unit_offset)
             head = (rows_of(inputs.embed, s.lm.start, s.lm.size) if head_in_embedding(c, s)
                     else weight_input(g, c, s, HEAD))
-            logits = g.linear(h, head)
+            logits = g.linear(h, head, pos=rows.pos)
             logits = g.all_gather(logits, dim=1) if s.world > 1 else logits
             g.output("logits", logits)
         return logits
