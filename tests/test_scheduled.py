@@ -176,3 +176,29 @@ def test_a_plan_whose_requests_write_one_position_or_read_each_others_is_refused
         engine.run_scheduled([first, second])
     logits = engine.run_scheduled([Scheduled(torch.tensor([5, 6, 7]), 0, torch.tensor([3]))])
     assert_close(logits[0], reference([5, 6, 7]), tolerance(torch.float32))
+
+
+def test_requests_apart_by_pages_make_one_wave_as_the_positions_say(monkeypatch):
+    """``waves``' check by pages (no request touches a page another writes: one wave) against its check by
+    positions, on random plans whose requests share pages now and then."""
+    from megakernel.serving import pages as pages_module
+    generator = torch.Generator().manual_seed(5)
+    checked = apart = 0
+    for _ in range(300):
+        requests = []
+        for _ in range(int(torch.randint(1, 6, (), generator=generator))):
+            last = int(torch.randint(0, 3 * PAGE, (), generator=generator))
+            first = int(torch.randint(0, last + 1, (), generator=generator))
+            requests.append((first, last, torch.randint(0, 8, (last // PAGE + 1,), generator=generator)))
+        if not pages_module._apart(requests, PAGE):
+            continue
+        apart += 1
+        with monkeypatch.context() as patched:
+            patched.setattr(pages_module, "_apart", lambda requests, page_size: False)
+            try:
+                by_positions = pages_module.waves(requests, PAGE)
+            except GraphError:
+                by_positions = None
+        assert by_positions == [list(range(len(requests)))], requests
+        checked += 1
+    assert apart == checked > 20
