@@ -129,6 +129,26 @@ def test_quantized_linear_matches_float64(format, k, scale_offset, rows_of_x, sp
     assert torch.allclose(out["y"].double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("rows_of_x,split_k", [(3, 2), (20, None)])
+def test_a_quantized_linears_rows_that_hold_no_sequence_are_zero(rows_of_x, split_k):
+    """``pos``: a row at -1 is zero whatever x holds there (NaN here), the others x @ W.T (Q8_0, GEMV split
+    in K and ``tl.dot`` tiles)."""
+    n, k = 40, 544
+    packed = torch.from_numpy(random_blocks(Q8_0, n, k, seed=7))
+    g = mk.Graph(world_size=1, rank=0)
+    x, pos = g.input("x", (rows_of_x, k), torch.float32), g.input("pos", (rows_of_x,), torch.int64)
+    g.output("y", g.linear(x, quantized_input(g, "w", (n, k), Q8_0, torch.float32), split_k=split_k, pos=pos))
+    xs = torch.randn(rows_of_x, k, dtype=torch.float64)
+    positions = torch.where(torch.arange(rows_of_x) % 3 == 1, -1, torch.arange(rows_of_x))
+    dead = positions < 0
+    xs[dead] = float("nan")
+    out = run_checked(g, {"x": xs.float(), "w": packed, "pos": positions})["y"].double()
+    expected = xs @ dequantize(Q8_0, packed, k).double().T
+    expected[dead] = 0
+    assert torch.equal(out[dead], expected[dead])
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 def test_quantized_weights_refuse_partial_blocks_and_bad_splits():
     g = mk.Graph(world_size=1, rank=0)
     with pytest.raises(mk.GraphError, match="not whole q8_0 blocks"):
