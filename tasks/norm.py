@@ -57,12 +57,10 @@ def _reference(heap, task) -> None:
     w = heap.tensor(task.w, task.W_DTYPE, 1, cols, cols)
     out = heap.tensor(task.out, task.X_DTYPE, rows // segments, cols * segments, task.out_stride)
     if segments == 1 and not task.UNIT_OFFSET:
-        # whole rows, the common case, in few torch calls (a torch backend's tile costs its calls)
-        v = x.float()
-        scale = torch.linalg.vecdot(v, v).div_(cols).add_(task.EPS).rsqrt_()[:, None]  # rsqrt(mean(v^2) + eps)
-        # normed in x's dtype first, as the tile (and transformers) round it; then w * normed, rounded once
-        normed = torch.mul(v, scale, out=out) if x.dtype == torch.float32 else (v * scale).to(x.dtype)
-        torch.mul(normed, w, out=out)
+        # whole rows, the common case, in two torch calls (a torch backend's tile costs its calls): torch's
+        # RMSNorm computes in float32 and rounds ``normed`` once to x's dtype, as the tile (and transformers)
+        # do; then w * normed, rounded once
+        torch.mul(torch.rms_norm(x, (cols,), eps=task.EPS), w, out=out)
         return
     normed = torch.rms_norm(x.float().reshape(rows, cols), (cols,), eps=task.EPS)  # v * rsqrt(mean(v^2) + eps)
     w = w.float()
