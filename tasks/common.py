@@ -188,7 +188,7 @@ def linear_rows(heap, key: tuple, x: torch.Tensor, y: torch.Tensor, sources: tup
 
     def product(xs: torch.Tensor) -> torch.Tensor:
         if laid_out:
-            return torch.ops.mkldnn._linear_pointwise.default(xs.to(dtype), packed, None, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(xs.to(dtype), packed, None, "none", [], "")
         return xs.float() @ weight().float().T
 
     live = range(rows) if pos is None else [r for r, p in enumerate(pos) if p != NO_SEQUENCE.value]
@@ -202,9 +202,8 @@ def linear_rows(heap, key: tuple, x: torch.Tensor, y: torch.Tensor, sources: tup
     else:
         index = torch.tensor(live)
         xs = x.index_select(0, torch.cat([index, index[:1].expand(width - count)]))
-    # the rows of no sequence zeroed first: after the product has streamed the weight through the caches,
-    # a torch call costs several times what it costs before
-    (y[count:] if first else y).zero_()
+    if count < rows:  # the rows of no sequence zeroed first: after the product has streamed the weight
+        (y[count:] if first else y).zero_()  # through the caches, a torch call costs several times as much
     out = product(xs)[:count]
     if first:
         y[:count].copy_(out)
