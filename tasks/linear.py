@@ -433,12 +433,12 @@ def linear(g, x, w, split_k: int | None = None, out=None, pos=None):
 
 def _example(g):
     """GEMV tiles for one and for two rows of x (bfloat16 w), ``tl.dot`` tiles for 20 (float32: IEEE
-    products; bfloat16: tensor cores); with positions (``BY_POS``) one row, two and the bfloat16 20."""
+    products; bfloat16: tensor cores); each but the float32 20 with positions (``BY_POS``) too."""
     w = g.input("linear.w", (40, 96), torch.bfloat16)
     x1, x2, x20b = (g.input(f"linear.x{name}", (m, 96), torch.bfloat16)
                     for name, m in (("1", 1), ("2", 2), ("20b", 20)))
     pos = g.input("linear.pos", (20,), torch.int64)
-    return (g.linear(x1, w), g.linear(x1, w, pos=pos[:1]), g.linear(x2, w, pos=pos[:2]),
+    return (g.linear(x1, w), g.linear(x1, w, pos=pos[:1]), g.linear(x2, w), g.linear(x2, w, pos=pos[:2]),
             g.linear(g.input("linear.x20", (20, 96), torch.float32), g.input("linear.wf", (40, 96), torch.float32)),
             g.linear(x20b, w), g.linear(x20b, w, pos=pos))
 
