@@ -220,18 +220,27 @@ def sample_tile(base, status,
 
 def philox_uniform(seed: int, positions, count: int) -> torch.Tensor:
     """The host's ``uniform``, bit for bit: float32 [len(positions), count], token ids ``0 .. count`` at
-    each of ``positions``."""
-    mask = np.uint64(0xFFFFFFFF)
+    each of ``positions``. The words are uint64 holding 32 bits (a product of two is exact), updated in
+    place: a round over a vocabulary costs ten passes, not twenty arrays."""
+    mask, high = np.uint64(0xFFFFFFFF), np.uint64(32)
     key = np.uint64(seed & 0xFFFFFFFFFFFFFFFF)
-    k0, k1 = key & mask, key >> np.uint64(32)
+    k0, k1 = key & mask, key >> high
     positions = np.asarray(positions, dtype=np.int64).reshape(-1, 1)
-    c0 = np.broadcast_to(np.arange(count, dtype=np.uint64), (len(positions), count))
-    c1 = np.broadcast_to((positions & 0xFFFFFFFF).astype(np.uint64), c0.shape)
-    c2, c3 = np.zeros_like(c0), np.zeros_like(c0)
+    c0, c1, c2, c3, a, b = np.zeros((6, len(positions), count), dtype=np.uint64)
+    c0[:] = np.arange(count, dtype=np.uint64)
+    c1[:] = (positions & 0xFFFFFFFF).astype(np.uint64)
     round_a, round_b = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
-    for _ in range(10):  # the products of two 32-bit words are exact in 64 bits
-        high_b, high_a = round_b * c2, round_a * c0
-        c0, c1, c2, c3 = (high_b >> np.uint64(32)) ^ c1 ^ k0, high_b & mask, (high_a >> np.uint64(32)) ^ c3 ^ k1, high_a & mask
+    for _ in range(10):  # (c0, c1, c2, c3) = (hi(B c2) ^ c1 ^ k0, lo(B c2), hi(A c0) ^ c3 ^ k1, lo(A c0))
+        np.multiply(c2, round_b, out=b)
+        np.multiply(c0, round_a, out=a)
+        np.right_shift(b, high, out=c0)
+        c0 ^= c1
+        c0 ^= k0
+        np.bitwise_and(b, mask, out=c1)
+        np.right_shift(a, high, out=c2)
+        c2 ^= c3
+        c2 ^= k1
+        np.bitwise_and(a, mask, out=c3)
         k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
     top = (c0 >> np.uint64(32 - UNIFORM_BITS)).astype(np.float32)
     return torch.from_numpy((top + np.float32(0.5)) * np.float32(2.0 ** -UNIFORM_BITS))
@@ -262,6 +271,16 @@ def drawn(logits: torch.Tensor, params: torch.Tensor, seed: int, positions) -> t
     return torch.where(kept(z, int(top_k), float(top_p), float(min_p)), score, float("-inf")).argmax(dim=1)
 
 
+def most_likely(logits: torch.Tensor, n: int) -> torch.Tensor:
+    """The ids of the ``n`` largest ``logits`` [vocab], the largest first, ties by ascending id: a stable
+    descending sort's first n, sorting only the logits at or above the n-th largest (the whole vocabulary
+    where one is NaN: fewer than n compare at or above it)."""
+    ids = (logits >= torch.topk(logits, n, sorted=False).values.min()).nonzero()[:, 0]
+    if ids.numel() < n:
+        ids = torch.arange(logits.numel())
+    return ids[torch.sort(logits[ids], descending=True, stable=True).indices[:n]]
+
+
 def _sample_reference(heap, task) -> None:
     target = heap.word(task.pos) + 1
     if not (heap.word(task.prompt_len) <= target < task.history_cols and target >= 1):
@@ -280,7 +299,7 @@ def _sample_reference(heap, task) -> None:
         logprobs = torch.log_softmax(logits, 0)
         heap.tensor(task.logprobs, torch.float32, 1, task.history_cols, task.history_cols)[0, target] = logprobs[token]
         if task.TOP_N:
-            order = torch.sort(logits, descending=True, stable=True).indices[:task.TOP_N]
+            order = most_likely(logits, task.TOP_N)
             span = task.history_cols * task.TOP_N
             at = slice(target * task.TOP_N, (target + 1) * task.TOP_N)
             heap.tensor(task.top_ids, torch.int64, 1, span, span)[0, at] = order

@@ -8,7 +8,7 @@ import torch
 import megakernel as mk
 from megakernel.serving import SamplingParams, from_hf
 from megakernel.serving.sampling_params import SMALLEST_NORMAL
-from megakernel.tasks.sampling import PARAMS, drawn, kept, philox_uniform
+from megakernel.tasks.sampling import PARAMS, drawn, kept, most_likely, philox_uniform
 
 from test_decode import hf_model, prompt
 
@@ -85,6 +85,22 @@ def test_the_uniforms_are_uniform_and_inside_the_open_interval():
     assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
     assert not torch.equal(philox_uniform(1, [0], 64), philox_uniform(2, [0], 64))
     assert not torch.equal(philox_uniform(1, [0], 64), philox_uniform(1, [1], 64))
+
+
+def test_the_most_likely_are_a_stable_sorts_first():
+    """The torch backend's top-N (sorting only the logits at or above the N-th largest) against a stable sort
+    of the whole vocabulary: ties across the N-th, infinities and NaN (which sort as the largest)."""
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(400):
+        vocab = int(torch.randint(1, 200, (1,), generator=gen))
+        n = int(torch.randint(1, min(vocab, 12) + 1, (1,), generator=gen))
+        logits = torch.randint(-3, 3, (vocab,), generator=gen).float() if trial % 2 else torch.randn(vocab, generator=gen)
+        special = (float("nan"), float("inf"), float("-inf"), None)[trial % 4]
+        if special is not None:
+            logits[torch.randint(0, vocab, (2,), generator=gen)] = special
+        expected = torch.sort(logits, descending=True, stable=True).indices[:n]
+        assert torch.equal(most_likely(logits, n), expected), (logits.tolist(), n)
+    assert most_likely(torch.tensor([1.0, 3.0, 2.0, 3.0, 2.0]), 3).tolist() == [1, 3, 2]
 
 
 # (temperature, top_k, top_p, min_p) whose filters each leave part of a vocabulary of 8
