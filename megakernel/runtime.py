@@ -189,7 +189,7 @@ class Megakernel:
         """
         if not (is_count(steps) and steps <= MAX_STEPS):
             raise GraphError(f"steps must be an int in [1, 2^32], got {steps!r}")
-        with self._lock:
+        with self._lock, self.backend.host_work():
             return self._run({} if inputs is None else inputs, steps)
 
     def _run(self, inputs: Mapping[str, torch.Tensor], steps: int) -> dict[str, torch.Tensor]:

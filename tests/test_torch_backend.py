@@ -160,6 +160,27 @@ def test_a_busy_program_leaves_one_core_of_two():
         loop.wait()
 
 
+def test_the_hosts_work_around_a_launch_is_on_one_torch_thread(monkeypatch):
+    """Binding inputs and copying outputs on one torch thread (after a parallel op torch's other threads spin
+    on the cores the workers run on); the caller's thread count is its own again after a run, and after a
+    run refused."""
+    g = mlp_block()
+    seen = []
+    outputs = mk.Megakernel._outputs
+    monkeypatch.setattr(mk.Megakernel, "_outputs", lambda self: seen.append(torch.get_num_threads()) or outputs(self))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with mk.Megakernel(g, workers=2, backend="torch") as kernel:
+            kernel.run(random_inputs(g, seed=3, scale=0.2))
+            assert seen == [1] and torch.get_num_threads() == 3
+            with pytest.raises(mk.GraphError):
+                kernel.run({"no such input": torch.zeros(1)})
+            assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_traced_run_stamps_every_task_once_in_dependency_order():
     from test_trace import _check_order, _check_spans
     g = mlp_block()

@@ -21,6 +21,7 @@ imports them all at its top.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -50,6 +51,10 @@ class Backend(Protocol):
         """Collective over the ranks: every rank's heap (a data area of ``data_size`` bytes, a comm area of
         ``comm_size``), mapped where workers see it; the comm area where peers' stores and atomics stay
         coherent."""
+
+    def host_work(self) -> contextlib.AbstractContextManager:
+        """What the host thread's own work around a launch (binding inputs, copying outputs) runs in: on the
+        cpu backends one torch thread, leaving the cores to the workers (``cpu.one_torch_thread``)."""
 
     def settle(self) -> None:
         """Finish this process's pending writes to the heap (inputs, poison) before the ranks meet."""

@@ -17,6 +17,7 @@ torch backend's), which the worker imports by that name: this module knows no ot
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import functools
 import importlib
@@ -33,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -247,6 +248,24 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread in the calling thread meanwhile. After a parallel op torch's other OpenMP threads
+    spin for milliseconds before they sleep (GNU OpenMP's spin count), on the cores a launch's workers
+    run on: a launch's first step of SmolLM2 on two torch workers took ~15 ms more when the host had just
+    copied the last launch's logits on two threads. (OpenMP's thread count is the calling thread's:
+    another thread of the process keeps its own.)"""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def default_pool(slot: int = 0) -> WorkerPool:
     """The pool kernels share unless given one, one per virtual rank (``slot``: a rank's workers must
     not be another rank's); ``shutdown()`` stops them (a later kernel starts new ones)."""
@@ -341,6 +360,9 @@ class CpuBackend:
 
     def settle(self) -> None:
         pass  # host writes to shared memory are visible at once
+
+    def host_work(self) -> contextlib.AbstractContextManager:
+        return one_torch_thread()  # the workers have the cores
 
     def launch(self, args: dict[str, int], abort: torch.Tensor) -> float:
         with self.pool.lock:

@@ -23,6 +23,7 @@ work; the runtime reads two words of status back after a run, the records only w
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -214,6 +215,9 @@ class GpuBackend:
 
     def free_memory(self) -> int:
         return torch.cuda.mem_get_info(self.device)[0]
+
+    def host_work(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def settle(self) -> None:
         # This thread's stream only: a virtual peer's kernel may be running on the same device.
