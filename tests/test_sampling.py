@@ -95,7 +95,7 @@ def test_the_most_likely_are_a_stable_sorts_first():
         vocab = int(torch.randint(1, 200, (1,), generator=gen))
         n = int(torch.randint(1, min(vocab, 12) + 1, (1,), generator=gen))
         logits = torch.randint(-3, 3, (vocab,), generator=gen).float() if trial % 2 else torch.randn(vocab, generator=gen)
-        special = (float("nan"), float("inf"), float("-inf"), None)[trial % 4]
+        special = (float("nan"), float("inf"), float("-inf"), None)[trial // 2 % 4]  # with each kind of logits
         if special is not None:
             logits[torch.randint(0, vocab, (2,), generator=gen)] = special
         expected = torch.sort(logits, descending=True, stable=True).indices[:n]

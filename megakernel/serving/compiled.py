@@ -88,7 +88,7 @@ class CompiledModel:
         if config.prefill_chunk:
             self.kernel.bind({"prefill_pos": torch.full((config.prefill_chunk,), -1),
                               "prefill_tokens": torch.zeros(config.prefill_chunk, dtype=torch.int64)})
-        self._logits: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the last launch's, as run, as read
+        self._logits: torch.Tensor | None = None  # the last launch's, as the step wrote them
         self.lock = threading.RLock()  # held by every public method (``serialized``)
         self.closed = False
 
@@ -198,22 +198,16 @@ class CompiledModel:
 
     def _ran(self, steps: int, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self._steps_launched += steps
-        self._logits = (out["logits"], None)
+        self._logits = out["logits"]
         return out
 
     @property
     def logits(self) -> torch.Tensor | None:
         """The last launch's last step's logits, float32 [batch, vocab] by batch row; with drafts [batch *
-        (draft_tokens + 1), vocab], each row's verification rows. Converted when first read: a serving step
+        (draft_tokens + 1), vocab], each row's verification rows. Converted when read: a serving step
         reads none (and a conversion on torch's threads between launches would take the workers' cores:
         ``backends.cpu.one_torch_thread``)."""
-        if self._logits is None:
-            return None
-        stored, read = self._logits
-        if read is None:
-            read = stored[:, :self.config.vocab].float()
-            self._logits = (stored, read)
-        return read
+        return None if self._logits is None else self._logits[:, :self.config.vocab].float()
 
     @property
     def steps_run(self) -> int:
