@@ -181,6 +181,24 @@ def test_the_hosts_work_around_a_launch_is_on_one_torch_thread(monkeypatch):
         torch.set_num_threads(threads)
 
 
+def test_a_worker_keeps_the_memory_its_tiles_free(monkeypatch):
+    """Worker processes start with glibc's malloc settings that keep freed blocks (``cpu.MALLOC_SETTINGS``:
+    a tile's temporaries are not faulted in afresh each step), unless the caller's environment sets one."""
+    import os
+    from megakernel.backends.cpu import MALLOC_SETTINGS, WorkerPool
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "12345")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    pool = WorkerPool()
+    try:
+        (worker,) = pool.ensure(1)
+        with open(f"/proc/{worker.process.pid}/environ", "rb") as f:
+            environ = dict(entry.decode().split("=", 1) for entry in f.read().split(b"\0") if b"=" in entry)
+    finally:
+        pool.close()
+    assert environ["MALLOC_MMAP_THRESHOLD_"] == MALLOC_SETTINGS["MALLOC_MMAP_THRESHOLD_"]
+    assert environ["MALLOC_TRIM_THRESHOLD_"] == "12345" and "MALLOC_TRIM_THRESHOLD_" in MALLOC_SETTINGS
+
+
 def test_a_traced_run_stamps_every_task_once_in_dependency_order():
     from test_trace import _check_order, _check_spans
     g = mlp_block()
