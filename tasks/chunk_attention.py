@@ -7,7 +7,9 @@ scores the block's rows against the keys of positions up to the block's last (it
 written by ``kv_append`` just before, and the pages of earlier chunks) with ``tl.dot`` and an online
 softmax, each row masked to the keys at or before its position (and inside its window). A chunk of C
 rows is C / BLOCK_ROWS x KV heads tiles, against C x KV heads x splits partial tiles and C x heads
-combine tiles for decode attention. The cache is a paged pool (``kv_cache``) or contiguous.
+combine tiles for decode attention; where a tile costs a host call (``Graph.few_tiles``), a tile loops
+over a run of blocks and KV heads (about one a worker) and its torch reference takes them all at once.
+The cache is a paged pool (``kv_cache``) or contiguous.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ import triton.language as tl
 
 from ..device import heap_ptr
 from ..errors import is_count
-from .kv_cache import Paging, cache_row, reference_cache, same_caches
-from .common import TaskType, dot, rounded, row_offsets, row_positions, vector_aligned
+from .kv_cache import Paging, cache_row, same_caches
+from .common import TaskType, ceil_div, dot, rounded, row_offsets, row_positions, vector_aligned
 
 BLOCK_ROWS = 16   # chunk rows per tile (a sequence's part of a chunk starts at a multiple of it)
 BLOCK_KEYS = 16   # key positions per step; both are tl.dot's smallest dimension
@@ -28,18 +30,49 @@ BLOCK_KEYS = 16   # key positions per step; both are tl.dot's smallest dimension
 
 @triton.jit
 def chunk_attention_tile(base,
-                         out, q,         # heap offsets of the block's first row at the KV head's first query head
-                         k, v,           # heap offsets of the KV head's column in the first cache row of the
-                         #                 block's sequence (paged: the pool's)
-                         pos,            # heap offset of the block's first row's int64 position
-                         rows,           # rows in the block
+                         out, q,         # heap offsets of the first block's first row at the first KV head's
+                         #                 first query head
+                         k, v,           # heap offsets of the first KV head's column in the first cache row of
+                         #                 the first block's sequence (paged: the pool's)
+                         pos,            # heap offset of the first row's int64 position
+                         rows,           # the tile's rows: blocks of block_rows rows, the last maybe fewer
+                         block_rows,     # rows of a block (at most BLOCK_M): each block one sequence's
+                         kv_heads,       # the tile's KV heads (consecutive)
                          seq_len,        # positions of a sequence: later ones are clamped
-                         table, pages,   # paged: heap offset of the block's block table row, the pool's pages
+                         table, table_stride,  # paged: heap offset of the first block's block table row; bytes to
+                         #                       the next block's
+                         pages,          # paged: the pool's pages
                          window,         # keys attended: p - window < key <= p
                          q_stride, out_stride, cache_stride,  # row strides, in elements
                          DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
-                         PAGE: tl.constexpr):
+                         PAGE: tl.constexpr, RUNS: tl.constexpr):
+    """One block and KV head (``_block_attention``), or with RUNS (where a tile costs a host call:
+    ``Graph.few_tiles``) each (block, KV head) of a run of them in turn. A GPU's tile does not loop: under
+    triton 3.6 the loop around it spilled 116 bytes of the serving step with drafts on sm_90."""
+    if RUNS:
+        size: tl.constexpr = DTYPE.primitive_bitwidth // 8
+        heads = kv_heads.to(tl.int32)  # int32 divisions (common.py)
+        per_block = block_rows.to(tl.int32)
+        for t in range(0, (rows.to(tl.int32) + per_block - 1) // per_block * heads):
+            b = t // heads
+            head = (t % heads) * HEAD_DIM * size  # the KV head's first byte in a cache row
+            r0 = b * per_block
+            _block_attention(base, out + r0 * out_stride * size + GROUP * head,
+                             q + r0 * q_stride * size + GROUP * head, k + head, v + head, pos + r0 * 8,
+                             tl.minimum(per_block, rows - r0), seq_len, table + b * table_stride, pages, window,
+                             q_stride, out_stride, cache_stride, DTYPE, GROUP, HEAD_DIM, SCALE, BLOCK_M, BLOCK_N,
+                             BLOCK_D, ALIGNED, PAGE)
+    else:
+        _block_attention(base, out, q, k, v, pos, rows, seq_len, table, pages, window, q_stride, out_stride,
+                         cache_stride, DTYPE, GROUP, HEAD_DIM, SCALE, BLOCK_M, BLOCK_N, BLOCK_D, ALIGNED, PAGE)
+
+
+@triton.jit
+def _block_attention(base, out, q, k, v, pos, rows, seq_len, table, pages, window, q_stride, out_stride, cache_stride,
+                     DTYPE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr,
+                     PAGE: tl.constexpr):
     """``out = softmax(q k^T) v`` for ``rows`` rows x GROUP query heads, each row over its sequence's keys
     at or before its position (a row of no sequence: zeros).
 
@@ -96,23 +129,60 @@ def chunk_attention_tile(base,
 
 
 def _reference(heap, task) -> None:
-    group, hd, dtype = task.GROUP, task.HEAD_DIM, task.DTYPE
-    positions = heap.tensor(task.pos, torch.int64, 1, task.rows, task.rows)[0].clamp(max=task.seq_len - 1)
-    q = heap.tensor(task.q, dtype, task.rows, group * hd, task.q_stride).float().reshape(task.rows, group, hd)
-    out = heap.tensor(task.out, dtype, task.rows, group * hd, task.out_stride)
-    last = int(positions.max())
-    if last < 0:
+    """Every (block, KV head) of the tile at once, in float32: each block's keys and values up to the furthest
+    position of the tile's rows (``_block_caches``), the keys a row does not attend masked out."""
+    group, hd, heads, per_block = task.GROUP, task.HEAD_DIM, task.kv_heads, task.block_rows
+    blocks, cols = -(-task.rows // per_block), task.kv_heads * task.GROUP * task.HEAD_DIM
+    out = heap.tensor(task.out, task.DTYPE, task.rows, cols, task.out_stride)
+    positions = torch.full((blocks * per_block,), -1)  # the last block's missing rows: no sequence
+    positions[:task.rows] = heap.tensor(task.pos, torch.int64, 1, task.rows, task.rows)[0].clamp(max=task.seq_len - 1)
+    positions = positions.view(blocks, per_block)
+    lasts = positions.max(1).values                                                   # [blocks]
+    span = int(lasts.max()) + 1
+    if span <= 0:
         out.zero_()
         return
-    k, v = reference_cache(heap, task, 0, last + 1)
-    keys = torch.arange(last + 1)
-    seen = (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - task.window)  # [rows, keys]
-    scores = torch.einsum("rgd,kd->rgk", q * task.SCALE, k).masked_fill(~seen[:, None, :], float("-inf"))
+    k, v = _block_caches(heap, task, lasts, span)                                     # [blocks or 1, heads, span, hd]
+    q = torch.zeros(blocks * per_block, cols)
+    q[:task.rows] = heap.tensor(task.q, task.DTYPE, task.rows, cols, task.q_stride)
+    q = q.view(blocks, per_block, heads, group * hd).transpose(1, 2).reshape(blocks, heads, per_block * group, hd)
+    keys = torch.arange(span)
+    seen = (keys <= positions[..., None]) & (keys > positions[..., None] - task.window)  # [blocks, per_block, span]
+    seen = seen[:, None, :, None, :].expand(blocks, 1, per_block, group, span).reshape(blocks, 1, -1, span)
+    scores = ((q * task.SCALE) @ k.transpose(-1, -2)).masked_fill_(~seen, float("-inf"))
     # a row of no sequence: no key, zeros; the probabilities rounded to the cache's dtype before they weigh V, as
     # the tile rounds its p for the dot (and transformers' eager attention its softmax): in bfloat16 a prompt's
     # greedy tokens then stay transformers' where float32 probabilities parted from them (a no-op in float32)
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(getattr(torch, dtype)).float()
-    out.copy_(torch.einsum("rgk,kd->rgd", weights, v).reshape(task.rows, group * hd))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(getattr(torch, task.DTYPE)).float()
+    o = (weights @ v).view(blocks, heads, per_block, group * hd).transpose(1, 2).reshape(blocks * per_block, cols)
+    out.copy_(o[:task.rows])
+
+
+def _block_caches(heap, task, lasts: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions [0, span) of each block's sequence (its ``lasts`` entry: the furthest
+    position of its rows, -1: none), float32 [blocks, kv_heads, span, HEAD_DIM]: a contiguous cache's one
+    sequence ([1, ...], every block's), or a paged one's pages through each block's table row (``table_stride``
+    bytes apart), the pages a block does not reach read as page 0 and never used; a page it reaches outside the
+    pool is bounded by ``heap.checked_index``."""
+    heads, hd, page, blocks = task.kv_heads, task.HEAD_DIM, task.PAGE, lasts.numel()
+
+    def laid_out(rows: torch.Tensor, count: int) -> torch.Tensor:  # [count, span rows, heads, hd] -> float32
+        return rows.view(count, -1, heads, hd)[:, :span].float().transpose(1, 2)
+    if page == 0:
+        return tuple(laid_out(heap.tensor(cache, task.DTYPE, span, heads * hd, task.cache_stride), 1)
+                     for cache in (task.k, task.v))
+    reached = (span - 1) // page + 1
+    table = heap.tensor(task.table, torch.int64, blocks, reached, task.table_stride // 8)
+    table = torch.where(torch.arange(reached) <= lasts[:, None] // page, table, 0)  # (a block of no rows: none)
+    lowest, highest = torch.aminmax(table)
+    if int(lowest) < 0 or int(highest) >= task.pages:  # bounded, reported
+        for b, p in (~((table >= 0) & (table < task.pages))).nonzero().tolist():
+            where = f"heap offset {task.table + b * task.table_stride + 8 * p} (a block table)"
+            table[b, p] = heap.checked_index(int(table[b, p]), task.pages, where)
+    frames = table.reshape(-1)
+    return tuple(laid_out(heap.tensor(cache, task.DTYPE, task.pages * page, heads * hd, task.cache_stride)
+                          .view(task.pages, page, heads * hd).index_select(0, frames), blocks)
+                 for cache in (task.k, task.v))
 
 
 def chunk_attention(g, q, k_cache, v_cache, pos, head_dim: int, window: int | None = None, table=None,
@@ -147,23 +217,32 @@ def chunk_attention(g, q, k_cache, v_cache, pos, head_dim: int, window: int | No
                              v_cache.addr(0, 0), k_cache.row_stride * size)
     opcode = g.opcode(CHUNK_ATTENTION, DTYPE=q.dtype, GROUP=group, HEAD_DIM=head_dim,
                       SCALE=1.0 / math.sqrt(head_dim), BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS,
-                      BLOCK_D=max(BLOCK_KEYS, triton.next_power_of_2(head_dim)), ALIGNED=aligned, PAGE=paging.page)
-    for r0 in range(0, chunk_rows, block):
-        block_rows = min(block, chunk_rows - r0)
-        for h in range(kv_heads):
-            q_col = h * group * head_dim
+                      BLOCK_D=max(BLOCK_KEYS, triton.next_power_of_2(head_dim)), ALIGNED=aligned, PAGE=paging.page,
+                      RUNS=g.few_tiles)
+    blocks = ceil_div(chunk_rows, block)
+    # a tile per (block, KV head); where a tile costs a host call, runs of blocks and of KV heads, about a tile
+    # per worker (runs of blocks first: a full chunk's runs share its work evenly)
+    per_run = ceil_div(blocks, g.parallelism) if g.few_tiles else 1
+    runs = ceil_div(blocks, per_run)
+    per_tile = ceil_div(kv_heads, min(kv_heads, ceil_div(g.parallelism, runs))) if g.few_tiles else 1
+    for r0 in range(0, chunk_rows, per_run * block):
+        rows = min(per_run * block, chunk_rows - r0)
+        for h in range(0, kv_heads, per_tile):
+            count, q_col = min(per_tile, kv_heads - h), h * group * head_dim
             g.add_task(opcode, out=out.addr(r0, q_col), q=q.addr(r0, q_col), k=k_cache.addr(0, h * head_dim),
-                       v=v_cache.addr(0, h * head_dim), pos=positions[r0][0], rows=block_rows, seq_len=paging.max_seq,
-                       table=paging.table_row(r0), pages=paging.pages, window=min(window or paging.max_seq,
-                                                                                  paging.max_seq),
-                       q_stride=q.row_stride, out_stride=out.row_stride, cache_stride=k_cache.row_stride,
-                       reads=(q.region(r0, block_rows, q_col, group * head_dim),
-                              pos.block().region(0, 1, r0, block_rows), *paging.table_region(r0),
-                              paging.readable(k_cache, 0, h * head_dim, head_dim),
-                              paging.readable(v_cache, 0, h * head_dim, head_dim)),
-                       writes=(out.region(r0, block_rows, q_col, group * head_dim),),
-                       bytes=2 * paging.max_seq * head_dim * size,
-                       flops=4 * block_rows * group * paging.max_seq * head_dim)
+                       v=v_cache.addr(0, h * head_dim), pos=positions[r0][0], rows=rows, block_rows=block,
+                       kv_heads=count, seq_len=paging.max_seq, table=paging.table_row(r0),
+                       table_stride=paging.table_row(block) - paging.table_row(0), pages=paging.pages,
+                       window=min(window or paging.max_seq, paging.max_seq), q_stride=q.row_stride,
+                       out_stride=out.row_stride, cache_stride=k_cache.row_stride,
+                       reads=tuple(dict.fromkeys((  # a pool's region once, not once a block
+                           q.region(r0, rows, q_col, count * group * head_dim), pos.block().region(0, 1, r0, rows),
+                           *(region for b in range(r0, r0 + rows, block) for region in paging.table_region(b)),
+                           paging.readable(k_cache, 0, h * head_dim, count * head_dim),
+                           paging.readable(v_cache, 0, h * head_dim, count * head_dim)))),
+                       writes=(out.region(r0, rows, q_col, count * group * head_dim),),
+                       bytes=2 * ceil_div(rows, block) * paging.max_seq * count * head_dim * size,
+                       flops=4 * rows * count * group * paging.max_seq * head_dim)
     return out
 
 

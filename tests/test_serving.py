@@ -259,6 +259,31 @@ def test_a_page_outside_the_pool_is_clamped_and_reported_by_whole_row_tiles():
         assert torch.isfinite(out).all()
 
 
+def test_a_chunk_tile_reports_a_page_outside_the_pool_only_where_a_block_reaches_it():
+    """The torch backend's chunk attention over whole blocks (``few_tiles``: one tile, two blocks): entries of a
+    block's table row past its furthest position, and a block of no rows' whole row, are never read, whatever
+    they hold, as on the kernel; a page a block reaches outside the pool is clamped and reported."""
+    rows, page_size, max_pages, pool_pages = 20, 4, 6, 13
+    g = mk.Graph(world_size=1, rank=0, few_tiles=True)
+    q, pos = g.input("q", (rows, 32), torch.float32), g.input("pos", (rows,), torch.int64)
+    table = g.input("table", (rows, max_pages), torch.int64)
+    pool = g.input("pool", (pool_pages * page_size, 16), torch.float32)
+    g.output("out", g.chunk_attention(q, pool, pool, pos, 16, table=table, page_size=page_size))
+    gen = torch.Generator().manual_seed(7)
+    a, b = [0, 1, 2, 3, 99, 99], [6, 99, 99, 99, 99, 99]  # block 0 reaches pages 0-3, block 1 page 0
+    values = {"q": torch.randn(rows, 32, generator=gen), "pool": torch.randn(pool_pages * page_size, 16, generator=gen),
+              "pos": torch.tensor([*range(16), 0, 1, -1, -1]), "table": torch.tensor([a] * 16 + [b] * 4)}
+    with mk.Megakernel(g, workers=1, backend="torch") as kernel:
+        out = kernel.run(values)["out"]
+        inside = kernel.run({"table": torch.tensor([a[:4] + [7, 8]] * 16 + [[6, 9, 10, 11, 12, 5]] * 4)})["out"]
+        assert torch.equal(out, inside) and torch.isfinite(out).all()
+        idle = kernel.run({"pos": torch.tensor([*range(16)] + [-1] * 4),
+                           "table": torch.tensor([a] * 16 + [[99] * 6] * 4)})["out"]
+        assert torch.equal(idle[:16], out[:16]) and not idle[16:].any()  # a block of no rows reads no page
+        with pytest.raises(mk.GraphError, match=rf"index 99 .*is outside \[0, {pool_pages}\)"):
+            kernel.run({"table": torch.tensor([[0, 1, 99, 3, 4, 5]] * 16 + [b] * 4)})
+
+
 @pytest.mark.interpreter  # a tile's semantics
 def test_a_guarded_part_runs_only_in_steps_whose_flag_is_not_minus_one():
     """Guarded tasks do their work while the flag holds a position and are skipped (outputs untouched)
@@ -311,14 +336,18 @@ def test_chunk_attention_loads_vectors_only_where_every_row_is_16_byte_aligned(h
 @pytest.mark.interpreter  # a tile's semantics
 @pytest.mark.parametrize("page_size, window, dtype", [(4, None, torch.float32), (16, 6, torch.float32),
                                                       (4, None, torch.bfloat16)], ids=["pages", "window", "bfloat16"])
-def test_chunk_attention_is_causal_over_the_chunk_and_the_cached_pages(page_size, window, dtype):
+@pytest.mark.parametrize("backend, few_tiles", [("cpu", False), ("cpu", True), ("torch", True)],
+                         ids=["tile-per-block-and-head", "one-tile", "one-tile-torch"])
+def test_chunk_attention_is_causal_over_the_chunk_and_the_cached_pages(page_size, window, dtype, backend, few_tiles):
     """A chunk of two blocks: 16 rows of sequence A at positions 5-20 (0-4 cached by an earlier chunk),
     then 2 rows of sequence B at positions 0-1 and 2 unused rows. Each row attends to its sequence's
     keys at or before its position (inside the window): float64 attention over the positions. In
-    bfloat16 the tile's products are bfloat16 ones (tensor cores on a GPU; widened under the interpreter)."""
+    bfloat16 the tile's products are bfloat16 ones (tensor cores on a GPU; widened under the interpreter).
+    A tile per (block, KV head), or (``few_tiles``, one worker) one tile looping over both blocks and both KV
+    heads: the interpreter's, and the torch backend's (its reference, every block and head at once)."""
     rows, head_dim, max_pages = 20, 16, -(-24 // page_size)
     pool_pages = 2 * max_pages + 1
-    g = mk.Graph(world_size=1, rank=0)
+    g = mk.Graph(world_size=1, rank=0, few_tiles=few_tiles)
     q, kv = g.input("q", (rows, 64), dtype), g.input("kv", (rows, 32), dtype)
     pos, table = g.input("pos", (rows,), torch.int64), g.input("table", (rows, max_pages), torch.int64)
     paging = dict(table=table, page_size=page_size)
@@ -333,7 +362,8 @@ def test_chunk_attention_is_causal_over_the_chunk_and_the_cached_pages(page_size
     values = {"q": randn(rows, 64), "kv": randn(rows, 32), "k": randn(pool_pages * page_size, 32), "pos": positions,
               "table": pages[owner]}
     values["v"] = values["k"].clone()
-    with mk.Megakernel(g, workers=2) as kernel:
+    assert sum(g.specs[op].task_type == "chunk_attention" for op in g.tasks.opcode) == (1 if few_tiles else 4)
+    with mk.Megakernel(g, workers=2, backend=backend) as kernel:
         kernel.poison()
         out = kernel.run(values)["out"]
     cache = values["k"].double().clone()
