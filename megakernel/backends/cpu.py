@@ -45,11 +45,12 @@ from ..heap import SHM_DIR, Heaps, RankHeap, SharedHeap
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds this megakernel package
 PR_SET_PDEATHSIG = 1
 _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megakernel-spawner")
-# glibc's malloc in a worker (where the caller's environment sets neither): a tile's temporaries of more than
-# 128 KiB came from fresh mappings (the threshold rises only to the largest block freed), and freed memory at
-# the heap's top went back to the kernel, so each step faulted those pages in again: an eight-row attention
-# tile at 200 positions (two 1.3 MB key and value copies a layer) took ~1.9 ms, 0.6 with these (SmolLM2,
-# one core). Blocks below 32 MiB (glibc's largest threshold) come from the heap and stay there.
+# glibc's malloc in a worker (each setting unless the caller's environment has it): a tile's temporaries of
+# more than 128 KiB came from fresh mappings (the threshold rises only to the largest block freed), and freed
+# memory at the heap's top went back to the kernel, so each step faulted those pages in again: an eight-row
+# attention tile at 200 positions (two 1.3 MB key and value copies a layer) took ~1.9 ms, 0.6 with these
+# (SmolLM2, one core). Blocks below 32 MiB (glibc's largest threshold) come from the heap, which keeps up to
+# 256 MiB freed at its top.
 MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
 
 
