@@ -22,7 +22,7 @@ from ..device import NO_SEQUENCE, heap_ptr, row_position
 from ..errors import is_count
 from .common import (TaskType, ceil_div, heap_index, next_power_of_2, position_runs, rounded, row_offsets,
                      row_positions, vector_aligned)
-from .kv_cache import Paging, cache_row, no_sequence, reference_cache, same_caches
+from .kv_cache import Paging, cache_row, no_sequence, paged_caches, reference_cache, same_caches
 
 SPLIT = 64           # positions per partial tile: at most, and at parallelism 1 (``split_size``)
 BLOCK_S = 32         # positions per step of a partial tile (K and V: 2 x 32 x head_dim elements, 16 KiB at
@@ -169,7 +169,7 @@ def _rows_reference(heap, task) -> None:
         return
     n, span = len(live), max(positions) + 1
     rows = slice(0, n) if live[-1] == n - 1 else torch.tensor(live)  # (the first rows: no gather)
-    k, v = _row_caches(heap, task, rows, n, span)                                # [n, kv_heads, span, hd]
+    k, v = _row_caches(heap, task, rows, positions, span)                        # [n, kv_heads, span, hd]
     q = heap.tensor(task.q, task.DTYPE, task.rows, cols, task.q_stride // size)[rows].float()
     attended = None
     if n > 1 or span > task.window:  # positions some row does not attend
@@ -181,35 +181,23 @@ def _rows_reference(heap, task) -> None:
     out[rows] = attention.reshape(n, cols)
 
 
-def _row_caches(heap, task, rows: torch.Tensor | slice, n: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of positions [0, span) of the tile's ``n`` rows ``rows``, float32 [n, kv_heads, span,
-    HEAD_DIM] each: a contiguous cache's blocks (the first rows': views), or a paged one's pages through the
-    block table, whole (a page outside the pool bounded by ``heap.checked_index``; the entries past a row's
-    position are read, not used)."""
-    kv_heads, hd, page = task.kv_heads, task.HEAD_DIM, task.PAGE
-    if page == 0:
+def _row_caches(heap, task, rows: torch.Tensor | slice, positions: list[int], span: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions [0, span) of the tile's rows ``rows`` (at ``positions``), float32 [rows,
+    kv_heads, span, HEAD_DIM] each: a contiguous cache's blocks (the first rows': views), or a paged one's
+    pages through the block table (``kv_cache.paged_caches``)."""
+    kv_heads, hd = task.kv_heads, task.HEAD_DIM
+    if task.PAGE == 0:
         def gather(cache: int) -> torch.Tensor:
             pool = heap.tensor(cache, task.DTYPE, task.rows * task.seq_len, kv_heads * hd, task.cache_stride)
             blocks = pool.view(task.rows, task.seq_len, kv_heads, hd)
             blocks = blocks[rows] if isinstance(rows, slice) else blocks.index_select(0, rows)
             return blocks[:, :span].float().transpose(1, 2)
         return gather(task.k), gather(task.v)
-    pages = (span - 1) // page + 1
-    table = heap.tensor(task.table, torch.int64, task.rows, pages, task.table_stride // 8)[rows]
-    lowest, highest = torch.aminmax(table)
-    if int(lowest) < 0 or int(highest) >= task.pages:
-        table = table.clone()  # (the rows' own: a slice of the heap's table is a view of it)
-        live = range(task.rows)[rows] if isinstance(rows, slice) else rows.tolist()
-        for i, j in (~((table >= 0) & (table < task.pages))).nonzero().tolist():  # bounded, reported
-            where = f"heap offset {task.table + live[i] * task.table_stride + 8 * j} (a block table)"
-            table[i, j] = heap.checked_index(int(table[i, j]), task.pages, where)
-    frames = table.reshape(-1)
-
-    def gather(cache: int) -> torch.Tensor:
-        pool = heap.tensor(cache, task.DTYPE, task.pages * page, kv_heads * hd, task.cache_stride)
-        whole = pool.view(task.pages, page, kv_heads, hd).index_select(0, frames).view(n, pages * page, kv_heads, hd)
-        return whole[:, :span].float().transpose(1, 2)
-    return gather(task.k), gather(task.v)
+    table = heap.tensor(task.table, torch.int64, task.rows, (span - 1) // task.PAGE + 1, task.table_stride // 8)
+    live = range(task.rows)[rows] if isinstance(rows, slice) else rows.tolist()
+    return paged_caches(heap, task, table[rows], torch.tensor(positions), span, kv_heads,
+                        lambda i, p: task.table + live[i] * task.table_stride + 8 * p)
 
 
 def _partial_reference(heap, task) -> None:

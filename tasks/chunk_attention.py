@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ..device import heap_ptr
 from ..errors import is_count
-from .kv_cache import Paging, cache_row, same_caches
+from .kv_cache import Paging, cache_row, paged_caches, same_caches
 from .common import TaskType, ceil_div, dot, rounded, row_offsets, row_positions, vector_aligned
 
 BLOCK_ROWS = 16   # chunk rows per tile (a sequence's part of a chunk starts at a multiple of it)
@@ -162,27 +162,13 @@ def _block_caches(heap, task, lasts: torch.Tensor, span: int) -> tuple[torch.Ten
     """Keys and values of positions [0, span) of each block's sequence (its ``lasts`` entry: the furthest
     position of its rows, -1: none), float32 [blocks, kv_heads, span, HEAD_DIM]: a contiguous cache's one
     sequence ([1, ...], every block's), or a paged one's pages through each block's table row (``table_stride``
-    bytes apart), the pages a block does not reach read as page 0 and never used; a page it reaches outside the
-    pool is bounded by ``heap.checked_index``."""
-    heads, hd, page, blocks = task.kv_heads, task.HEAD_DIM, task.PAGE, lasts.numel()
-
-    def laid_out(rows: torch.Tensor, count: int) -> torch.Tensor:  # [count, span rows, heads, hd] -> float32
-        return rows.view(count, -1, heads, hd)[:, :span].float().transpose(1, 2)
-    if page == 0:
-        return tuple(laid_out(heap.tensor(cache, task.DTYPE, span, heads * hd, task.cache_stride), 1)
-                     for cache in (task.k, task.v))
-    reached = (span - 1) // page + 1
-    table = heap.tensor(task.table, torch.int64, blocks, reached, task.table_stride // 8)
-    table = torch.where(torch.arange(reached) <= lasts[:, None] // page, table, 0)  # (a block of no rows: none)
-    lowest, highest = torch.aminmax(table)
-    if int(lowest) < 0 or int(highest) >= task.pages:  # bounded, reported
-        for b, p in (~((table >= 0) & (table < task.pages))).nonzero().tolist():
-            where = f"heap offset {task.table + b * task.table_stride + 8 * p} (a block table)"
-            table[b, p] = heap.checked_index(int(table[b, p]), task.pages, where)
-    frames = table.reshape(-1)
-    return tuple(laid_out(heap.tensor(cache, task.DTYPE, task.pages * page, heads * hd, task.cache_stride)
-                          .view(task.pages, page, heads * hd).index_select(0, frames), blocks)
-                 for cache in (task.k, task.v))
+    bytes apart: ``kv_cache.paged_caches``)."""
+    heads, hd = task.kv_heads, task.HEAD_DIM
+    if task.PAGE == 0:
+        return tuple(heap.tensor(cache, task.DTYPE, span, heads * hd, task.cache_stride).view(1, span, heads, hd)
+                     .float().transpose(1, 2) for cache in (task.k, task.v))
+    table = heap.tensor(task.table, torch.int64, lasts.numel(), (span - 1) // task.PAGE + 1, task.table_stride // 8)
+    return paged_caches(heap, task, table, lasts, span, heads, lambda b, p: task.table + b * task.table_stride + 8 * p)
 
 
 def chunk_attention(g, q, k_cache, v_cache, pos, head_dim: int, window: int | None = None, table=None,

@@ -12,7 +12,7 @@ declared regions cover what they may touch: a contiguous cache's batch row, or t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import triton
@@ -129,6 +129,30 @@ def reference_cache(heap, task, start: int, end: int) -> tuple[torch.Tensor, tor
         pool = heap.tensor(cache, task.DTYPE, rows, task.HEAD_DIM, task.cache_stride)
         parts = [pool[r0:r0 + n] for r0, n in runs]
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).float()
+    return gather(task.k), gather(task.v)
+
+
+def paged_caches(heap, task, table: torch.Tensor, lasts: torch.Tensor, span: int, heads: int,
+                 where: Callable[[int, int], int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions [0, span) of n sequences through their block table rows ``table`` [n, pages
+    of span] (read, never written), each sequence's furthest position in ``lasts`` [n] (-1: none): float32 [n,
+    ``heads``, span, HEAD_DIM] each, for a whole-row or whole-block reference tile. The entries past a
+    sequence's last page are not checked (where one is outside the pool, page 0 stands in: those positions are
+    not used), as the tiles read only the pages they reach; a page reached outside the pool is bounded by
+    ``heap.checked_index`` (``where(i, p)``: the heap offset of entry p of row i, for its report). Whole pages
+    are gathered, one ``index_select`` a cache."""
+    page, hd, n = task.PAGE, task.HEAD_DIM, lasts.numel()
+    lowest, highest = torch.aminmax(table)
+    if int(lowest) < 0 or int(highest) >= task.pages:  # (else every entry is a page: unreached ones read, unused)
+        table = torch.where(torch.arange(table.shape[1]) <= lasts[:, None] // page, table, 0)  # (not the heap's)
+        for i, p in (~((table >= 0) & (table < task.pages))).nonzero().tolist():  # reached: bounded, reported
+            table[i, p] = heap.checked_index(int(table[i, p]), task.pages, f"heap offset {where(i, p)} (a block table)")
+    frames = table.reshape(-1)
+
+    def gather(cache: int) -> torch.Tensor:
+        pool = heap.tensor(cache, task.DTYPE, task.pages * page, heads * hd, task.cache_stride)
+        whole = pool.view(task.pages, page, heads * hd).index_select(0, frames).view(n, -1, heads, hd)
+        return whole[:, :span].float().transpose(1, 2)
     return gather(task.k), gather(task.v)
 
 

@@ -236,7 +236,8 @@ def test_paged_attention_follows_the_block_table(page_size, few_tiles, backend):
 def test_a_page_outside_the_pool_is_clamped_and_reported_by_whole_row_tiles():
     """The torch backend's whole-row tiles (``kv_append``, ``attention_rows``): a block table entry outside the
     pool makes its row's append write nothing and the run report the index, as the kernel's checked_index
-    does; a table inside the pool runs again on the same kernel."""
+    does; a table inside the pool runs again on the same kernel, and an entry past a row's position is not
+    read, as on the kernel."""
     batch, head_dim, max_pages, page_size = 2, 16, 2, 4
     pool_pages = batch * max_pages + 1
     g = mk.Graph(world_size=1, rank=0, parallelism=2, few_tiles=True)
@@ -257,6 +258,19 @@ def test_a_page_outside_the_pool_is_clamped_and_reported_by_whole_row_tiles():
         assert torch.equal(kernel.tensor(g.inputs["pool"]), expected)
         out = kernel.run({"table": torch.tensor([[0, 1], [2, 3]])})["out"]
         assert torch.isfinite(out).all()
+    # one tile of both rows: row 0 at position 2 reaches page 0 only, its second entry is never read, whatever it
+    # holds, where row 1 reads two pages
+    g = mk.Graph(world_size=1, rank=0, few_tiles=True)
+    q, pos, table = g.input("q", (batch, 32), torch.float32), g.input("pos", (batch,), torch.int64), g.input(
+        "table", (batch, max_pages), torch.int64)
+    pool = g.input("pool", (pool_pages * page_size, 16), torch.float32)
+    g.output("out", g.decode_attention(q, pool, pool, pos, batch, head_dim, table=table, page_size=page_size))
+    values = {"q": values["q"], "pool": values["pool"], "pos": torch.tensor([2, 6]),
+              "table": torch.tensor([[0, 99], [2, 3]])}
+    with mk.Megakernel(g, workers=1, backend="torch") as kernel:
+        short = kernel.run(values)["out"]
+        assert torch.isfinite(short).all()
+        assert torch.equal(short, kernel.run({"table": torch.tensor([[0, 4], [2, 3]])})["out"])
 
 
 def test_a_chunk_tile_reports_a_page_outside_the_pool_only_where_a_block_reaches_it():
